@@ -1,0 +1,51 @@
+"""What every kernel module shares: interpreter detection, dot precision, argument checks.
+
+Kernels take torch views of the arena (contiguous float32) and write into outputs that the
+caller preallocated; nothing here allocates device memory.
+"""
+import os
+
+import torch
+import triton
+
+INTERPRET = os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+try:  # triton >= 3.4 exposes the knob; the variable is the fallback for older releases
+    INTERPRET = INTERPRET or bool(triton.knobs.runtime.interpret)
+except AttributeError:
+    pass
+
+# "tf32" on the GPU matches PyTorch's cuDNN convolutions; "ieee" gives exact float32 (tests).
+_PRECISION = {"value": "tf32"}
+
+
+def set_precision(precision: str) -> None:
+    """Set the default tl.dot input precision for conv and fc: "tf32" or "ieee"."""
+    if precision not in ("tf32", "ieee"):
+        raise ValueError(f"precision must be 'tf32' or 'ieee', got {precision!r}")
+    _PRECISION["value"] = precision
+
+
+def dot_precision(precision=None) -> str:
+    """The precision a launch uses: the argument when given, else the default."""
+    if precision is None:
+        return _PRECISION["value"]
+    if precision not in ("tf32", "ieee"):
+        raise ValueError(f"precision must be 'tf32' or 'ieee', got {precision!r}")
+    return precision
+
+
+def autotune_configs(configs, interpreted_config):
+    """Autotuning collapses to one small config under the interpreter (it is slow there)."""
+    return [interpreted_config] if INTERPRET else configs
+
+
+def check_tensor(name: str, t: torch.Tensor, shape=None, dtype=torch.float32) -> None:
+    """Raise ValueError unless `t` is a contiguous tensor of `dtype` (and `shape`)."""
+    if not isinstance(t, torch.Tensor):
+        raise ValueError(f"{name} must be a torch tensor, got {type(t).__name__}")
+    if t.dtype != dtype:
+        raise ValueError(f"{name} must be {dtype}, got {t.dtype}")
+    if shape is not None and tuple(t.shape) != tuple(shape):
+        raise ValueError(f"{name} must have shape {tuple(shape)}, got {tuple(t.shape)}")
+    if not t.is_contiguous():
+        raise ValueError(f"{name} must be contiguous")

@@ -1,0 +1,800 @@
+"""2-D convolution (nn.Conv2d semantics, groups=1, dilation=1) as implicit-GEMM Triton kernels.
+
+Shapes: x [N, C, H, W], w [K, C, R, S] (torch's layout), b [K] or None, y [N, K, P, Q] with
+P = (H + 2*ph - R) // sh + 1, Q = (W + 2*pw - S) // sw + 1. Kernels, strides and paddings are
+(height, width) pairs (ints are accepted and used for both), so 1x7 / 7x1 convs work.
+
+Every phase is a GEMM with one operand gathered on the fly (no layout change at the boundary):
+
+  forward          Y[m=(n,p,q), k]    = sum_{(c,r,s)} X[n, c, p*sh-ph+r, q*sw-pw+s] W[k, (c,r,s)]
+  backward_data    dX[m=(n,h,w), c]   = sum_{(k,r,s)} dY[n, k, (h+ph-r)/sh, (w+pw-s)/sw] W[k,c,r,s]
+                                        (only taps where the division is exact)
+  backward_weight  dW[k, (c,r,s)]     = sum_{(n,p,q)} dY[n, k, p, q] X[n, c, p*sh-ph+r, q*sw-pw+s]
+
+Algorithms (like cuDNN's: workspace buys speed or parallelism), listed by `algos()` with their
+workspace bytes, fastest-expected first:
+
+  forward
+    "implicit"   implicit GEMM, no workspace. The output-pixel dimension (contiguous in NCHW)
+                 is the fast axis of every gathered load and of the store. A 1x1, stride-1,
+                 pad-0 conv is a plain GEMM; the kernel specialises on it (IS_1X1 constexpr:
+                 no tap arithmetic, no bounds masks beyond the tile edges).
+    "im2col"     unfold x into a workspace col [N, C*R*S, P, Q] (one gather kernel), then the
+                 same kernel's 1x1 GEMM path on col with w viewed as [K, C*R*S, 1, 1].
+  backward_data
+    "implicit"   implicit GEMM, no workspace. The dx pixels are split into sh*sw residue
+                 classes ((h+ph) % sh, (w+pw) % sw); each class has its own fixed set of
+                 contributing taps (r = rho + sh*t, s = sigma + sw*u), so a strided conv does
+                 no work on taps that do not touch a pixel (grid axis 1 = class).
+    "zero_insert" build dY with (sh-1) zeros inserted between pixels and R-1-ph / S-1-pw
+                 zeros around it in the workspace ([N, K, H+R-1, W+S-1]), then run the
+                 stride-1 implicit kernel on it (a stride-1 conv with the flipped weight). It
+                 only makes sense for stride > 1, so `algos()` offers it only then; for
+                 stride 1 it is still accepted and correct (a padded copy of dY).
+  backward_weight
+    "onepass"    one kernel, each dW tile reduces over all N*P*Q pixels. No workspace.
+    "splitk"     the N*P*Q reduction is cut into `splitk_splits()` chunks; each writes its
+                 partial dW into the workspace [splits, K, C*R*S]; a second kernel sums the
+                 chunks in a fixed order. More programs when K*C*R*S is small.
+  db (bias gradient) is a separate fixed-order reduce kernel over dY (one program per k).
+
+Rules (notes/kernel-contract.md): nothing is allocated here; workspace is a 1-D uint8 or
+float32 tensor of at least `workspace_bytes(...)` bytes; outputs are overwritten (dx is added
+to when accumulate=True); every result is deterministic (no atomics; split-K reduces through
+the workspace). backward() runs the data gradient first, then the weight gradient, through the
+same workspace, so it needs max(workspace_bytes(.., "backward_data", algo_data),
+workspace_bytes(.., "backward_weight", algo_weight)) bytes (`backward_workspace_bytes`).
+
+Precision: tl.dot input_precision = dot_precision(precision) ("tf32" by default on the GPU,
+"ieee" exact float32). The autotuner picks tile sizes per shape on the GPU (the K-block size
+and so the rounding may differ between configs; a process keeps its choice) and collapses to
+one small config under the interpreter. Problems too small to be worth timing skip autotuning
+and take the first config.
+"""
+import inspect
+
+import torch
+import triton
+import triton.language as tl
+
+from ._common import INTERPRET, autotune_configs, check_tensor, dot_precision
+
+PHASES = ("forward", "backward_data", "backward_weight")
+_ALGOS = {"forward": ("implicit", "im2col"),
+          "backward_data": ("implicit", "zero_insert"),
+          "backward_weight": ("onepass", "splitk")}
+
+# split-K sizing: aim for about this many programs (two waves on a 132-SM H200; a constant so
+# that plans, workspaces and results do not depend on the device), chunks of whole 64s,
+# at most _MAX_SPLITS chunks.
+_TARGET_PROGRAMS = 264
+_SPLIT_QUANTUM = 64
+_MAX_SPLITS = 64
+# problems with fewer multiply-adds than this take the first config without autotuning
+_TUNE_MIN_MACS = 1 << 24
+
+
+# --------------------------------------------------------------------------------------------
+# shapes and workspaces
+# --------------------------------------------------------------------------------------------
+
+def _pair(v, name, minimum):
+    if isinstance(v, bool):
+        raise ValueError(f"conv: {name} must be an int or a pair of ints, got {v!r}")
+    if isinstance(v, int):
+        v = (v, v)
+    if not isinstance(v, (tuple, list)) or len(v) != 2 or \
+            not all(isinstance(e, int) and not isinstance(e, bool) for e in v):
+        raise ValueError(f"conv: {name} must be an int or a pair of ints, got {v!r}")
+    if v[0] < minimum or v[1] < minimum:
+        raise ValueError(f"conv: {name} must be >= {minimum}, got {tuple(v)}")
+    return int(v[0]), int(v[1])
+
+
+def _shape4(shape, name):
+    if len(shape) != 4 or not all(isinstance(d, int) and d >= 1 for d in shape):
+        raise ValueError(f"conv: {name} shape must be 4 positive ints, got {tuple(shape)}")
+    return tuple(int(d) for d in shape)
+
+
+def out_shape(x_shape, w_shape, stride, padding) -> tuple:
+    """(N, K, P, Q) of the conv output; ValueError if the kernel is larger than the padded input
+    or the channel counts of x [N, C, H, W] and w [K, C, R, S] differ."""
+    n, c, h, w = _shape4(tuple(x_shape), "x")
+    k, c2, r, s = _shape4(tuple(w_shape), "w")
+    sh, sw = _pair(stride, "stride", 1)
+    ph, pw = _pair(padding, "padding", 0)
+    if c2 != c:
+        raise ValueError(f"conv: w has {c2} input channels, x has {c}")
+    if r > h + 2 * ph or s > w + 2 * pw:
+        raise ValueError(f"conv: kernel {r}x{s} is larger than the padded input "
+                         f"{h + 2 * ph}x{w + 2 * pw}")
+    return n, k, (h + 2 * ph - r) // sh + 1, (w + 2 * pw - s) // sw + 1
+
+
+def splitk_splits(x_shape, w_shape, stride, padding) -> int:
+    """How many chunks the "splitk" weight gradient cuts the N*P*Q reduction into."""
+    n, k, p, q = out_shape(x_shape, w_shape, stride, padding)
+    _, c, r, s = w_shape
+    npq = n * p * q
+    tiles = triton.cdiv(k, 64) * triton.cdiv(c * r * s, 64)
+    splits = max(1, min(_MAX_SPLITS, triton.cdiv(_TARGET_PROGRAMS, tiles),
+                        triton.cdiv(npq, _SPLIT_QUANTUM)))
+    chunk = triton.cdiv(triton.cdiv(npq, splits), _SPLIT_QUANTUM) * _SPLIT_QUANTUM
+    return triton.cdiv(npq, chunk)
+
+
+def _split_len(npq, splits):
+    return triton.cdiv(triton.cdiv(npq, splits), _SPLIT_QUANTUM) * _SPLIT_QUANTUM
+
+
+def workspace_bytes(x_shape, w_shape, stride, padding, phase, algo) -> int:
+    """Bytes of workspace one launch of `phase` with `algo` needs (0 for the implicit ones)."""
+    n, k, p, q = out_shape(x_shape, w_shape, stride, padding)
+    _, c, h, w = x_shape
+    _, _, r, s = w_shape
+    if phase not in _ALGOS:
+        raise ValueError(f"conv: phase must be one of {PHASES}, got {phase!r}")
+    if algo not in _ALGOS[phase]:
+        raise ValueError(f"conv: {phase} algo must be one of {_ALGOS[phase]}, got {algo!r}")
+    if algo in ("implicit", "onepass"):
+        return 0
+    if algo == "im2col":
+        return 4 * n * c * r * s * p * q
+    if algo == "zero_insert":
+        return 4 * n * k * (h + r - 1) * (w + s - 1)
+    # splitk
+    return 4 * splitk_splits(x_shape, w_shape, stride, padding) * k * c * r * s
+
+
+def algos(x_shape, w_shape, stride, padding, phase) -> dict:
+    """{algo: workspace bytes} of the algorithms offered for `phase`, fastest-expected first."""
+    if phase not in _ALGOS:
+        raise ValueError(f"conv: phase must be one of {PHASES}, got {phase!r}")
+    sh, sw = _pair(stride, "stride", 1)
+    ws = lambda a: workspace_bytes(x_shape, w_shape, stride, padding, phase, a)  # noqa: E731
+    if phase == "forward":
+        return {"implicit": 0, "im2col": ws("im2col")}
+    if phase == "backward_data":
+        if sh == 1 and sw == 1:
+            return {"implicit": 0}
+        return {"implicit": 0, "zero_insert": ws("zero_insert")}
+    if splitk_splits(x_shape, w_shape, stride, padding) > 1:
+        return {"splitk": ws("splitk"), "onepass": 0}
+    return {"onepass": 0, "splitk": ws("splitk")}
+
+
+def backward_workspace_bytes(x_shape, w_shape, stride, padding, algo_data="implicit",
+                             algo_weight="onepass", need_data=True, need_weight=True) -> int:
+    """Workspace bytes backward() needs (its two phases share one workspace, one after the other)."""
+    a = workspace_bytes(x_shape, w_shape, stride, padding, "backward_data", algo_data) \
+        if need_data else 0
+    b = workspace_bytes(x_shape, w_shape, stride, padding, "backward_weight", algo_weight) \
+        if need_weight else 0
+    return max(a, b)
+
+
+# --------------------------------------------------------------------------------------------
+# autotuning
+# --------------------------------------------------------------------------------------------
+
+def _cfg(bm, bn, bk, warps, stages, group_m=8):
+    return triton.Config({"BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": bk, "GROUP_M": group_m},
+                         num_warps=warps, num_stages=stages)
+
+
+# forward / backward_data: M = output pixels (large), N = channels (64..512)
+_PIX_CONFIGS = [
+    _cfg(128, 128, 32, 8, 3),
+    _cfg(128, 64, 32, 4, 4),
+    _cfg(64, 128, 32, 4, 4),
+    _cfg(128, 128, 32, 4, 3),
+    _cfg(256, 64, 32, 8, 3),
+    _cfg(64, 64, 32, 4, 4),
+    _cfg(128, 256, 32, 8, 3),
+]
+# backward_weight: M = K, N = C*R*S, reduction over pixels
+_WGT_CONFIGS = [
+    _cfg(64, 64, 64, 4, 3),
+    _cfg(128, 128, 32, 8, 3),
+    _cfg(128, 64, 32, 4, 4),
+    _cfg(64, 128, 32, 4, 4),
+    _cfg(64, 64, 32, 4, 4),
+    _cfg(128, 128, 64, 8, 3),
+]
+_SMALL_CONFIG = _cfg(32, 16, 16, 1, 1, group_m=2)
+
+
+def _prune_small(macs_fn):
+    """Early config prune: a problem too small to be worth timing keeps the first config."""
+    def prune(configs, named_args, **kwargs):
+        a = dict(named_args)
+        a.update(kwargs)
+        return configs[:1] if macs_fn(a) < _TUNE_MIN_MACS else configs
+    return prune
+
+
+def _fwd_macs(a):
+    return a["N"] * a["P"] * a["Q"] * a["K"] * a["C"] * a["R"] * a["S"]
+
+
+def _autotune(configs, key, macs_fn, restore=None):
+    kw = dict(configs=autotune_configs(configs, _SMALL_CONFIG), key=key)
+    if restore:
+        kw["restore_value"] = restore
+    if not INTERPRET:
+        kw["prune_configs_by"] = {"early_config_prune": _prune_small(macs_fn)}
+        if "do_bench" in inspect.signature(triton.autotune).parameters:
+            kw["do_bench"] = lambda fn, quantiles: triton.testing.do_bench(
+                fn, warmup=5, rep=20, quantiles=quantiles)
+    return triton.autotune(**kw)
+
+
+_KEY = ["N", "C", "H", "W", "K", "P", "Q", "SH", "SW", "PH", "PW", "R", "S"]
+
+
+# --------------------------------------------------------------------------------------------
+# kernels
+# --------------------------------------------------------------------------------------------
+
+@triton.jit
+def _tile_ids(pid, M, N, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GROUP_M: tl.constexpr):
+    """Grouped ordering: GROUP_M row-tiles run together and share their operand tiles in L2."""
+    num_m = tl.cdiv(M, BLOCK_M)
+    num_n = tl.cdiv(N, BLOCK_N)
+    width = GROUP_M * num_n
+    group = pid // width
+    first_m = group * GROUP_M
+    size_m = tl.minimum(num_m - first_m, GROUP_M)
+    pid_m = first_m + (pid % width) % size_m
+    pid_n = (pid % width) // size_m
+    return pid_m, pid_n
+
+
+@triton.jit
+def _conv_fwd_kernel(x_ptr, w_ptr, b_ptr, y_ptr,
+                     N, C, H, W, K, P, Q, SH, SW, PH, PW,
+                     R: tl.constexpr, S: tl.constexpr, IS_1X1: tl.constexpr,
+                     HAS_BIAS: tl.constexpr, PRECISION: tl.constexpr,
+                     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                     GROUP_M: tl.constexpr):
+    """Y[(n,p,q), k] = sum_(c,r,s) X[n, c, p*SH-PH+r, q*SW-PW+s] * W[k, c, r, s] (+ b[k]).
+
+    Gathered tiles are built as [BLOCK_K, BLOCK_M] so that the pixel axis, contiguous in NCHW,
+    is the fast axis of the loads; the weight tile is read along (c,r,s), its contiguous axis.
+    """
+    pid = tl.program_id(0)
+    PQ = P * Q
+    HW = H * W
+    M = N * PQ
+    CRS = C * R * S
+    pid_m, pid_n = _tile_ids(pid, M, K, BLOCK_M, BLOCK_N, GROUP_M)
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    m_ok = offs_m < M
+    n_ok = offs_n < K
+    img = offs_m // PQ
+    pq = offs_m % PQ
+    if IS_1X1:
+        x_m = img.to(tl.int64) * (C * HW) + pq
+    else:
+        oh = pq // Q
+        ow = pq % Q
+        ih0 = tl.where(m_ok, oh * SH - PH, -R)        # a dead row never lands inside
+        iw0 = ow * SW - PW
+        x_m = img.to(tl.int64) * (C * HW) + ih0 * W + iw0
+    w_n = offs_n * CRS
+
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for k0 in range(0, CRS, BLOCK_K):
+        offs_k = k0 + tl.arange(0, BLOCK_K)
+        k_ok = offs_k < CRS
+        if IS_1X1:
+            a_ptrs = x_ptr + (x_m[None, :] + (offs_k * HW)[:, None])
+            a_mask = k_ok[:, None] & m_ok[None, :]
+        else:
+            c = offs_k // (R * S)
+            rs = offs_k % (R * S)
+            r = rs // S
+            s = rs % S
+            r = tl.where(k_ok, r, H + PH + R)           # a dead tap never lands inside
+            ih = ih0[None, :] + r[:, None]
+            iw = iw0[None, :] + s[:, None]
+            a_ptrs = x_ptr + (x_m[None, :] + (c * HW + r * W + s)[:, None])
+            a_mask = (ih >= 0) & (ih < H) & (iw >= 0) & (iw < W)
+        a = tl.load(a_ptrs, mask=a_mask, other=0.0)                          # [BK, BM]
+        b = tl.load(w_ptr + (w_n[None, :] + offs_k[:, None]),
+                    mask=k_ok[:, None] & n_ok[None, :], other=0.0)           # [BK, BN]
+        acc = tl.dot(tl.trans(a), b, acc, input_precision=PRECISION)
+
+    if HAS_BIAS:
+        acc += tl.load(b_ptr + offs_n, mask=n_ok, other=0.0)[None, :]
+    y_m = img.to(tl.int64) * (K * PQ) + pq
+    y_ptrs = y_ptr + (y_m[None, :] + (offs_n * PQ)[:, None])                # [BN, BM]
+    tl.store(y_ptrs, tl.trans(acc), mask=n_ok[:, None] & m_ok[None, :])
+
+
+_conv_fwd = _autotune(_PIX_CONFIGS, _KEY, _fwd_macs)(_conv_fwd_kernel)
+
+
+@triton.jit
+def _im2col_kernel(x_ptr, col_ptr, N, C, H, W, P, Q, SH, SW, PH, PW,
+                   R: tl.constexpr, S: tl.constexpr,
+                   BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr):
+    """col[n, (c,r,s), p, q] = X[n, c, p*SH-PH+r, q*SW-PW+s] (0 in the padding)."""
+    PQ = P * Q
+    HW = H * W
+    M = N * PQ
+    CRS = C * R * S
+    offs_m = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_k = tl.program_id(1) * BLOCK_K + tl.arange(0, BLOCK_K)
+    m_ok = offs_m < M
+    k_ok = offs_k < CRS
+    img = offs_m // PQ
+    pq = offs_m % PQ
+    oh = pq // Q
+    ow = pq % Q
+    ih0 = oh * SH - PH
+    iw0 = ow * SW - PW
+    c = offs_k // (R * S)
+    rs = offs_k % (R * S)
+    r = rs // S
+    s = rs % S
+    ih = ih0[None, :] + r[:, None]
+    iw = iw0[None, :] + s[:, None]
+    ok = k_ok[:, None] & m_ok[None, :]
+    src = x_ptr + ((img.to(tl.int64) * (C * HW) + ih0 * W + iw0)[None, :]
+                   + (c * HW + r * W + s)[:, None])
+    v = tl.load(src, mask=ok & (ih >= 0) & (ih < H) & (iw >= 0) & (iw < W), other=0.0)
+    dst = col_ptr + ((img.to(tl.int64) * (CRS * PQ) + pq)[None, :] + (offs_k * PQ)[:, None])
+    tl.store(dst, v, mask=ok)
+
+
+@triton.jit
+def _conv_bwd_data_kernel(dy_ptr, w_ptr, dx_ptr,
+                          N, C, H, W, K, P, Q, SH, SW, PH, PW,
+                          R: tl.constexpr, S: tl.constexpr, IS_1X1: tl.constexpr,
+                          ACCUMULATE: tl.constexpr, PRECISION: tl.constexpr,
+                          BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                          GROUP_M: tl.constexpr):
+    """dX[(n,h,w), c] (+)= sum over contributing (k, r, s) of dY[n,k,p,q] * W[k,c,r,s].
+
+    Grid axis 1 is the residue class (rho, sigma) = ((h+PH) % SH, (w+PW) % SW) of the dx pixels;
+    within a class the contributing taps are r = rho + SH*t, s = sigma + SW*u with
+    p = pb + i - t, q = qb + j - u for the class's pixels h = h0 + SH*i, w = w0 + SW*j.
+    """
+    pid = tl.program_id(0)
+    cls = tl.program_id(1)
+    rho = cls // SW
+    sig = cls % SW
+    h0 = ((rho - PH) % SH + SH) % SH
+    w0 = ((sig - PW) % SW + SW) % SW
+    HC = (H - h0 + SH - 1) // SH            # rows / columns of dx in this class
+    WC = (W - w0 + SW - 1) // SW
+    TC = (R - rho + SH - 1) // SH           # taps of this class along r / s
+    UC = (S - sig + SW - 1) // SW
+    pb = (h0 + PH - rho) // SH
+    qb = (w0 + PW - sig) // SW
+    PQ = P * Q
+    HW = H * W
+    RS = R * S
+    CRS = C * RS
+    HWC = HC * WC
+    MC = N * HWC
+    M_GRID = N * ((H + SH - 1) // SH) * ((W + SW - 1) // SW)
+    pid_m, pid_n = _tile_ids(pid, M_GRID, C, BLOCK_M, BLOCK_N, GROUP_M)
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    m_ok = offs_m < MC
+    n_ok = offs_n < C
+    hwc = tl.maximum(HWC, 1)
+    wc = tl.maximum(WC, 1)
+    img = offs_m // hwc
+    ij = offs_m % hwc
+    i = ij // wc
+    j = ij % wc
+    p_m = tl.where(m_ok, pb + i, -1)        # p = p_m - t < 0 for a dead row
+    q_m = qb + j
+    dy_m = img.to(tl.int64) * (K * PQ) + p_m * Q + q_m
+    TU = TC * UC
+    RED = K * TU
+    w_n = offs_n * RS
+
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for k0 in range(0, RED, BLOCK_K):
+        offs_k = k0 + tl.arange(0, BLOCK_K)
+        k_ok = offs_k < RED
+        if IS_1X1:
+            a_ptrs = dy_ptr + (dy_m[None, :] + (offs_k * PQ)[:, None])
+            a_mask = k_ok[:, None] & m_ok[None, :]
+            b_ptrs = w_ptr + (offs_k[:, None] * C + offs_n[None, :])
+        else:
+            kc = offs_k // TU
+            tu = offs_k % TU
+            t = tu // UC
+            u = tu % UC
+            t = tl.where(k_ok, t, H + PH + 1)  # a dead tap never lands inside
+            p = p_m[None, :] - t[:, None]
+            q = q_m[None, :] - u[:, None]
+            a_ptrs = dy_ptr + (dy_m[None, :] + (kc * PQ - t * Q - u)[:, None])
+            a_mask = (p >= 0) & (p < P) & (q >= 0) & (q < Q)
+            b_ptrs = w_ptr + ((kc * CRS + (rho + SH * t) * S + sig + SW * u)[:, None]
+                              + w_n[None, :])
+        a = tl.load(a_ptrs, mask=a_mask, other=0.0)                          # [BK, BM]
+        b = tl.load(b_ptrs, mask=k_ok[:, None] & n_ok[None, :], other=0.0)   # [BK, BN]
+        acc = tl.dot(tl.trans(a), b, acc, input_precision=PRECISION)
+
+    h = h0 + SH * i
+    w = w0 + SW * j
+    dx_m = img.to(tl.int64) * (C * HW) + h * W + w
+    dx_ptrs = dx_ptr + (dx_m[None, :] + (offs_n * HW)[:, None])             # [BN, BM]
+    mask = n_ok[:, None] & m_ok[None, :]
+    out = tl.trans(acc)
+    if ACCUMULATE:
+        out += tl.load(dx_ptrs, mask=mask, other=0.0)
+    tl.store(dx_ptrs, out, mask=mask)
+
+
+def _bwd_data_macs(a):
+    return a["N"] * a["H"] * a["W"] * a["K"] * a["C"] * a["R"] * a["S"] // (a["SH"] * a["SW"])
+
+
+_conv_bwd_data = _autotune(_PIX_CONFIGS, _KEY, _bwd_data_macs)(_conv_bwd_data_kernel)
+# accumulate=True reads dx: autotuning must restore it after each timed trial
+_conv_bwd_data_acc = _autotune(_PIX_CONFIGS, _KEY, _bwd_data_macs,
+                               restore=["dx_ptr"])(_conv_bwd_data_kernel)
+
+
+@triton.jit
+def _zero_insert_kernel(dy_ptr, z_ptr, P, Q, HZ, WZ, SH, SW, OFFH, OFFW, BLOCK: tl.constexpr):
+    """z[n, k, a, b] = dY[n, k, (a-OFFH)/SH, (b-OFFW)/SW] where the division is exact and in
+    range, else 0 (dY with zeros inserted between pixels and a zero border)."""
+    nk = tl.program_id(0).to(tl.int64)
+    offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    ok = offs < HZ * WZ
+    a = offs // WZ - OFFH
+    b = offs % WZ - OFFW
+    p = a // SH
+    q = b // SW
+    take = ok & (a >= 0) & (b >= 0) & (a % SH == 0) & (b % SW == 0) & (p < P) & (q < Q)
+    v = tl.load(dy_ptr + nk * (P * Q) + p * Q + q, mask=take, other=0.0)
+    tl.store(z_ptr + nk * (HZ * WZ) + offs, v, mask=ok)
+
+
+@triton.jit
+def _conv_bwd_weight_kernel(x_ptr, dy_ptr, dw_ptr,
+                            N, C, H, W, K, P, Q, SH, SW, PH, PW, SPLIT_LEN,
+                            R: tl.constexpr, S: tl.constexpr, IS_1X1: tl.constexpr,
+                            PRECISION: tl.constexpr,
+                            BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                            GROUP_M: tl.constexpr):
+    """dW[k, (c,r,s)] = sum over pixels j in chunk program_id(1) of dY[j, k] * Xcol[j, (c,r,s)].
+
+    Writes chunk `split` to dw_ptr + split*K*C*R*S (one chunk: dW itself; several: the split-K
+    workspace, summed by _splitk_reduce_kernel).
+    """
+    pid = tl.program_id(0)
+    split = tl.program_id(1)
+    RS = R * S
+    CRS = C * RS
+    PQ = P * Q
+    HW = H * W
+    NPQ = N * PQ
+    pid_m, pid_n = _tile_ids(pid, K, CRS, BLOCK_M, BLOCK_N, GROUP_M)
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)     # output channel k
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)     # (c, r, s)
+    m_ok = offs_m < K
+    n_ok = offs_n < CRS
+    if IS_1X1:
+        x_n = offs_n * HW
+    else:
+        c = offs_n // RS
+        rs = offs_n % RS
+        r = rs // S
+        s = rs % S
+        r = tl.where(n_ok, r, H + PH + R)                # a dead column never lands inside
+        x_n = c * HW + r * W + s
+    dy_k = offs_m * PQ
+    lo = split * SPLIT_LEN
+    hi = tl.minimum(lo + SPLIT_LEN, NPQ)
+
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for j0 in range(lo, hi, BLOCK_K):
+        offs_j = j0 + tl.arange(0, BLOCK_K)
+        j_ok = offs_j < hi
+        img = offs_j // PQ
+        pq = offs_j % PQ
+        a = tl.load(dy_ptr + ((img.to(tl.int64) * (K * PQ) + pq)[None, :] + dy_k[:, None]),
+                    mask=m_ok[:, None] & j_ok[None, :], other=0.0)            # [BM, BK]
+        if IS_1X1:
+            bt = tl.load(x_ptr + ((img.to(tl.int64) * (C * HW) + pq)[None, :] + x_n[:, None]),
+                         mask=n_ok[:, None] & j_ok[None, :], other=0.0)       # [BN, BK]
+        else:
+            oh = pq // Q
+            ow = pq % Q
+            ih0 = tl.where(j_ok, oh * SH - PH, -R)
+            iw0 = ow * SW - PW
+            x_j = img.to(tl.int64) * (C * HW) + ih0 * W + iw0
+            ih = ih0[None, :] + r[:, None]
+            iw = iw0[None, :] + s[:, None]
+            bt = tl.load(x_ptr + (x_j[None, :] + x_n[:, None]),
+                         mask=(ih >= 0) & (ih < H) & (iw >= 0) & (iw < W), other=0.0)
+        acc = tl.dot(a, tl.trans(bt), acc, input_precision=PRECISION)
+
+    out = dw_ptr + split.to(tl.int64) * (K * CRS) + (offs_m[:, None] * CRS + offs_n[None, :])
+    tl.store(out, acc, mask=m_ok[:, None] & n_ok[None, :])
+
+
+def _bwd_weight_macs(a):
+    return a["N"] * a["P"] * a["Q"] * a["K"] * a["C"] * a["R"] * a["S"]
+
+
+_conv_bwd_weight = _autotune(_WGT_CONFIGS, _KEY + ["SPLIT_LEN"],
+                             _bwd_weight_macs)(_conv_bwd_weight_kernel)
+
+
+@triton.jit
+def _splitk_reduce_kernel(ws_ptr, dw_ptr, TOTAL, SPLITS, BLOCK: tl.constexpr):
+    """dw[i] = sum_{s < SPLITS} ws[s, i], in order s = 0, 1, ... (deterministic)."""
+    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    ok = offs < TOTAL
+    acc = tl.zeros((BLOCK,), dtype=tl.float32)
+    for sp in range(0, SPLITS):
+        acc += tl.load(ws_ptr + sp * TOTAL + offs, mask=ok, other=0.0)
+    tl.store(dw_ptr + offs, acc, mask=ok)
+
+
+@triton.jit
+def _bias_grad_kernel(dy_ptr, db_ptr, N, K, PQ, BLOCK: tl.constexpr):
+    """db[k] = sum_{n, pq} dY[n, k, pq], a fixed-order loop (one program per k)."""
+    k = tl.program_id(0)
+    acc = tl.zeros((BLOCK,), dtype=tl.float32)
+    for n in range(0, N):
+        base = dy_ptr + (n * K + k).to(tl.int64) * PQ
+        for p0 in range(0, PQ, BLOCK):
+            offs = p0 + tl.arange(0, BLOCK)
+            acc += tl.load(base + offs, mask=offs < PQ, other=0.0)
+    tl.store(db_ptr + k, tl.sum(acc, axis=0))
+
+
+# --------------------------------------------------------------------------------------------
+# launchers
+# --------------------------------------------------------------------------------------------
+
+_ELEM_BLOCK = 16 if INTERPRET else 1024
+
+
+def _check_4d(name, t, shape=None):
+    check_tensor(name, t, shape)
+    if t.dim() != 4:
+        raise ValueError(f"conv: {name} must be 4-D, got shape {tuple(t.shape)}")
+
+
+def _check_device(ref, **named):
+    for name, t in named.items():
+        if t is not None and t.device != ref.device:
+            raise ValueError(f"conv: {name} is on {t.device}, expected {ref.device}")
+
+
+def _check_no_overlap(outputs, inputs):
+    """No output may share memory with another tensor of the launch."""
+    others = [(n, t) for n, t in outputs + inputs if t is not None]
+    for na, a in outputs:
+        if a is None:
+            continue
+        for nb, b in others:
+            if b is a:
+                continue
+            a0, b0 = a.data_ptr(), b.data_ptr()
+            if a0 < b0 + b.element_size() * b.numel() and b0 < a0 + a.element_size() * a.numel():
+                raise ValueError(f"conv: {na} overlaps {nb}")
+
+
+def _workspace(workspace, need, device):
+    """The first `need` bytes of `workspace` as float32 (None when need is 0)."""
+    if need == 0:
+        return None
+    if workspace is None:
+        raise ValueError(f"conv: this algorithm needs a workspace of {need} bytes, got None")
+    if not isinstance(workspace, torch.Tensor) or workspace.dim() != 1 or \
+            workspace.dtype not in (torch.uint8, torch.float32) or not workspace.is_contiguous():
+        raise ValueError("conv: workspace must be a contiguous 1-D uint8 or float32 tensor")
+    if workspace.device != device:
+        raise ValueError(f"conv: workspace is on {workspace.device}, expected {device}")
+    have = workspace.numel() * workspace.element_size()
+    if have < need:
+        raise ValueError(f"conv: workspace too small: {have} bytes, need {need}")
+    if workspace.dtype == torch.uint8:
+        if workspace.data_ptr() % 4:
+            raise ValueError("conv: workspace must be 4-byte aligned")
+        return workspace[:need].view(torch.float32)
+    return workspace[:need // 4]
+
+
+def _geometry(x_shape, w_shape, stride, padding):
+    sh, sw = _pair(stride, "stride", 1)
+    ph, pw = _pair(padding, "padding", 0)
+    n, k, p, q = out_shape(x_shape, w_shape, (sh, sw), (ph, pw))
+    return sh, sw, ph, pw, p, q
+
+
+def _algo(phase, algo):
+    if algo not in _ALGOS[phase]:
+        raise ValueError(f"conv: {phase} algo must be one of {_ALGOS[phase]}, got {algo!r}")
+    return algo
+
+
+def _pix_grid(m, n):
+    return lambda meta: (triton.cdiv(m, meta["BLOCK_M"]) * triton.cdiv(n, meta["BLOCK_N"]),)
+
+
+def _launch_fwd(x, w, b, y, n, c, h, wd, k, p, q, sh, sw, ph, pw, r, s, prec):
+    is_1x1 = r == 1 and s == 1 and sh == 1 and sw == 1 and ph == 0 and pw == 0
+    _conv_fwd[_pix_grid(n * p * q, k)](
+        x, w, b if b is not None else y, y, n, c, h, wd, k, p, q, sh, sw, ph, pw,
+        R=r, S=s, IS_1X1=is_1x1, HAS_BIAS=b is not None, PRECISION=prec)
+
+
+def forward(x, w, b, y, *, stride, padding, algo="implicit", workspace=None, precision=None):
+    """y = conv2d(x, w, b, stride, padding). x [N,C,H,W], w [K,C,R,S], b [K] or None,
+    y [N,K,P,Q] (overwritten). algo "implicit" (no workspace) or "im2col" (workspace)."""
+    prec = dot_precision(precision)
+    _algo("forward", algo)
+    _check_4d("x", x)
+    _check_4d("w", w)
+    sh, sw, ph, pw, p, q = _geometry(x.shape, w.shape, stride, padding)
+    n, c, h, wd = x.shape
+    k, _, r, s = w.shape
+    _check_4d("y", y, (n, k, p, q))
+    if b is not None:
+        check_tensor("b", b, (k,))
+    _check_device(x, w=w, b=b, y=y, workspace=workspace)
+    ws = _workspace(workspace, workspace_bytes(x.shape, w.shape, (sh, sw), (ph, pw),
+                                               "forward", algo), x.device)
+    _check_no_overlap([("y", y), ("workspace", ws)], [("x", x), ("w", w), ("b", b)])
+    if algo == "implicit":
+        _launch_fwd(x, w, b, y, n, c, h, wd, k, p, q, sh, sw, ph, pw, r, s, prec)
+        return
+    # im2col: col [N, C*R*S, P, Q], then a 1x1 conv of col with w as [K, C*R*S, 1, 1]
+    crs = c * r * s
+    bm, bk = (16, 16) if INTERPRET else (128, 32)
+    _im2col_kernel[(triton.cdiv(n * p * q, bm), triton.cdiv(crs, bk))](
+        x, ws, n, c, h, wd, p, q, sh, sw, ph, pw, R=r, S=s, BLOCK_M=bm, BLOCK_K=bk,
+        num_warps=4)
+    _launch_fwd(ws, w, b, y, n, crs, p, q, k, p, q, 1, 1, 0, 0, 1, 1, prec)
+
+
+def _launch_bwd_data(dy, w, dx, n, c, h, wd, k, p, q, sh, sw, ph, pw, r, s, accumulate, prec):
+    is_1x1 = r == 1 and s == 1 and sh == 1 and sw == 1 and ph == 0 and pw == 0
+    kern = _conv_bwd_data_acc if accumulate else _conv_bwd_data
+    m_grid = n * triton.cdiv(h, sh) * triton.cdiv(wd, sw)
+    grid = lambda meta: (triton.cdiv(m_grid, meta["BLOCK_M"]) * triton.cdiv(c, meta["BLOCK_N"]),  # noqa: E731
+                         sh * sw)
+    kern[grid](dy, w, dx, n, c, h, wd, k, p, q, sh, sw, ph, pw,
+               R=r, S=s, IS_1X1=is_1x1, ACCUMULATE=accumulate, PRECISION=prec)
+
+
+def _run_bwd_data(dy, w, dx, x_shape, geo, algo, ws, accumulate, prec):
+    sh, sw, ph, pw, p, q = geo
+    n, c, h, wd = x_shape
+    k, _, r, s = w.shape
+    if algo == "implicit":
+        _launch_bwd_data(dy, w, dx, n, c, h, wd, k, p, q, sh, sw, ph, pw, r, s, accumulate, prec)
+        return
+    # zero_insert: z [N, K, H+R-1, W+S-1], then a stride-1 conv of z with the flipped weight,
+    # which is the implicit stride-1 kernel with padding (R-1, S-1) over z
+    hz, wz = h + r - 1, wd + s - 1
+    _zero_insert_kernel[(n * k, triton.cdiv(hz * wz, _ELEM_BLOCK))](
+        dy, ws, p, q, hz, wz, sh, sw, r - 1 - ph, s - 1 - pw, BLOCK=_ELEM_BLOCK, num_warps=4)
+    _launch_bwd_data(ws, w, dx, n, c, h, wd, k, hz, wz, 1, 1, r - 1, s - 1, r, s, accumulate,
+                     prec)
+
+
+def _check_dy(dy, x_shape, w_shape, stride, padding):
+    geo = _geometry(x_shape, w_shape, stride, padding)
+    _check_4d("dy", dy, (x_shape[0], w_shape[0], geo[4], geo[5]))
+    return geo
+
+
+def backward_data(dy, w, dx, *, stride, padding, algo="implicit", workspace=None,
+                  accumulate=False, precision=None):
+    """dx (+)= conv2d_input(dx.shape, w, dy). dy [N,K,P,Q], w [K,C,R,S], dx [N,C,H,W].
+    algo "implicit" (no workspace) or "zero_insert" (workspace)."""
+    prec = dot_precision(precision)
+    _algo("backward_data", algo)
+    if not isinstance(accumulate, bool):
+        raise ValueError(f"conv: accumulate must be a bool, got {accumulate!r}")
+    _check_4d("w", w)
+    _check_4d("dx", dx)
+    geo = _check_dy(dy, dx.shape, w.shape, stride, padding)
+    _check_device(dx, dy=dy, w=w, workspace=workspace)
+    ws = _workspace(workspace, workspace_bytes(dx.shape, w.shape, geo[:2], geo[2:4],
+                                               "backward_data", algo), dx.device)
+    _check_no_overlap([("dx", dx), ("workspace", ws)], [("dy", dy), ("w", w)])
+    _run_bwd_data(dy, w, dx, dx.shape, geo, algo, ws, accumulate, prec)
+
+
+def _run_bwd_weight(x, dy, dw, db, geo, algo, ws, prec):
+    sh, sw, ph, pw, p, q = geo
+    n, c, h, wd = x.shape
+    k = dy.shape[1]
+    if db is not None:
+        blk = min(_ELEM_BLOCK, triton.next_power_of_2(p * q))
+        _bias_grad_kernel[(k,)](dy, db, n, k, p * q, BLOCK=blk, num_warps=4)
+    if dw is None:
+        return
+    _, _, r, s = dw.shape
+    is_1x1 = r == 1 and s == 1 and sh == 1 and sw == 1 and ph == 0 and pw == 0
+    npq = n * p * q
+    if algo == "onepass":
+        splits, out = 1, dw
+    else:
+        splits, out = splitk_splits(x.shape, dw.shape, (sh, sw), (ph, pw)), ws
+    split_len = _split_len(npq, splits)
+    crs = c * r * s
+    grid = lambda meta: (triton.cdiv(k, meta["BLOCK_M"]) * triton.cdiv(crs, meta["BLOCK_N"]),  # noqa: E731
+                         splits)
+    _conv_bwd_weight[grid](x, dy, out, n, c, h, wd, k, p, q, sh, sw, ph, pw, split_len,
+                           R=r, S=s, IS_1X1=is_1x1, PRECISION=prec)
+    if algo == "splitk":
+        total = k * crs
+        _splitk_reduce_kernel[(triton.cdiv(total, _ELEM_BLOCK),)](
+            ws, dw, total, splits, BLOCK=_ELEM_BLOCK, num_warps=4)
+
+
+def backward_weight(x, dy, dw, db, *, stride, padding, algo="onepass", workspace=None,
+                    precision=None):
+    """dw = conv2d_weight(x, dw.shape, dy), db = dy.sum((0, 2, 3)) (db may be None; dw may be
+    None too, then only db is computed). algo "onepass" (no workspace) or "splitk" (workspace)."""
+    prec = dot_precision(precision)
+    _algo("backward_weight", algo)
+    _check_4d("x", x)
+    if dw is None and db is None:
+        return
+    if dw is not None:
+        _check_4d("dw", dw)
+        w_shape = tuple(dw.shape)
+    else:
+        _check_4d("dy", dy)
+        w_shape = (dy.shape[1], x.shape[1], 1, 1)   # only the bias gradient: any valid kernel
+        stride, padding = 1, 0
+    geo = _check_dy(dy, x.shape, w_shape, stride, padding)
+    if db is not None:
+        check_tensor("db", db, (w_shape[0],))
+    _check_device(x, dy=dy, dw=dw, db=db, workspace=workspace)
+    need = workspace_bytes(x.shape, w_shape, geo[:2], geo[2:4], "backward_weight", algo) \
+        if dw is not None else 0
+    ws = _workspace(workspace, need, x.device)
+    _check_no_overlap([("dw", dw), ("db", db), ("workspace", ws)], [("x", x), ("dy", dy)])
+    _run_bwd_weight(x, dy, dw, db, geo, algo, ws, prec)
+
+
+def backward(x, w, dy, dx, dw, db, *, stride, padding, algo_data="implicit",
+             algo_weight="onepass", workspace=None, accumulate=False, precision=None):
+    """All gradients of y = conv2d(x, w, b): dx (+)= ..., dw = ..., db = ... . Any of dx, dw,
+    db may be None (that gradient is skipped). accumulate applies to dx only. The workspace
+    serves both phases in turn: backward_workspace_bytes(...) bytes."""
+    prec = dot_precision(precision)
+    _algo("backward_data", algo_data)
+    _algo("backward_weight", algo_weight)
+    if not isinstance(accumulate, bool):
+        raise ValueError(f"conv: accumulate must be a bool, got {accumulate!r}")
+    _check_4d("x", x)
+    _check_4d("w", w)
+    geo = _check_dy(dy, x.shape, w.shape, stride, padding)
+    if dx is not None:
+        _check_4d("dx", dx, tuple(x.shape))
+    if dw is not None:
+        _check_4d("dw", dw, tuple(w.shape))
+    if db is not None:
+        check_tensor("db", db, (w.shape[0],))
+    _check_device(x, w=w, dy=dy, dx=dx, dw=dw, db=db, workspace=workspace)
+    need = backward_workspace_bytes(x.shape, w.shape, geo[:2], geo[2:4], algo_data,
+                                    algo_weight, dx is not None, dw is not None)
+    ws = _workspace(workspace, need, x.device)
+    _check_no_overlap([("dx", dx), ("dw", dw), ("db", db), ("workspace", ws)],
+                      [("x", x), ("w", w), ("dy", dy)])
+    if dx is not None:
+        _run_bwd_data(dy, w, dx, x.shape, geo, algo_data, ws, accumulate, prec)
+    if dw is not None or db is not None:
+        _run_bwd_weight(x, dy, dw, db, geo, algo_weight, ws, prec)

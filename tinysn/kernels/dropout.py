@@ -1,0 +1,119 @@
+"""Inverted dropout (nn.Dropout in training mode) with no stored mask.
+
+forward(x, y, *, p, seed, offset)                  y = x * keep / (1 - p)
+backward(dy, dx, *, p, seed, offset, accumulate)   dx (+)= dy * keep / (1 - p)
+
+The keep mask is regenerated from (seed, offset) by the backward pass (and by a recomputed
+forward), so it never occupies memory. An element is kept when its uniform draw u >= p.
+
+Random numbers: Philox-4x32-10 (`tl.philox`, 32-bit counters, key = seed), one call giving four
+32-bit draws. Element e of a launch (flat index, 0 <= e < numel) takes
+    counter = offset + (e // BLOCK) * (BLOCK // 4) + e % (BLOCK // 4)      (64-bit; low word c0,
+                                                                           high word c1)
+    draw    = output number (e % BLOCK) // (BLOCK // 4) of that Philox call
+    u       = int31(draw) * 4.6566127342e-10   (triton's uint_to_uniform_float: [0, 1))
+so four elements share one Philox evaluation (it is cheap enough that the kernel stays
+memory-bound). Every counter a launch uses lies in [offset, offset + numel): the runtime gives
+each (step, layer) a disjoint counter range (e.g. offset = running sum of dropout numels) and the
+masks are independent. BLOCK is a fixed module constant (never autotuned): forward and backward
+must use the same one.
+
+p == 0 is an exact copy (y = x bitwise). p must lie in [0, 1); seed in [0, 2**31); offset >= 0.
+"""
+import torch
+import triton
+import triton.language as tl
+
+from ._common import check_tensor
+
+BLOCK = 4096      # elements per program; 4 Philox outputs per counter -> BLOCK // 4 counters
+NUM_WARPS = 8
+_UNIFORM_SCALE = 4.6566127342e-10   # largest float with (2**31 - 1) * scale < 1
+
+
+@triton.jit
+def _uniform(r):
+    """A uint32 Philox output -> float32 in [0, 1) (as triton's uint_to_uniform_float)."""
+    i = r.to(tl.int32, bitcast=True)
+    i = tl.where(i < 0, ~i, i)              # a 31-bit non-negative integer
+    return i.to(tl.float32) * 4.6566127342e-10
+
+
+@triton.jit
+def _apply(src_ptr, dst_ptr, offs, n, r, p, scale, ACCUMULATE: tl.constexpr):
+    mask = offs < n
+    v = tl.load(src_ptr + offs, mask=mask)
+    keep = _uniform(r) >= p
+    out = tl.where(keep, v * scale, 0.0)
+    if ACCUMULATE:
+        out = tl.load(dst_ptr + offs, mask=mask) + out
+    tl.store(dst_ptr + offs, out, mask=mask)
+
+
+@triton.jit
+def _dropout_kernel(src_ptr, dst_ptr, n, p, scale, seed, offset,
+                    BLOCK: tl.constexpr, ACCUMULATE: tl.constexpr):
+    Q: tl.constexpr = BLOCK // 4
+    pid = tl.program_id(0).to(tl.int64)
+    lane = tl.arange(0, Q)
+    ctr = offset + pid * Q + lane.to(tl.int64)          # 64-bit Philox counter
+    c0 = ctr.to(tl.uint32)                               # low word (truncating cast)
+    c1 = (ctr >> 32).to(tl.uint32)                       # high word
+    zero = c0 * 0
+    r0, r1, r2, r3 = tl.philox(seed, c0, c1, zero, zero)
+    base = pid * BLOCK + lane
+    _apply(src_ptr, dst_ptr, base, n, r0, p, scale, ACCUMULATE)
+    _apply(src_ptr, dst_ptr, base + Q, n, r1, p, scale, ACCUMULATE)
+    _apply(src_ptr, dst_ptr, base + 2 * Q, n, r2, p, scale, ACCUMULATE)
+    _apply(src_ptr, dst_ptr, base + 3 * Q, n, r3, p, scale, ACCUMULATE)
+
+
+def _check_args(src_name, src, dst_name, dst, p, seed, offset, accumulate=False):
+    check_tensor(src_name, src)
+    check_tensor(dst_name, dst, shape=src.shape)
+    if dst.device != src.device:
+        raise ValueError(f"{dst_name} is on {dst.device} but {src_name} is on {src.device}")
+    if isinstance(p, bool) or not isinstance(p, (int, float)) or not (0.0 <= p < 1.0):
+        raise ValueError(f"dropout p must be a number in [0, 1), got {p!r}")
+    if isinstance(seed, bool) or not isinstance(seed, int) or not (0 <= seed < 2**31):
+        raise ValueError(f"dropout seed must be an int in [0, 2**31), got {seed!r}")
+    if (isinstance(offset, bool) or not isinstance(offset, int)
+            or not (0 <= offset and offset + src.numel() < 2**63)):
+        raise ValueError(f"dropout offset must be an int >= 0 (offset + numel < 2**63), "
+                         f"got {offset!r}")
+    if not isinstance(accumulate, bool):
+        raise ValueError(f"accumulate must be a bool, got {accumulate!r}")
+    n = src.numel()
+    if n:
+        a0, b0 = src.data_ptr(), dst.data_ptr()
+        if a0 != b0 and a0 < b0 + 4 * n and b0 < a0 + 4 * n:
+            raise ValueError(f"dropout: {dst_name} partly overlaps {src_name}")
+
+
+def _launch(src, dst, p, seed, offset, accumulate):
+    n = src.numel()
+    if n == 0:
+        return
+    p = float(p)
+    scale = 1.0 / (1.0 - p)
+    _dropout_kernel[(triton.cdiv(n, BLOCK),)](src, dst, n, p, scale, seed, offset,
+                                              BLOCK=BLOCK, ACCUMULATE=accumulate,
+                                              num_warps=NUM_WARPS)
+
+
+def forward(x: torch.Tensor, y: torch.Tensor, *, p: float, seed: int, offset: int) -> None:
+    """y = x * keep / (1 - p) with keep drawn from (seed, offset). y may be x (in place)."""
+    _check_args("x", x, "y", y, p, seed, offset)
+    _launch(x, y, p, seed, offset, False)
+
+
+def backward(dy: torch.Tensor, dx: torch.Tensor, *, p: float, seed: int, offset: int,
+             accumulate: bool = False) -> None:
+    """dx (+)= dy * keep / (1 - p), regenerating the forward's mask from the same (seed, offset)."""
+    _check_args("dy", dy, "dx", dx, p, seed, offset, accumulate)
+    _launch(dy, dx, p, seed, offset, accumulate)
+
+
+def workspace_bytes(*args, **kwargs) -> int:
+    """Dropout stores no mask and needs no scratch memory."""
+    return 0

@@ -1,0 +1,291 @@
+"""Join layers: elementwise add (residual) and channel concat (inception, densenet).
+
+add
+    add_forward(xs, y)            y = ((x0 + x1) + x2) + ...   (left fold, fixed order)
+    add_backward(dy, dxs, accumulate=...)   dx_i = dy  or  dx_i += dy  (per input)
+concat (NCHW, along channels)
+    concat_forward(xs, y)         y[:, c0:c0+Ci] = x_i
+    concat_backward(dy, dxs, accumulate=...)   dx_i = dy[:, c0:c0+Ci]  (or +=)
+
+One kernel launch sums up to four inputs (reading each once and writing y once); more
+inputs chain in place on y, keeping the left-fold order. The add backward writes up to four
+gradients per launch from one read of dy. A channel slice of an NCHW tensor is N rows of
+Ci*H*W contiguous elements, the rows C*H*W apart: the concat kernels copy those rows
+directly (a strided row copy), no torch copy or temporary is made.
+
+No workspace: workspace_bytes(...) is 0.
+"""
+import torch
+import triton
+import triton.language as tl
+
+from ._common import autotune_configs, check_tensor
+
+_MAX_PTRS = 4  # inputs summed / gradients written per launch
+
+_GPU_CONFIGS = [
+    triton.Config({"BLOCK": 1024}, num_warps=4),
+    triton.Config({"BLOCK": 2048}, num_warps=4),
+    triton.Config({"BLOCK": 2048}, num_warps=8),
+    triton.Config({"BLOCK": 4096}, num_warps=8),
+]
+_SMALL_CONFIG = triton.Config({"BLOCK": 1024}, num_warps=4)
+
+
+def workspace_bytes(*args, **kwargs) -> int:
+    """Join layers need no scratch memory."""
+    return 0
+
+
+# ----------------------------------------------------------------------------- kernels
+
+
+@triton.autotune(configs=autotune_configs(_GPU_CONFIGS, _SMALL_CONFIG), key=["n"],
+                 restore_value=["y_ptr"])
+@triton.jit
+def _sum_kernel(y_ptr, a0, a1, a2, a3, n, NUM: tl.constexpr, BLOCK: tl.constexpr):
+    """y = ((a0 + a1) + a2) + a3 over the first NUM inputs (y may alias a0)."""
+    offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    mask = offs < n
+    acc = tl.load(a0 + offs, mask=mask)
+    if NUM > 1:
+        acc = acc + tl.load(a1 + offs, mask=mask)
+    if NUM > 2:
+        acc = acc + tl.load(a2 + offs, mask=mask)
+    if NUM > 3:
+        acc = acc + tl.load(a3 + offs, mask=mask)
+    tl.store(y_ptr + offs, acc, mask=mask)
+
+
+@triton.autotune(configs=autotune_configs(_GPU_CONFIGS, _SMALL_CONFIG), key=["n"],
+                 restore_value=["d0", "d1", "d2", "d3"])
+@triton.jit
+def _fanout_kernel(g_ptr, d0, d1, d2, d3, n, NUM: tl.constexpr,
+                   ACC0: tl.constexpr, ACC1: tl.constexpr, ACC2: tl.constexpr,
+                   ACC3: tl.constexpr, BLOCK: tl.constexpr):
+    """d_i = g (or d_i += g when ACCi) for the first NUM outputs, reading g once."""
+    offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    mask = offs < n
+    g = tl.load(g_ptr + offs, mask=mask)
+    if ACC0:
+        tl.store(d0 + offs, tl.load(d0 + offs, mask=mask) + g, mask=mask)
+    else:
+        tl.store(d0 + offs, g, mask=mask)
+    if NUM > 1:
+        if ACC1:
+            tl.store(d1 + offs, tl.load(d1 + offs, mask=mask) + g, mask=mask)
+        else:
+            tl.store(d1 + offs, g, mask=mask)
+    if NUM > 2:
+        if ACC2:
+            tl.store(d2 + offs, tl.load(d2 + offs, mask=mask) + g, mask=mask)
+        else:
+            tl.store(d2 + offs, g, mask=mask)
+    if NUM > 3:
+        if ACC3:
+            tl.store(d3 + offs, tl.load(d3 + offs, mask=mask) + g, mask=mask)
+        else:
+            tl.store(d3 + offs, g, mask=mask)
+
+
+@triton.autotune(configs=autotune_configs(_GPU_CONFIGS, _SMALL_CONFIG), key=["row_len"],
+                 restore_value=["dst"])
+@triton.jit
+def _copy_rows_kernel(src, dst, row_len, src_stride, dst_stride, src_off, dst_off,
+                      ACC: tl.constexpr, BLOCK: tl.constexpr):
+    """dst[dst_off + r*dst_stride + i] (+)= src[src_off + r*src_stride + i], i < row_len.
+
+    One program copies BLOCK contiguous elements of one row: pid = row * cdiv(row_len, BLOCK) + block.
+    """
+    pid = tl.program_id(0)
+    nblk = tl.cdiv(row_len, BLOCK)
+    row = (pid // nblk).to(tl.int64)
+    blk = pid % nblk
+    offs = blk * BLOCK + tl.arange(0, BLOCK)
+    mask = offs < row_len
+    v = tl.load(src + (src_off + row * src_stride) + offs, mask=mask)
+    d = dst + (dst_off + row * dst_stride) + offs
+    if ACC:
+        v = v + tl.load(d, mask=mask)
+    tl.store(d, v, mask=mask)
+
+
+# ----------------------------------------------------------------------------- helpers
+
+
+def _check_list(name, ts, allow_none=False):
+    if not isinstance(ts, (list, tuple)):
+        raise ValueError(f"{name} must be a list or tuple of tensors, got {type(ts).__name__}")
+    for i, t in enumerate(ts):
+        if t is None and allow_none:
+            continue
+        check_tensor(f"{name}[{i}]", t)
+
+
+def _check_device(ref_name, ref, ts, names):
+    for t, nm in zip(ts, names):
+        if t is not None and t.device != ref.device:
+            raise ValueError(f"{nm} is on {t.device} but {ref_name} is on {ref.device}")
+
+
+def _accumulate_list(accumulate, n):
+    if isinstance(accumulate, (list, tuple)):
+        if len(accumulate) != n:
+            raise ValueError(f"accumulate has {len(accumulate)} entries for {n} gradients")
+        flags = list(accumulate)
+    else:
+        flags = [accumulate] * n
+    for f in flags:
+        if not isinstance(f, (bool, int)) or f not in (0, 1):
+            raise ValueError(f"accumulate entries must be bool, got {f!r}")
+    return [bool(f) for f in flags]
+
+
+def _grid1(n):
+    return lambda meta: (triton.cdiv(n, meta["BLOCK"]),)
+
+
+# ----------------------------------------------------------------------------- add
+
+
+def add_forward(xs, y):
+    """y = x0 + x1 + ... (2 or more same-shape tensors), summed left to right."""
+    _check_list("xs", xs)
+    if len(xs) < 2:
+        raise ValueError(f"add needs at least 2 inputs, got {len(xs)}")
+    check_tensor("y", y)
+    for i, x in enumerate(xs):
+        if x.shape != y.shape:
+            raise ValueError(f"xs[{i}] has shape {tuple(x.shape)} but y has {tuple(y.shape)}")
+    _check_device("y", y, xs, [f"xs[{i}]" for i in range(len(xs))])
+    n = y.numel()
+    if n == 0:
+        return
+    rest = list(xs)
+    first = True
+    while rest:
+        take = _MAX_PTRS if first else _MAX_PTRS - 1
+        group, rest = rest[:take], rest[take:]
+        ins = group if first else [y] + group
+        ptrs = ins + [ins[0]] * (_MAX_PTRS - len(ins))
+        _sum_kernel[_grid1(n)](y, *ptrs, n, NUM=len(ins))
+        first = False
+
+
+def add_backward(dy, dxs, *, accumulate=False):
+    """dx_i = dy (accumulate False) or dx_i += dy (True) for every non-None dx_i.
+
+    accumulate: one bool for all inputs, or a list with one bool per entry of dxs.
+    A dx that shares memory with dy is rejected when it accumulates.
+    """
+    check_tensor("dy", dy)
+    _check_list("dxs", dxs, allow_none=True)
+    flags = _accumulate_list(accumulate, len(dxs))
+    for i, d in enumerate(dxs):
+        if d is None:
+            continue
+        if d.shape != dy.shape:
+            raise ValueError(f"dxs[{i}] has shape {tuple(d.shape)} but dy has {tuple(dy.shape)}")
+        if flags[i] and d.data_ptr() == dy.data_ptr():
+            raise ValueError(f"dxs[{i}] aliases dy; it cannot accumulate")
+    _check_device("dy", dy, dxs, [f"dxs[{i}]" for i in range(len(dxs))])
+    n = dy.numel()
+    work = [(d, f) for d, f in zip(dxs, flags) if d is not None]
+    if n == 0:
+        return
+    for s in range(0, len(work), _MAX_PTRS):
+        group = work[s:s + _MAX_PTRS]
+        outs = [d for d, _ in group]
+        accs = [f for _, f in group]
+        num = len(outs)
+        outs = outs + [outs[0]] * (_MAX_PTRS - num)
+        accs = accs + [False] * (_MAX_PTRS - num)
+        _fanout_kernel[_grid1(n)](dy, *outs, n, NUM=num, ACC0=accs[0], ACC1=accs[1],
+                                  ACC2=accs[2], ACC3=accs[3])
+
+
+# ----------------------------------------------------------------------------- concat
+
+
+def _concat_check(xs, y, xname, yname, allow_none):
+    _check_list(xname, xs, allow_none=allow_none)
+    if len(xs) < 1:
+        raise ValueError(f"concat needs at least 1 input, got {len(xs)}")
+    check_tensor(yname, y)
+    if y.dim() != 4:
+        raise ValueError(f"{yname} must be 4-D NCHW, got shape {tuple(y.shape)}")
+    n, c, h, w = y.shape
+    return n, c, h, w
+
+
+def _channel_counts(xs, shapes_from, n, c, h, w, xname, yname):
+    counts = []
+    for i, x in enumerate(xs):
+        if x is None:
+            counts.append(shapes_from[i])
+            continue
+        if x.dim() != 4 or x.shape[0] != n or x.shape[2] != h or x.shape[3] != w:
+            raise ValueError(f"{xname}[{i}] has shape {tuple(x.shape)}; expected "
+                             f"[{n}, C_i, {h}, {w}] to match {yname}")
+        counts.append(x.shape[1])
+    if sum(counts) != c:
+        raise ValueError(f"{xname} channels sum to {sum(counts)} but {yname} has {c}")
+    return counts
+
+
+def _copy_rows(src, dst, rows, row_len, src_stride, dst_stride, src_off, dst_off, acc):
+    if rows == 0 or row_len == 0:
+        return
+    _copy_rows_kernel[lambda meta: (rows * triton.cdiv(row_len, meta["BLOCK"]),)](
+        src, dst, row_len, src_stride, dst_stride, src_off, dst_off, ACC=acc)
+
+
+def concat_forward(xs, y):
+    """y[:, c0:c0+C_i] = xs[i] for NCHW tensors, channel offsets in list order."""
+    n, c, h, w = _concat_check(xs, y, "xs", "y", allow_none=False)
+    counts = _channel_counts(xs, None, n, c, h, w, "xs", "y")
+    _check_device("y", y, xs, [f"xs[{i}]" for i in range(len(xs))])
+    hw = h * w
+    c0 = 0
+    for x, ci in zip(xs, counts):
+        _copy_rows(x, y, n, ci * hw, ci * hw, c * hw, 0, c0 * hw, False)
+        c0 += ci
+
+
+def concat_backward(dy, dxs, *, accumulate=False, channels=None):
+    """dx_i = dy[:, c0:c0+C_i] (or dx_i += ... when accumulate) for every non-None dx_i.
+
+    accumulate: one bool, or a list with one bool per entry of dxs.
+    channels: optional list of C_i, one per entry of dxs. A None entry of dxs has no
+    shape to read its channel count from: with one None entry it is inferred (dy's
+    channels minus the others); with two or more, `channels` must be given.
+    """
+    n, c, h, w = _concat_check(dxs, dy, "dxs", "dy", allow_none=True)
+    flags = _accumulate_list(accumulate, len(dxs))
+    if channels is not None:
+        if not isinstance(channels, (list, tuple)) or len(channels) != len(dxs):
+            raise ValueError("channels must be a list with one entry per dxs entry")
+        for i, (d, ci) in enumerate(zip(dxs, channels)):
+            if not isinstance(ci, int) or ci < 0:
+                raise ValueError(f"channels[{i}] must be a non-negative int, got {ci!r}")
+            if d is not None and d.dim() == 4 and d.shape[1] != ci:
+                raise ValueError(f"dxs[{i}] has {d.shape[1]} channels but channels[{i}] = {ci}")
+        fill = list(channels)
+    else:
+        nones = [i for i, d in enumerate(dxs) if d is None]
+        if len(nones) > 1:
+            raise ValueError("several dxs entries are None: pass channels= to locate the others")
+        fill = [None] * len(dxs)
+        if nones:
+            known = sum(d.shape[1] for d in dxs if d is not None and d.dim() == 4)
+            fill[nones[0]] = c - known
+            if fill[nones[0]] < 0:
+                raise ValueError(f"dxs channels exceed dy's {c}")
+    counts = _channel_counts(dxs, fill, n, c, h, w, "dxs", "dy")
+    _check_device("dy", dy, dxs, [f"dxs[{i}]" for i in range(len(dxs))])
+    hw = h * w
+    c0 = 0
+    for d, ci, acc in zip(dxs, counts, flags):
+        if d is not None:
+            _copy_rows(dy, d, n, ci * hw, c * hw, ci * hw, c0 * hw, 0, acc)
+        c0 += ci

@@ -1,0 +1,227 @@
+"""Fully connected layer (nn.Linear on the flattened input), as tiled tl.dot GEMMs.
+
+Shapes: x [N, F] (the runtime passes 4-D activations already viewed as [N, F]),
+w [O, F] (torch's layout), b [O] or None, y [N, O].
+
+forward(x, w, b, y, *, precision=None)                      y = x @ w.T + b
+backward(x, w, dy, dx, dw, db, *, accumulate=False, precision=None)
+    dx (+)= dy @ w          [N, F]   (skipped when dx is None; accumulate applies to dx only)
+    dw   = dy.T @ x         [O, F]   (skipped when dw is None; reduces over the batch)
+    db   = dy.sum(0)        [O]      (skipped when db is None; fused into the dw GEMM: the
+                                      programs of the first column-tile sum the dy tile they
+                                      already load, so db costs no extra pass over dy)
+All three GEMMs run one kernel, `_gemm_kernel`, with different strides (MODE picks the layout
+for the autotuner key). Each output element is accumulated by one program over K in a fixed
+order: deterministic, no atomics, no split-K, so workspace_bytes is 0.
+
+Precision: tl.dot input_precision = dot_precision(precision) ("tf32" by default on the GPU,
+"ieee" for exact float32). The autotuner picks tile sizes per shape on the GPU (the K-block
+size, and so the rounding, can differ between configs; a process keeps its choice), and
+collapses to one small config under the interpreter.
+"""
+import torch
+import triton
+import triton.language as tl
+
+from ._common import autotune_configs, check_tensor, dot_precision
+
+_FWD, _DX, _DW = 0, 1, 2
+
+
+def _cfg(bm, bn, bk, warps, stages, group_m=8):
+    return triton.Config({"BM": bm, "BN": bn, "BK": bk, "GROUP_M": group_m},
+                         num_warps=warps, num_stages=stages)
+
+
+_GPU_CONFIGS = [
+    _cfg(128, 128, 32, 8, 3),
+    _cfg(128, 256, 32, 8, 3),
+    _cfg(256, 128, 32, 8, 3),
+    _cfg(128, 64, 32, 4, 4),
+    _cfg(64, 128, 32, 4, 4),
+    _cfg(64, 64, 32, 4, 4),
+    _cfg(64, 32, 64, 4, 4),
+    _cfg(32, 128, 64, 4, 4),
+    _cfg(32, 64, 64, 4, 4),
+    _cfg(32, 32, 128, 4, 4),
+    _cfg(16, 64, 128, 4, 4),
+]
+_SMALL_CONFIG = _cfg(16, 16, 16, 1, 1, group_m=2)
+
+
+@triton.autotune(configs=autotune_configs(_GPU_CONFIGS, _SMALL_CONFIG),
+                 key=["M", "N", "K", "MODE"], restore_value=["c_ptr"])
+@triton.jit
+def _gemm_kernel(a_ptr, b_ptr, c_ptr, bias_ptr, rowsum_ptr, M, N, K,
+                 sam, sak, sbk, sbn, scm,
+                 MODE: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_ROWSUM: tl.constexpr,
+                 ACCUMULATE: tl.constexpr, PRECISION: tl.constexpr,
+                 BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, GROUP_M: tl.constexpr):
+    """C[M, N] (+)= A[M, K] @ B[K, N] (+ bias[N]); rowsum[M] = A.sum(1) when HAS_ROWSUM.
+
+    A[m, k] at a_ptr + m*sam + k*sak, B[k, n] at b_ptr + k*sbk + n*sbn, C row-major (scm, 1).
+    """
+    pid = tl.program_id(0)
+    num_m = tl.cdiv(M, BM)
+    num_n = tl.cdiv(N, BN)
+    # grouped ordering: GROUP_M row-tiles share their B column-tiles in L2
+    width = GROUP_M * num_n
+    group = pid // width
+    first_m = group * GROUP_M
+    group_size = tl.minimum(num_m - first_m, GROUP_M)
+    pid_m = first_m + (pid % width) % group_size
+    pid_n = (pid % width) // group_size
+
+    offs_m = pid_m * BM + tl.arange(0, BM)
+    offs_n = pid_n * BN + tl.arange(0, BN)
+    offs_k = tl.arange(0, BK)
+    # rows/columns past the edge wrap onto valid ones (their results are never stored), so
+    # only the K edge needs a load mask
+    am = (offs_m % M).to(tl.int64)
+    bn = (offs_n % N).to(tl.int64)
+    kk = offs_k.to(tl.int64)
+    a_ptrs = a_ptr + am[:, None] * sam + kk[None, :] * sak
+    b_ptrs = b_ptr + kk[:, None] * sbk + bn[None, :] * sbn
+
+    acc = tl.zeros([BM, BN], dtype=tl.float32)
+    rs = tl.zeros([BM], dtype=tl.float32)
+    for k0 in range(0, K, BK):
+        k_ok = offs_k < K - k0
+        a = tl.load(a_ptrs, mask=k_ok[None, :], other=0.0)
+        b = tl.load(b_ptrs, mask=k_ok[:, None], other=0.0)
+        acc = tl.dot(a, b, acc, input_precision=PRECISION)
+        if HAS_ROWSUM:
+            rs += tl.sum(a, axis=1)
+        a_ptrs += BK * sak
+        b_ptrs += BK * sbk
+
+    m_ok = offs_m < M
+    n_ok = offs_n < N
+    if HAS_BIAS:
+        acc += tl.load(bias_ptr + offs_n, mask=n_ok, other=0.0)[None, :]
+    c_ptrs = c_ptr + offs_m.to(tl.int64)[:, None] * scm + offs_n.to(tl.int64)[None, :]
+    c_mask = m_ok[:, None] & n_ok[None, :]
+    if ACCUMULATE:
+        acc += tl.load(c_ptrs, mask=c_mask, other=0.0)
+    tl.store(c_ptrs, acc, mask=c_mask)
+    if HAS_ROWSUM:
+        if pid_n == 0:
+            tl.store(rowsum_ptr + offs_m, rs, mask=m_ok)
+
+
+@triton.jit
+def _colsum_kernel(dy_ptr, db_ptr, N, O, BLOCK_O: tl.constexpr, ROWS: tl.constexpr):
+    """db[o] = sum_i dy[i, o], a fixed-order loop over the rows (used when dw is not wanted)."""
+    offs_o = tl.program_id(0) * BLOCK_O + tl.arange(0, BLOCK_O)
+    o_ok = offs_o < O
+    rows = tl.arange(0, ROWS).to(tl.int64)
+    acc = tl.zeros([ROWS, BLOCK_O], dtype=tl.float32)
+    for i0 in range(0, N, ROWS):
+        ptrs = dy_ptr + (i0 + rows)[:, None] * O + offs_o[None, :]
+        acc += tl.load(ptrs, mask=((i0 + rows) < N)[:, None] & o_ok[None, :], other=0.0)
+    tl.store(db_ptr + offs_o, tl.sum(acc, axis=0), mask=o_ok)
+
+
+def _check_device(ref, **named):
+    for name, t in named.items():
+        if t is not None and t.device != ref.device:
+            raise ValueError(f"linear: {name} is on {t.device}, expected {ref.device}")
+
+
+def _check_no_overlap(outputs, inputs):
+    """No output may share memory with any other tensor of the launch."""
+    others = [(n, t) for n, t in outputs + inputs if t is not None and t.numel()]
+    for na, a in outputs:
+        if a is None or a.numel() == 0:
+            continue
+        for nb, b in others:
+            if b is a:
+                continue
+            a0, b0 = a.data_ptr(), b.data_ptr()
+            if a0 < b0 + 4 * b.numel() and b0 < a0 + 4 * a.numel():
+                raise ValueError(f"linear: {na} overlaps {nb}")
+
+
+def _launch(a, b, c, bias, rowsum, M, N, K, sam, sak, sbk, sbn, mode, accumulate, precision):
+    grid = lambda meta: (triton.cdiv(M, meta["BM"]) * triton.cdiv(N, meta["BN"]),)  # noqa: E731
+    _gemm_kernel[grid](a, b, c, bias if bias is not None else c,
+                       rowsum if rowsum is not None else c, M, N, K,
+                       sam, sak, sbk, sbn, N,
+                       MODE=mode, HAS_BIAS=bias is not None, HAS_ROWSUM=rowsum is not None,
+                       ACCUMULATE=accumulate, PRECISION=precision)
+
+
+def forward(x: torch.Tensor, w: torch.Tensor, b, y: torch.Tensor, *, precision=None) -> None:
+    """y = x @ w.T + b (b may be None). x [N, F], w [O, F], b [O], y [N, O], all float32."""
+    prec = dot_precision(precision)
+    check_tensor("x", x)
+    check_tensor("w", w)
+    if x.dim() != 2 or w.dim() != 2:
+        raise ValueError(f"linear: x must be [N, F] and w [O, F], got {tuple(x.shape)} and "
+                         f"{tuple(w.shape)}")
+    n, f = x.shape
+    o = w.shape[0]
+    if n == 0 or f == 0 or o == 0:
+        raise ValueError(f"linear: empty shapes x {tuple(x.shape)}, w {tuple(w.shape)}")
+    if w.shape[1] != f:
+        raise ValueError(f"linear: w has {w.shape[1]} input features, x has {f}")
+    if b is not None:
+        check_tensor("b", b, shape=(o,))
+    check_tensor("y", y, shape=(n, o))
+    _check_device(x, w=w, b=b, y=y)
+    _check_no_overlap([("y", y)], [("x", x), ("w", w), ("b", b)])
+    _launch(x, w, y, b, None, n, o, f, f, 1, 1, f, _FWD, False, prec)
+
+
+def backward(x, w, dy: torch.Tensor, dx, dw, db, *, accumulate: bool = False,
+             precision=None) -> None:
+    """dx (+)= dy @ w, dw = dy.T @ x, db = dy.sum(0); any of dx, dw, db may be None.
+
+    x is needed only for dw and w only for dx (either may be None when its output is).
+    accumulate=True adds into dx; dw and db are always overwritten.
+    """
+    prec = dot_precision(precision)
+    if not isinstance(accumulate, bool):
+        raise ValueError(f"accumulate must be a bool, got {accumulate!r}")
+    check_tensor("dy", dy)
+    if dy.dim() != 2 or dy.shape[0] == 0 or dy.shape[1] == 0:
+        raise ValueError(f"linear: dy must be a non-empty [N, O] tensor, got {tuple(dy.shape)}")
+    n, o = dy.shape
+    f = None
+    if dx is not None and w is None:
+        raise ValueError("linear.backward: w is required to compute dx")
+    if dw is not None and x is None:
+        raise ValueError("linear.backward: x is required to compute dw")
+    if w is not None:
+        check_tensor("w", w)
+        if w.dim() != 2 or w.shape[0] != o or w.shape[1] == 0:
+            raise ValueError(f"linear: w must be [{o}, F], got {tuple(w.shape)}")
+        f = w.shape[1]
+    if x is not None:
+        check_tensor("x", x)
+        if x.dim() != 2 or x.shape[0] != n or x.shape[1] == 0 or (f is not None and x.shape[1] != f):
+            raise ValueError(f"linear: x must be [{n}, {f if f is not None else 'F'}], got "
+                             f"{tuple(x.shape)}")
+        f = x.shape[1]
+    if dx is not None:
+        check_tensor("dx", dx, shape=(n, f))
+    if dw is not None:
+        check_tensor("dw", dw, shape=(o, f))
+    if db is not None:
+        check_tensor("db", db, shape=(o,))
+    _check_device(dy, x=x, w=w, dx=dx, dw=dw, db=db)
+    _check_no_overlap([("dx", dx), ("dw", dw), ("db", db)], [("x", x), ("w", w), ("dy", dy)])
+
+    if dx is not None:      # dx[N, F] = dy[N, O] @ w[O, F]
+        _launch(dy, w, dx, None, None, n, f, o, o, 1, f, 1, _DX, accumulate, prec)
+    if dw is not None:      # dw[O, F] = dy.T[O, N] @ x[N, F]  (+ db = row sums of dy.T)
+        _launch(dy, x, dw, None, db, o, f, n, 1, o, f, 1, _DW, False, prec)
+    elif db is not None:
+        block_o = min(triton.next_power_of_2(o), 256)
+        _colsum_kernel[(triton.cdiv(o, block_o),)](dy, db, n, o, BLOCK_O=block_o, ROWS=8,
+                                                   num_warps=4)
+
+
+def workspace_bytes(n: int, f: int, o: int, phase=None) -> int:
+    """No split-K: every GEMM writes its output directly, so no scratch memory."""
+    return 0

@@ -1,0 +1,354 @@
+"""MaxPool2d / AvgPool2d (NCHW, floor mode, torch semantics), forward and backward.
+
+API
+    out_shape(x_shape, kernel, stride, padding) -> (N, C, OH, OW)
+    forward(x, y, *, mode, kernel, stride, padding)             mode "max" | "avg"
+    backward(x, y, dy, dx, *, mode, kernel, stride, padding, accumulate=False)
+    workspace_bytes(*args) -> 0
+kernel, stride and padding are ints or (h, w) pairs. As torch requires: padding <= kernel // 2
+and kernel <= the padded input, else ValueError. Average pooling counts the padding
+(count_include_pad=True, torch's default); in floor mode every window then has
+kernel_h * kernel_w cells, so the divisor is constant.
+
+Forward: one lane per output element scans its window (row-major). Max: the running maximum
+is replaced when a value is greater, or is NaN, or is the first in-image cell of the window,
+exactly torch's rule; so a NaN propagates and on ties the FIRST maximum in scan order wins.
+Global pooling (the window covers the whole unpadded image) uses a reduction kernel that
+reads each plane as one contiguous row.
+
+Backward is a GATHER over input pixels, no atomics, so it is deterministic. Input pixels are
+grouped into "cells" of stride_h x stride_w pixels: all pixels of a cell lie in the same
+candidate windows (at most ceil(kh/sh) * ceil(kw/sw) of them). One lane handles one cell:
+it loads dy of each candidate window once and adds it to the cell pixels that the window
+covers (avg: dy / (kh*kw)) or that are the window's argmax (max).
+
+Max pooling stores no argmax indices. The backward recomputes each candidate window's
+argmax from x, with the forward's scan and tie rule, so the gradient goes to the same pixel
+torch picks (first maximum in scan order; with ties the input is not differentiable and
+torch's choice is reproduced exactly). Cost: the backward reads x again, each candidate
+window's kh*kw cells per cell of the grid -- for 3x3 stride 2 that is 4 windows x 9 loads
+per 2x2 cell (9 cached loads per pixel, x itself read once from DRAM when the caches hold
+the neighbourhood); for stride 1 windows overlap more (3x3/1: 81 cached loads per pixel),
+which makes the backward compute-bound rather than bandwidth-bound. Saves: the int64 index
+tensor the size of y (2x y's bytes) that torch keeps from forward to backward; only x must
+stay alive (y is not read by the max backward; the parameter is kept for a uniform API).
+"""
+import torch
+import triton
+import triton.language as tl
+
+from ._common import autotune_configs, check_tensor
+
+_FWD_GPU = [
+    triton.Config({"BLOCK": 256}, num_warps=4),
+    triton.Config({"BLOCK": 512}, num_warps=4),
+    triton.Config({"BLOCK": 1024}, num_warps=4),
+    triton.Config({"BLOCK": 1024}, num_warps=8),
+]
+_FWD_SMALL = triton.Config({"BLOCK": 1024}, num_warps=4)
+
+_BWD_GPU = [
+    triton.Config({"BLOCK": 128}, num_warps=4),
+    triton.Config({"BLOCK": 256}, num_warps=4),
+    triton.Config({"BLOCK": 512}, num_warps=4),
+    triton.Config({"BLOCK": 512}, num_warps=8),
+]
+_BWD_SMALL = triton.Config({"BLOCK": 256}, num_warps=4)
+
+_GLOBAL_GPU = [
+    triton.Config({"PLANES": 8}, num_warps=4),
+    triton.Config({"PLANES": 16}, num_warps=4),
+    triton.Config({"PLANES": 32}, num_warps=8),
+]
+_GLOBAL_SMALL = triton.Config({"PLANES": 16}, num_warps=4)
+
+_INT32_LIMIT = 2**31 - 1
+
+
+def workspace_bytes(*args, **kwargs) -> int:
+    """Pooling needs no scratch memory (max pooling keeps no index tensor either)."""
+    return 0
+
+
+# ----------------------------------------------------------------------------- arguments
+
+
+def _pair(v, name, minimum):
+    if isinstance(v, (list, tuple)):
+        if len(v) != 2:
+            raise ValueError(f"{name} must be an int or a pair of ints, got {v!r}")
+        pair = tuple(v)
+    else:
+        pair = (v, v)
+    for p in pair:
+        if isinstance(p, bool) or not isinstance(p, int):
+            raise ValueError(f"{name} must be an int or a pair of ints, got {v!r}")
+        if p < minimum:
+            raise ValueError(f"{name} must be >= {minimum}, got {v!r}")
+    return pair
+
+
+def _params(kernel, stride, padding):
+    kh, kw = _pair(kernel, "kernel", 1)
+    sh, sw = _pair(stride, "stride", 1)
+    ph, pw = _pair(padding, "padding", 0)
+    if ph > kh // 2 or pw > kw // 2:
+        raise ValueError(f"padding {(ph, pw)} must be at most half the kernel {(kh, kw)}")
+    return kh, kw, sh, sw, ph, pw
+
+
+def out_shape(x_shape, kernel, stride, padding):
+    """(N, C, OH, OW) of a pooling of an NCHW input, floor mode as torch."""
+    if len(tuple(x_shape)) != 4:
+        raise ValueError(f"pooling input must be 4-D NCHW, got shape {tuple(x_shape)}")
+    n, c, h, w = (int(s) for s in x_shape)
+    kh, kw, sh, sw, ph, pw = _params(kernel, stride, padding)
+    if h + 2 * ph < kh or w + 2 * pw < kw:
+        raise ValueError(f"kernel {(kh, kw)} is larger than the padded input "
+                         f"{(h + 2 * ph, w + 2 * pw)}")
+    return (n, c, (h + 2 * ph - kh) // sh + 1, (w + 2 * pw - kw) // sw + 1)
+
+
+def _mode(mode):
+    if mode not in ("max", "avg"):
+        raise ValueError(f"mode must be 'max' or 'avg', got {mode!r}")
+    return mode == "max"
+
+
+def _check_io(x, y, kernel, stride, padding):
+    check_tensor("x", x)
+    if x.dim() != 4:
+        raise ValueError(f"x must be 4-D NCHW, got shape {tuple(x.shape)}")
+    shape = out_shape(x.shape, kernel, stride, padding)
+    check_tensor("y", y, shape)
+    return shape
+
+
+def _check_same_device(*named):
+    dev = named[0][1].device
+    for nm, t in named:
+        if t is not None and t.device != dev:
+            raise ValueError(f"{nm} is on {t.device}, expected {dev}")
+
+
+# ----------------------------------------------------------------------------- kernels
+
+
+@triton.autotune(configs=autotune_configs(_FWD_GPU, _FWD_SMALL),
+                 key=["total", "H", "W", "KH", "KW", "SH", "SW"])
+@triton.jit
+def _pool_fwd_kernel(x, y, total, H, W, OH, OW,
+                     KH: tl.constexpr, KW: tl.constexpr, SH: tl.constexpr, SW: tl.constexpr,
+                     PH: tl.constexpr, PW: tl.constexpr, IS_MAX: tl.constexpr,
+                     INDEX64: tl.constexpr, BLOCK: tl.constexpr):
+    """One lane per output element, flattened over N*C*OH*OW."""
+    if INDEX64:
+        offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    else:
+        offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    mask = offs < total
+    ow = offs % OW
+    t = offs // OW
+    oh = t % OH
+    plane = t // OH
+    xp = x + plane * H * W
+    h0 = oh * SH - PH
+    w0 = ow * SW - PW
+    if IS_MAX:
+        m = tl.full([BLOCK], float("-inf"), tl.float32)
+        found = tl.zeros([BLOCK], tl.int1)
+    else:
+        acc = tl.zeros([BLOCK], tl.float32)
+    for kh in range(KH):
+        ih = h0 + kh
+        hv = mask & (ih >= 0) & (ih < H)
+        for kw in tl.static_range(KW):
+            iw = w0 + kw
+            valid = hv & (iw >= 0) & (iw < W)
+            if IS_MAX:
+                v = tl.load(xp + ih * W + iw, mask=valid, other=float("-inf"))
+                take = valid & ((v > m) | (v != v) | (found == 0))
+                m = tl.where(take, v, m)
+                found = found | valid
+            else:
+                acc += tl.load(xp + ih * W + iw, mask=valid, other=0.0)
+    if IS_MAX:
+        out = m
+    else:
+        out = acc / (KH * KW)
+    tl.store(y + offs, out, mask=mask)
+
+
+@triton.autotune(configs=autotune_configs(_GLOBAL_GPU, _GLOBAL_SMALL), key=["planes", "HW"])
+@triton.jit
+def _pool_global_fwd_kernel(x, y, planes, HW, IS_MAX: tl.constexpr, INDEX64: tl.constexpr,
+                            COLS: tl.constexpr, PLANES: tl.constexpr):
+    """y[p] = max / mean of plane p (HW contiguous elements), PLANES planes per program."""
+    if INDEX64:
+        rows = tl.program_id(0).to(tl.int64) * PLANES + tl.arange(0, PLANES)
+    else:
+        rows = tl.program_id(0) * PLANES + tl.arange(0, PLANES)
+    rmask = rows < planes
+    cols = tl.arange(0, COLS)
+    base = rows[:, None] * HW
+    if IS_MAX:
+        m = tl.full([PLANES, COLS], float("-inf"), tl.float32)
+        nan = tl.zeros([PLANES, COLS], tl.int1)
+    else:
+        acc = tl.zeros([PLANES, COLS], tl.float32)
+    for c0 in range(0, HW, COLS):
+        cm = rmask[:, None] & ((c0 + cols) < HW)[None, :]
+        if IS_MAX:
+            v = tl.load(x + base + c0 + cols[None, :], mask=cm, other=float("-inf"))
+            nan = nan | (v != v)
+            m = tl.maximum(m, v)
+        else:
+            acc += tl.load(x + base + c0 + cols[None, :], mask=cm, other=0.0)
+    if IS_MAX:
+        out = tl.max(m, axis=1)
+        out = tl.where(tl.max(nan.to(tl.int32), axis=1) > 0, float("nan"), out)
+    else:
+        out = tl.sum(acc, axis=1) / HW
+    tl.store(y + rows, out, mask=rmask)
+
+
+@triton.autotune(configs=autotune_configs(_BWD_GPU, _BWD_SMALL),
+                 key=["total", "H", "W", "KH", "KW", "SH", "SW"], restore_value=["dx"])
+@triton.jit
+def _pool_bwd_kernel(x, dy, dx, total, H, W, OH, OW, NBH, NBW, OBH, OBW,
+                     KH: tl.constexpr, KW: tl.constexpr, SH: tl.constexpr, SW: tl.constexpr,
+                     PH: tl.constexpr, PW: tl.constexpr, NH: tl.constexpr, NW: tl.constexpr,
+                     CELLP: tl.constexpr, IS_MAX: tl.constexpr, ACC: tl.constexpr,
+                     INDEX64: tl.constexpr, BLOCK: tl.constexpr):
+    """Gather: one lane per cell of SH x SW input pixels (cell = pixels sharing windows).
+
+    Cell (orow, ocol) holds rows orow*SH - PH + r (r < SH) and cols ocol*SW - PW + q; its
+    candidate windows are (orow - i, ocol - j), i < NH = ceil(KH/SH), j < NW. Pixel (r, q)
+    sits in window (orow - i, ocol - j) at window offset (r + i*SH, q + j*SW) when that is
+    inside the KH x KW window.
+    """
+    if INDEX64:
+        offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    else:
+        offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    cmask = offs < total
+    ocol = offs % NBW + OBW
+    t = offs // NBW
+    orow = t % NBH + OBH
+    plane = t // NBH
+    xbase = plane * H * W
+    xp = x + xbase
+    gp = dy + plane * OH * OW
+
+    e = tl.arange(0, CELLP)
+    r = e // SW
+    q = e % SW
+    emask = e < SH * SW
+    ih = orow[:, None] * SH - PH + r[None, :]
+    iw = ocol[:, None] * SW - PW + q[None, :]
+    inb = cmask[:, None] & emask[None, :] & (ih >= 0) & (ih < H) & (iw >= 0) & (iw < W)
+
+    acc = tl.zeros([BLOCK, CELLP], tl.float32)
+    for i in tl.static_range(NH):
+        wr = orow - i
+        rv = cmask & (wr >= 0) & (wr < OH)
+        for j in tl.static_range(NW):
+            wc = ocol - j
+            wv = rv & (wc >= 0) & (wc < OW)
+            inwin = ((r + i * SH) < KH) & ((q + j * SW) < KW) & emask
+            g = tl.load(gp + wr * OW + wc, mask=wv, other=0.0)
+            if IS_MAX:
+                # argmax of window (wr, wc), scanned as in the forward (first max wins)
+                h0 = wr * SH - PH
+                w0 = wc * SW - PW
+                m = tl.full([BLOCK], float("-inf"), tl.float32)
+                found = tl.zeros([BLOCK], tl.int1)
+                arg = tl.zeros([BLOCK], tl.int32)
+                for kh in range(KH):
+                    hh = h0 + kh
+                    hv = wv & (hh >= 0) & (hh < H)
+                    for kw in tl.static_range(KW):
+                        ww = w0 + kw
+                        valid = hv & (ww >= 0) & (ww < W)
+                        v = tl.load(xp + hh * W + ww, mask=valid, other=float("-inf"))
+                        take = valid & ((v > m) | (v != v) | (found == 0))
+                        m = tl.where(take, v, m)
+                        arg = tl.where(take, kh * KW + kw, arg)
+                        found = found | valid
+                rel = (r + i * SH) * KW + (q + j * SW)
+                hit = inwin[None, :] & (arg[:, None] == rel[None, :]) & wv[:, None]
+                acc += tl.where(hit, g[:, None], 0.0)
+            else:
+                g = g / (KH * KW)
+                acc += tl.where(inwin[None, :] & wv[:, None], g[:, None], 0.0)
+    dptrs = dx + xbase[:, None] + ih * W + iw
+    if ACC:
+        acc += tl.load(dptrs, mask=inb, other=0.0)
+    tl.store(dptrs, acc, mask=inb)
+
+
+# ----------------------------------------------------------------------------- launchers
+
+
+def _next_pow2(v):
+    return 1 << max(0, int(v - 1).bit_length())
+
+
+def _is_global(h, w, kh, kw, ph, pw):
+    return ph == 0 and pw == 0 and kh == h and kw == w
+
+
+def forward(x, y, *, mode, kernel, stride, padding):
+    """y = maxpool2d / avgpool2d(x) (count_include_pad=True), floor mode."""
+    is_max = _mode(mode)
+    kh, kw, sh, sw, ph, pw = _params(kernel, stride, padding)
+    n, c, oh, ow = _check_io(x, y, kernel, stride, padding)
+    _check_same_device(("x", x), ("y", y))
+    h, w = x.shape[2], x.shape[3]
+    total = y.numel()
+    if total == 0:
+        return
+    index64 = x.numel() > _INT32_LIMIT
+    if _is_global(h, w, kh, kw, ph, pw):
+        planes = n * c
+        hw = h * w
+        cols = min(_next_pow2(hw), 1024)
+        _pool_global_fwd_kernel[lambda meta: (triton.cdiv(planes, meta["PLANES"]),)](
+            x, y, planes, hw, IS_MAX=is_max, INDEX64=index64, COLS=cols)
+        return
+    _pool_fwd_kernel[lambda meta: (triton.cdiv(total, meta["BLOCK"]),)](
+        x, y, total, h, w, oh, ow, KH=kh, KW=kw, SH=sh, SW=sw, PH=ph, PW=pw,
+        IS_MAX=is_max, INDEX64=index64)
+
+
+def backward(x, y, dy, dx, *, mode, kernel, stride, padding, accumulate=False):
+    """dx (+)= d pool / dx . dy, a gather over input pixels (deterministic, no atomics).
+
+    Max pooling recomputes the argmax from x; y is accepted for a uniform API but not read.
+    dx may be None (nothing to do).
+    """
+    is_max = _mode(mode)
+    kh, kw, sh, sw, ph, pw = _params(kernel, stride, padding)
+    shape = _check_io(x, y, kernel, stride, padding)
+    check_tensor("dy", dy, shape)
+    if not isinstance(accumulate, bool):
+        raise ValueError(f"accumulate must be a bool, got {accumulate!r}")
+    if dx is not None:
+        check_tensor("dx", dx, x.shape)
+    _check_same_device(("x", x), ("y", y), ("dy", dy), ("dx", dx))
+    if dx is None or x.numel() == 0:
+        return
+    n, c, oh, ow = shape
+    h, w = x.shape[2], x.shape[3]
+    obh, obw = ph // sh, pw // sw                    # first cell's owner window row / col
+    nbh = (h - 1 + ph) // sh - obh + 1
+    nbw = (w - 1 + pw) // sw - obw + 1
+    total = n * c * nbh * nbw
+    nh = -(-kh // sh)
+    nw = -(-kw // sw)
+    cellp = max(2, _next_pow2(sh * sw))
+    index64 = x.numel() > _INT32_LIMIT
+    _pool_bwd_kernel[lambda meta: (triton.cdiv(total, meta["BLOCK"]),)](
+        x, dy, dx, total, h, w, oh, ow, nbh, nbw, obh, obw,
+        KH=kh, KW=kw, SH=sh, SW=sw, PH=ph, PW=pw, NH=nh, NW=nw, CELLP=cellp,
+        IS_MAX=is_max, ACC=accumulate, INDEX64=index64)

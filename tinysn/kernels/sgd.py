@@ -1,0 +1,94 @@
+"""SGD update with torch.optim.SGD semantics (dampening 0, nesterov False, maximize False).
+
+update(param, grad, momentum_buf, *, lr, momentum, weight_decay), element-wise, in place:
+    d = grad + weight_decay * param          (skipped when weight_decay == 0: d = grad)
+    if momentum != 0:
+        buf = momentum * buf + d             (buf must start as zeros: momentum * 0 + d == d,
+        d = buf                               exactly torch's first step, buf = clone(d))
+    param = param - lr * d
+
+The float32 operations follow torch's order and rounding (d_p = grad.add(param, alpha=wd) and
+param.add_(d_p, alpha=-lr) are single FMAs in torch's kernels; buf.mul_(momentum).add_(d_p) is
+two rounded ops), so results match torch.optim.SGD bitwise on the CPU interpreter and are
+expected to on the GPU (torch's foreach kernels may round differently there: ~1 ulp).
+One 1-D blocked memory-bound kernel: reads param, grad (and buf), writes param (and buf).
+"""
+import torch
+import triton
+import triton.language as tl
+
+from ._common import INTERPRET, check_tensor
+
+BLOCK = 4096
+NUM_WARPS = 8
+# torch's add-with-alpha kernels compute a + alpha * b as one FMA (CPU vectorised fmadd; nvcc
+# contracts it on CUDA) and buf.mul_(m).add_(d) as two rounded ops. The kernel spells the FMAs
+# out with tl.fma and turns the compiler's own contraction off, so it rounds like torch.
+_NO_FP_FUSION = {} if INTERPRET else {"enable_fp_fusion": False}
+
+
+@triton.jit
+def _sgd_kernel(p_ptr, g_ptr, buf_ptr, n, lr, momentum, weight_decay,
+                HAS_WD: tl.constexpr, HAS_MOMENTUM: tl.constexpr, BLOCK: tl.constexpr):
+    offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    mask = offs < n
+    p = tl.load(p_ptr + offs, mask=mask)
+    d = tl.load(g_ptr + offs, mask=mask)
+    if HAS_WD:
+        d = tl.fma(p, weight_decay, d)           # torch: grad.add(param, alpha=wd)
+    if HAS_MOMENTUM:
+        b = tl.load(buf_ptr + offs, mask=mask)
+        b = momentum * b + d                    # two roundings (fp fusion is off)
+        tl.store(buf_ptr + offs, b, mask=mask)
+        d = b
+    tl.store(p_ptr + offs, tl.fma(d, -lr, p), mask=mask)   # torch: param.add_(d, alpha=-lr)
+
+
+def _number(name, v):
+    if isinstance(v, bool) or not isinstance(v, (int, float)):
+        raise ValueError(f"sgd {name} must be a number, got {v!r}")
+    v = float(v)
+    if not (v >= 0.0) or v == float("inf"):
+        raise ValueError(f"sgd {name} must be finite and >= 0, got {v!r}")
+    return v
+
+
+def update(param: torch.Tensor, grad: torch.Tensor, momentum_buf, *, lr: float,
+           momentum: float, weight_decay: float) -> None:
+    """One SGD step, in place on param (and momentum_buf). See the module docstring.
+
+    param, grad, momentum_buf: contiguous float32 of one shape on one device, non-overlapping.
+    momentum_buf may be None only when momentum == 0 (it is then left untouched).
+    """
+    lr = _number("lr", lr)
+    momentum = _number("momentum", momentum)
+    weight_decay = _number("weight_decay", weight_decay)
+    check_tensor("param", param)
+    check_tensor("grad", grad, shape=param.shape)
+    tensors = [("param", param), ("grad", grad)]
+    if momentum != 0.0:
+        if momentum_buf is None:
+            raise ValueError("sgd: momentum_buf is required when momentum != 0")
+        check_tensor("momentum_buf", momentum_buf, shape=param.shape)
+        tensors.append(("momentum_buf", momentum_buf))
+    n = param.numel()
+    for name, t in tensors[1:]:
+        if t.device != param.device:
+            raise ValueError(f"sgd: {name} is on {t.device} but param is on {param.device}")
+    if n == 0:
+        return
+    for i, (na, a) in enumerate(tensors):
+        for nb, b in tensors[i + 1:]:
+            a0, b0 = a.data_ptr(), b.data_ptr()
+            if a0 < b0 + 4 * n and b0 < a0 + 4 * n:
+                raise ValueError(f"sgd: {na} and {nb} overlap")
+    buf = momentum_buf if momentum != 0.0 else param      # dummy pointer when unused
+    _sgd_kernel[(triton.cdiv(n, BLOCK),)](
+        param, grad, buf, n, lr, momentum, weight_decay,
+        HAS_WD=weight_decay != 0.0, HAS_MOMENTUM=momentum != 0.0, BLOCK=BLOCK,
+        num_warps=NUM_WARPS, **_NO_FP_FUSION)
+
+
+def workspace_bytes(*args, **kwargs) -> int:
+    """The update is element-wise in place: no scratch memory."""
+    return 0

@@ -1,0 +1,171 @@
+"""Softmax + mean cross-entropy (F.cross_entropy(logits, labels), reduction "mean").
+
+forward(logits, labels, loss, workspace)
+    loss[0] = mean_i (logsumexp(logits[i]) - logits[i, labels[i]])
+    One program per row writes its row loss into the workspace (float32 [N]); a second,
+    single-program kernel sums them in a fixed order and divides by N. No atomics: the loss is
+    bitwise reproducible.
+backward(logits, labels, dlogits, *, scale=1.0, accumulate=False)
+    dlogits (+)= (softmax(logits) - onehot(labels)) * (scale / N)
+    (the gradient of scale * loss; softmax is recomputed from the logits, nothing is saved).
+
+Numerically stable (the row max is subtracted before exp). Rows of any length K: a row is
+walked in blocks of at most _MAX_BLOCK_K columns (ImageNet's K = 1000 fits in one block).
+
+Labels: the launcher checks shapes and dtypes only; reading the label values would need a
+device sync, so the Runtime validates labels (0 <= label < K) when a batch arrives. A label
+outside [0, K) does not read out of bounds here: its row loss (and so the loss) becomes NaN,
+and backward treats it as matching no class. ignore_index is not supported.
+"""
+import torch
+import triton
+import triton.language as tl
+
+from ._common import check_tensor
+
+_MAX_BLOCK_K = 1024          # columns per block of a row (tests lower it to exercise the loop)
+_REDUCE_BLOCK = 1024         # row losses summed per step of the final reduction
+
+
+@triton.jit
+def _row_max(row_ptr, K, BLOCK_K: tl.constexpr):
+    cols = tl.arange(0, BLOCK_K)
+    m = tl.full([BLOCK_K], float("-inf"), tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        x = tl.load(row_ptr + k0 + cols, mask=k0 + cols < K, other=float("-inf"))
+        m = tl.maximum(m, x)
+    return tl.max(m, axis=0)
+
+
+@triton.jit
+def _row_sumexp(row_ptr, K, m, BLOCK_K: tl.constexpr):
+    cols = tl.arange(0, BLOCK_K)
+    s = tl.zeros([BLOCK_K], tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        x = tl.load(row_ptr + k0 + cols, mask=k0 + cols < K, other=float("-inf"))
+        s += tl.exp(x - m)
+    return tl.sum(s, axis=0)
+
+
+@triton.jit
+def _ce_rows_kernel(logits_ptr, labels_ptr, row_loss_ptr, K, BLOCK_K: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)
+    row_ptr = logits_ptr + row * K
+    m = _row_max(row_ptr, K, BLOCK_K)
+    s = _row_sumexp(row_ptr, K, m, BLOCK_K)
+    lab = tl.load(labels_ptr + row)
+    valid = (lab >= 0) & (lab < K)
+    x_lab = tl.load(row_ptr + tl.where(valid, lab, 0), mask=valid, other=float("nan"))
+    tl.store(row_loss_ptr + row, (m + tl.log(s)) - x_lab)
+
+
+@triton.jit
+def _mean_kernel(row_loss_ptr, loss_ptr, N, inv_n, BLOCK: tl.constexpr):
+    offs = tl.arange(0, BLOCK)
+    acc = tl.zeros([BLOCK], tl.float32)
+    for i0 in range(0, N, BLOCK):
+        acc += tl.load(row_loss_ptr + i0 + offs, mask=i0 + offs < N, other=0.0)
+    tl.store(loss_ptr, tl.sum(acc, axis=0) * inv_n)
+
+
+@triton.jit
+def _ce_bwd_kernel(logits_ptr, labels_ptr, dlogits_ptr, K, coef,
+                   BLOCK_K: tl.constexpr, ACCUMULATE: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)
+    row_ptr = logits_ptr + row * K
+    drow_ptr = dlogits_ptr + row * K
+    m = _row_max(row_ptr, K, BLOCK_K)
+    s = _row_sumexp(row_ptr, K, m, BLOCK_K)
+    lab = tl.load(labels_ptr + row)
+    cols = tl.arange(0, BLOCK_K)
+    for k0 in range(0, K, BLOCK_K):
+        mask = k0 + cols < K
+        x = tl.load(row_ptr + k0 + cols, mask=mask, other=float("-inf"))
+        p = tl.exp(x - m) / s
+        g = (p - tl.where(k0 + cols == lab, 1.0, 0.0)) * coef
+        if ACCUMULATE:
+            g = tl.load(drow_ptr + k0 + cols, mask=mask) + g
+        tl.store(drow_ptr + k0 + cols, g, mask=mask)
+
+
+def _block_k(k: int) -> int:
+    return min(max(triton.next_power_of_2(k), 16), _MAX_BLOCK_K)
+
+
+def _num_warps(block_k: int) -> int:
+    return 4 if block_k >= 512 else (2 if block_k >= 128 else 1)
+
+
+def _check_logits_labels(logits, labels):
+    check_tensor("logits", logits)
+    if logits.dim() != 2 or logits.shape[0] == 0 or logits.shape[1] == 0:
+        raise ValueError(f"logits must be a non-empty [N, K] tensor, got shape {tuple(logits.shape)}")
+    n = logits.shape[0]
+    check_tensor("labels", labels, shape=(n,), dtype=torch.int64)
+    if labels.device != logits.device:
+        raise ValueError(f"labels is on {labels.device} but logits is on {logits.device}")
+
+
+def workspace_bytes(n: int, k: int) -> int:
+    """Scratch for forward: one float32 row loss per row (backward needs none)."""
+    return 4 * int(n)
+
+
+def _float_workspace(workspace, count: int, device) -> torch.Tensor:
+    if not isinstance(workspace, torch.Tensor):
+        raise ValueError(f"workspace must be a torch tensor, got {type(workspace).__name__}")
+    if workspace.dim() != 1 or not workspace.is_contiguous():
+        raise ValueError("workspace must be a contiguous 1-D tensor")
+    if workspace.device != device:
+        raise ValueError(f"workspace is on {workspace.device} but logits is on {device}")
+    if workspace.dtype == torch.uint8:
+        if workspace.numel() < 4 * count:
+            raise ValueError(f"workspace has {workspace.numel()} bytes, needs {4 * count}")
+        if workspace.data_ptr() % 4:
+            raise ValueError("a uint8 workspace must start at a 4-byte aligned address")
+        return workspace[: 4 * count].view(torch.float32)
+    if workspace.dtype == torch.float32:
+        if workspace.numel() < count:
+            raise ValueError(f"workspace has {4 * workspace.numel()} bytes, needs {4 * count}")
+        return workspace[:count]
+    raise ValueError(f"workspace must be uint8 or float32, got {workspace.dtype}")
+
+
+def forward(logits: torch.Tensor, labels: torch.Tensor, loss: torch.Tensor,
+            workspace: torch.Tensor) -> None:
+    """loss[0] = F.cross_entropy(logits, labels) (mean). logits float32 [N, K], labels int64 [N],
+    loss float32 [1], workspace uint8/float32 1-D of >= workspace_bytes(N, K) bytes."""
+    _check_logits_labels(logits, labels)
+    n, k = logits.shape
+    check_tensor("loss", loss)
+    if loss.numel() != 1 or loss.dim() > 1:
+        raise ValueError(f"loss must be a float32 tensor of shape [1], got {tuple(loss.shape)}")
+    if loss.device != logits.device:
+        raise ValueError(f"loss is on {loss.device} but logits is on {logits.device}")
+    rows = _float_workspace(workspace, n, logits.device)
+    bk = _block_k(k)
+    _ce_rows_kernel[(n,)](logits, labels, rows, k, BLOCK_K=bk, num_warps=_num_warps(bk))
+    _mean_kernel[(1,)](rows, loss, n, 1.0 / n, BLOCK=_REDUCE_BLOCK, num_warps=4)
+
+
+def backward(logits: torch.Tensor, labels: torch.Tensor, dlogits: torch.Tensor, *,
+             scale: float = 1.0, accumulate: bool = False) -> None:
+    """dlogits (+)= (softmax(logits) - onehot(labels)) * scale / N.
+
+    dlogits may be logits itself (in place: every element is read before it is written).
+    """
+    _check_logits_labels(logits, labels)
+    n, k = logits.shape
+    check_tensor("dlogits", dlogits, shape=(n, k))
+    if dlogits.device != logits.device:
+        raise ValueError(f"dlogits is on {dlogits.device} but logits is on {logits.device}")
+    if isinstance(scale, bool) or not isinstance(scale, (int, float)):
+        raise ValueError(f"scale must be a number, got {scale!r}")
+    if not isinstance(accumulate, bool):
+        raise ValueError(f"accumulate must be a bool, got {accumulate!r}")
+    a0, b0, nb = logits.data_ptr(), dlogits.data_ptr(), 4 * n * k
+    if a0 != b0 and a0 < b0 + nb and b0 < a0 + nb:
+        raise ValueError("dlogits partly overlaps logits")
+    bk = _block_k(k)
+    _ce_bwd_kernel[(n,)](logits, labels, dlogits, k, float(scale) / n,
+                         BLOCK_K=bk, ACCUMULATE=accumulate, num_warps=_num_warps(bk))

@@ -1,0 +1,5 @@
+"""Memory: BlockAllocator (pure bookkeeping) and Arena (one torch buffer + an allocator)."""
+from .allocator import Block, BlockAllocator
+from .arena import Arena
+
+__all__ = ["Arena", "Block", "BlockAllocator"]

@@ -1,0 +1,277 @@
+"""BlockAllocator: the bookkeeping half of the paper's GPU memory pool (§3.2).
+
+The pool is one preallocated span cut into fixed-size blocks (1 KiB by default). A request
+is rounded up to whole blocks and placed by FIRST FIT: the free run with the lowest offset
+that is long enough. Allocated nodes are found by id through a dict (the paper's
+ID-to-node hash table); a freed node is merged with free neighbours, so two free runs are
+never adjacent.
+
+No memory is touched here: offsets are plain integers. The same class keeps the books for
+the device arena, the pinned host arena and the dry-run planner, which replays every
+allocation of a plan, so the hot paths (`alloc`, `free`) are a handful of C-level list
+operations:
+
+- the free list is two parallel Python lists, `_starts` (sorted) and `_lens`, in blocks;
+- first fit is one C-speed scan of `_lens` (itertools.compress over a map), O(#free runs);
+- free finds its neighbours with one bisect on `_starts` and merges in place.
+
+Deferred free: `free_after(block, event)` keeps the block allocated (and counted) until
+`event.query()` is true — a CUDA event recorded after the last kernel that reads the block.
+`reclaim()` frees every completed one; an `alloc` that would fail reclaims first and retries.
+"""
+from __future__ import annotations
+
+import operator
+from bisect import bisect_right
+from itertools import compress, count
+from typing import NamedTuple
+
+from ..errors import OutOfMemory
+from ..units import format_bytes, parse_bytes
+
+__all__ = ["Block", "BlockAllocator"]
+
+
+class Block(NamedTuple):
+    """One allocation: `nbytes` (rounded to whole blocks) at byte `offset` of its pool.
+
+    `owner` is the allocator that made it, so a block handed to another pool is caught.
+    Blocks are immutable and compare equal only to themselves (ids never repeat per pool).
+    """
+
+    id: int
+    offset: int
+    nbytes: int
+    owner: "BlockAllocator"
+
+    @property
+    def end(self) -> int:
+        return self.offset + self.nbytes
+
+    def __repr__(self) -> str:
+        return f"Block(id={self.id}, offset={self.offset}, nbytes={self.nbytes})"
+
+
+def _request(nbytes) -> int:
+    if type(nbytes) is not int:
+        if isinstance(nbytes, bool):
+            raise ValueError(f"allocation size must be a positive whole number of bytes, got {nbytes!r}")
+        try:
+            nbytes = operator.index(nbytes)
+        except TypeError:
+            raise ValueError(
+                f"allocation size must be a positive whole number of bytes, got {nbytes!r}") from None
+    if nbytes <= 0:
+        raise ValueError(f"allocation size must be a positive whole number of bytes, got {nbytes!r}")
+    return nbytes
+
+
+class BlockAllocator:
+    """First-fit allocator over `capacity_bytes` (rounded down) in units of `block_bytes`."""
+
+    __slots__ = ("_bb", "_nblocks", "_starts", "_lens", "_used", "_used_blocks", "_peak_blocks",
+                 "_next_id", "_pending", "_pending_blocks", "__weakref__")
+
+    def __init__(self, capacity_bytes, block_bytes: int = 1024):
+        if isinstance(block_bytes, bool) or not isinstance(block_bytes, int) or block_bytes <= 0:
+            raise ValueError(f"block_bytes must be a positive int, got {block_bytes!r}")
+        if isinstance(capacity_bytes, str):
+            capacity_bytes = parse_bytes(capacity_bytes)
+        elif isinstance(capacity_bytes, bool):
+            raise ValueError(f"capacity must be bytes or a string like '512MiB', got {capacity_bytes!r}")
+        else:
+            try:
+                capacity_bytes = operator.index(capacity_bytes)
+            except TypeError:
+                raise ValueError(
+                    f"capacity must be bytes or a string like '512MiB', got {capacity_bytes!r}") from None
+        if capacity_bytes < 0:
+            raise ValueError(f"capacity must not be negative, got {capacity_bytes!r}")
+        self._bb = block_bytes
+        self._nblocks = capacity_bytes // block_bytes
+        # Free list, address ordered, in blocks: run k is [_starts[k], _starts[k] + _lens[k]).
+        self._starts: list[int] = [0] if self._nblocks else []
+        self._lens: list[int] = [self._nblocks] if self._nblocks else []
+        self._used: dict[int, Block] = {}          # id -> Block (the ID-to-node table)
+        self._used_blocks = 0
+        self._peak_blocks = 0
+        self._next_id = 0
+        self._pending: dict[int, tuple[Block, object]] = {}   # id -> (block, event), in order
+        self._pending_blocks = 0
+
+    # ------------------------------------------------------------------ alloc / free
+    def alloc(self, nbytes) -> Block:
+        """Return a Block of at least `nbytes` at the lowest offset that fits.
+
+        Raises ValueError for nbytes <= 0 and OutOfMemory when no free run is long enough
+        (after reclaiming completed deferred frees); a failed request changes nothing else.
+        """
+        if type(nbytes) is not int or nbytes <= 0:
+            nbytes = _request(nbytes)
+        bb = self._bb
+        need = -(-nbytes // bb)
+        lens = self._lens
+        # First fit: index of the first run with length >= need (the scan runs in C).
+        i = next(compress(count(), map(need.__le__, lens)), -1)
+        if i < 0:
+            if self._pending and self.reclaim():
+                lens = self._lens
+                i = next(compress(count(), map(need.__le__, lens)), -1)
+            if i < 0:
+                raise self._oom(nbytes, need)
+        starts = self._starts
+        start = starts[i]
+        rest = lens[i] - need
+        if rest:
+            starts[i] = start + need
+            lens[i] = rest
+        else:
+            del starts[i]
+            del lens[i]
+        used = self._used_blocks + need
+        self._used_blocks = used
+        if used > self._peak_blocks:
+            self._peak_blocks = used
+        bid = self._next_id
+        self._next_id = bid + 1
+        block = Block(bid, start * bb, need * bb, self)
+        self._used[bid] = block
+        return block
+
+    def free(self, block: Block) -> None:
+        """Give `block` back now; it merges with free neighbours.
+
+        ValueError if the block is not live in this allocator (double free, a block of
+        another allocator, or one already handed to free_after).
+        """
+        bid = self._check_live(block)
+        if bid in self._pending:
+            raise ValueError(f"{block!r} is already waiting on an event (free_after); "
+                             "it is freed by reclaim(), not free()")
+        self._release(bid)
+
+    def _check_live(self, block) -> int:
+        if not isinstance(block, Block) or block.owner is not self:
+            raise ValueError(f"{block!r} does not belong to this allocator")
+        bid = block.id
+        if self._used.get(bid) != block:
+            raise ValueError(f"{block!r} is not allocated (double free?)")
+        return bid
+
+    def _release(self, bid: int) -> int:
+        block = self._used.pop(bid)
+        bb = self._bb
+        start = block.offset // bb
+        n = block.nbytes // bb
+        self._used_blocks -= n
+        starts, lens = self._starts, self._lens
+        k = bisect_right(starts, start)          # runs [0, k) start before `start`
+        end = start + n
+        if k and starts[k - 1] + lens[k - 1] == start:              # merge left
+            if k < len(starts) and starts[k] == end:                 # ... and right
+                lens[k - 1] += n + lens[k]
+                del starts[k]
+                del lens[k]
+            else:
+                lens[k - 1] += n
+        elif k < len(starts) and starts[k] == end:                   # merge right
+            starts[k] = start
+            lens[k] += n
+        else:
+            starts.insert(k, start)
+            lens.insert(k, n)
+        return n
+
+    # ------------------------------------------------------------------ deferred free
+    def free_after(self, block: Block, event) -> None:
+        """Free `block` once `event.query()` is true; until then it stays allocated."""
+        bid = self._check_live(block)
+        if bid in self._pending:
+            raise ValueError(f"{block!r} is already waiting on an event (free_after)")
+        if not callable(getattr(event, "query", None)):
+            raise ValueError(f"free_after needs an event with .query(), got {event!r}")
+        self._pending[bid] = (block, event)
+        self._pending_blocks += block.nbytes // self._bb
+
+    def reclaim(self) -> int:
+        """Free every deferred block whose event has completed; return the bytes freed."""
+        if not self._pending:
+            return 0
+        done = [bid for bid, (_, event) in self._pending.items() if event.query()]
+        freed = 0
+        for bid in done:
+            del self._pending[bid]
+            freed += self._release(bid)
+        self._pending_blocks -= freed
+        return freed * self._bb
+
+    @property
+    def pending_bytes(self) -> int:
+        """Bytes held by blocks waiting on an event (included in in_use)."""
+        return self._pending_blocks * self._bb
+
+    # ------------------------------------------------------------------ figures
+    @property
+    def capacity(self) -> int:
+        return self._nblocks * self._bb
+
+    @property
+    def block_bytes(self) -> int:
+        return self._bb
+
+    @property
+    def in_use(self) -> int:
+        return self._used_blocks * self._bb
+
+    @property
+    def peak(self) -> int:
+        return self._peak_blocks * self._bb
+
+    def reset_peak(self) -> None:
+        self._peak_blocks = self._used_blocks
+
+    @property
+    def free_bytes(self) -> int:
+        return (self._nblocks - self._used_blocks) * self._bb
+
+    @property
+    def largest_free(self) -> int:
+        return max(self._lens, default=0) * self._bb
+
+    @property
+    def n_free_nodes(self) -> int:
+        return len(self._starts)
+
+    @property
+    def n_used_nodes(self) -> int:
+        return len(self._used)
+
+    def free_runs(self) -> list[tuple[int, int]]:
+        """[(offset, nbytes), ...] of the free runs, by offset."""
+        bb = self._bb
+        return [(s * bb, n * bb) for s, n in zip(self._starts, self._lens)]
+
+    def used_blocks(self) -> list[Block]:
+        """The live blocks (deferred ones included), by offset."""
+        return sorted(self._used.values(), key=operator.attrgetter("offset"))
+
+    def owns(self, block) -> bool:
+        """True if `block` is live in this allocator."""
+        return (isinstance(block, Block) and block.owner is self
+                and self._used.get(block.id) == block)
+
+    def _oom(self, nbytes: int, need: int) -> OutOfMemory:
+        bb = self._bb
+        free = self.free_bytes
+        largest = self.largest_free
+        pending = f", {self.pending_bytes} of them waiting on events" if self._pending else ""
+        return OutOfMemory(
+            f"cannot allocate {nbytes} bytes ({format_bytes(nbytes)}; {need * bb} in "
+            f"{bb}-byte blocks): {free} bytes free ({format_bytes(free)}), largest free run "
+            f"{largest} bytes ({format_bytes(largest)}), capacity {self.capacity} bytes "
+            f"({format_bytes(self.capacity)}), {self.in_use} bytes in use{pending}")
+
+    def __repr__(self) -> str:
+        return (f"BlockAllocator(capacity={self.capacity}, block_bytes={self._bb}, "
+                f"in_use={self.in_use}, peak={self.peak}, free_runs={len(self._starts)}, "
+                f"used_nodes={len(self._used)})")

@@ -1,0 +1,365 @@
+"""Runtime: owns the arenas and executes the plan, step by step, every iteration.
+
+`Runtime(net, memory, policy)` plans first (so a cap that is too small fails before any
+memory is taken or any kernel runs), then creates the device arena of exactly `memory`
+bytes and a pinned host arena of the size the plan needs, places the persistent tensors
+(parameters, batch-norm statistics, optimizer state) and initialises the parameters.
+
+`step(images, labels)` runs one iteration: it walks the plan's steps and, for each, performs
+its operations in order: allocations and frees through the arena's allocator (which must
+hand out exactly the offsets the plan predicted, so the measured peak equals the plan's),
+copies between the arenas on a copy stream, and kernel launches on views of the arena.
+Every launch reads its tensors through `Tensor.view()`, which raises if a tensor is freed,
+dropped or still in flight, so a scheduling bug cannot silently compute wrong numbers.
+"""
+from __future__ import annotations
+
+import zlib
+from dataclasses import dataclass, field
+
+import torch
+
+from .kernels import act as act_k
+from .kernels import bn as bn_k
+from .kernels import conv as conv_k
+from .kernels import dropout as dropout_k
+from .kernels import join as join_k
+from .kernels import linear as linear_k
+from .kernels import lrn as lrn_k
+from .kernels import pool as pool_k
+from .kernels import sgd as sgd_k
+from .kernels import softmax as softmax_k
+from .pool.arena import Arena
+from .sched import plan as plan_mod
+from .tensor import Tensor
+
+
+@dataclass
+class Stats:
+    """What the runtime measured. `trace` has one record per executed step of the last
+    iteration: layer, phase, bytes in use and live tensors while its kernel ran."""
+    peak_bytes: int = 0
+    trace: list = field(default_factory=list)
+    bytes_to_host: int = 0
+    bytes_to_device: int = 0
+    recomputed_steps: int = 0
+    conv_algos: dict = field(default_factory=dict)
+    iterations: int = 0
+
+
+def _mask_seed(seed: int, iteration: int, layer_index: int) -> int:
+    """Dropout's mask seed from (seed, iteration, layer): a recomputation draws the same mask."""
+    return zlib.crc32(f"{seed}:{iteration}:{layer_index}".encode()) & 0x7FFFFFFF
+
+
+class Runtime:
+    """Trains `net` under a hard device-memory cap with the scheduling `policy`."""
+
+    def __init__(self, net, memory, policy: str = "baseline", device=None, lr: float = 0.01,
+                 momentum: float = 0.0, weight_decay: float = 0.0, seed: int = 0,
+                 conv_algos=None, precision=None):
+        device = _pick_device(device)
+        for name, value in (("lr", lr), ("momentum", momentum), ("weight_decay", weight_decay)):
+            if not isinstance(value, (int, float)) or isinstance(value, bool) or value < 0:
+                raise ValueError(f"{name} must be a non-negative number, got {value!r}")
+        if not isinstance(seed, int) or isinstance(seed, bool) or seed < 0:
+            raise ValueError(f"seed must be a non-negative int, got {seed!r}")
+        if precision not in (None, "tf32", "ieee"):
+            raise ValueError(f"precision must be None, 'tf32' or 'ieee', got {precision!r}")
+        if device.type == "cuda" and policy == "all" and conv_algos is None:
+            from .sched.workspace import measure_rankings
+            measure_rankings(net, device)
+        self.plan = plan_mod.plan(net, memory, policy, momentum=momentum, conv_algos=conv_algos)
+        self.net, self.policy, self.device = net, policy, device
+        self.lr, self.momentum, self.weight_decay, self.seed = lr, momentum, weight_decay, seed
+        self.precision = precision
+        self.program = self.plan.program
+        self.stats = Stats(conv_algos=self.plan.conv_algos)
+        self.arena = Arena(self.plan.capacity, device)
+        moves = self.plan.bytes_to_host + self.plan.bytes_to_device
+        self.host = Arena(self.plan.host_bytes if moves else 1024, "cpu",
+                          pinned=device.type == "cuda")
+        self.copy_stream = torch.cuda.Stream(device) if device.type == "cuda" else None
+        self.tensors = [Tensor(t.name, t.shape, t.dtype, t.kind, t.id) for t in self.plan.tensors]
+        for op in self.plan.setup:
+            self._alloc(op[1], op[2])
+        self._launch = self._build_launchers()
+        self._ops = {"alloc": self._alloc, "free": self._free, "drop": self._drop,
+                     "offload": self._offload, "release": self._release, "evict": self._evict,
+                     "prefetch": self._prefetch, "wait": self._wait}
+        self.load_params(net.init_params(seed))
+        for tid in self.program.momentum.values():
+            self.tensors[tid].view().zero_()
+
+    # -- the public surface -----------------------------------------------------------
+    def step(self, images, labels) -> float:
+        """One training iteration (forward, backward, SGD update); returns the mean loss."""
+        self._check_batch(images, labels)
+        self.tensors[self.program.labels].view().copy_(labels)
+        self._images = images
+        trace = []
+        for step in self.plan.steps:
+            for op in step.ops:
+                if op[0] == "kernel":
+                    self._launch[op[1]](op[2], op[3])
+                    trace.append({"step": step.index, "layer": step.layer, "phase": step.phase,
+                                  "bytes_in_use": self.arena.allocator.in_use,
+                                  "live_tensors": self.arena.allocator.n_used_nodes})
+                else:
+                    self._ops[op[0]](*op[1:])
+        self._images = None
+        loss = float(self.tensors[self.program.act[self.net.loss]].view()[0])
+        self.stats.trace = trace
+        self.stats.peak_bytes = self.arena.allocator.peak
+        self.stats.recomputed_steps = self.plan.recomputed_steps
+        self.stats.iterations += 1
+        return loss
+
+    def params(self) -> dict:
+        """Parameters and batch-norm statistics in torch layouts (CPU copies)."""
+        named = {**self.program.param, **self.program.buffer}
+        return {name: self.tensors[tid].view().detach().to("cpu", copy=True)
+                for name, tid in named.items()}
+
+    def load_params(self, state: dict) -> None:
+        """Copy parameters (and bn statistics) in; names and shapes must match exactly."""
+        named = {**self.program.param, **self.program.buffer}
+        unknown = sorted(set(state) - set(named))
+        missing = sorted(set(self.program.param) - set(state))
+        if unknown or missing:
+            raise ValueError(f"load_params: unknown names {unknown}, missing parameters {missing}")
+        for name, value in state.items():
+            want = self.tensors[named[name]].shape
+            if not isinstance(value, torch.Tensor) or tuple(value.shape) != want:
+                got = tuple(value.shape) if isinstance(value, torch.Tensor) else type(value).__name__
+                raise ValueError(f"load_params: {name} must have shape {want}, got {got}")
+        for name, value in state.items():
+            self.tensors[named[name]].view().copy_(value)
+
+    # -- input checks -----------------------------------------------------------------
+    def _check_batch(self, images, labels):
+        net = self.net
+        want = (net.batch, *net.input_shape)
+        if not isinstance(images, torch.Tensor) or images.dtype != torch.float32:
+            raise ValueError(f"images must be a float32 torch tensor, got "
+                             f"{getattr(images, 'dtype', type(images).__name__)}")
+        if tuple(images.shape) != want:
+            raise ValueError(f"images must have shape {want}, got {tuple(images.shape)}")
+        if not isinstance(labels, torch.Tensor) or labels.dtype != torch.int64:
+            raise ValueError(f"labels must be an int64 torch tensor, got "
+                             f"{getattr(labels, 'dtype', type(labels).__name__)}")
+        if tuple(labels.shape) != (net.batch,):
+            raise ValueError(f"labels must have shape ({net.batch},), got {tuple(labels.shape)}")
+        low, high = int(labels.min()), int(labels.max())
+        if low < 0 or high >= net.classes:
+            raise ValueError(f"labels must lie in [0, {net.classes}), got values in [{low}, {high}]")
+
+    # -- memory operations ------------------------------------------------------------
+    def _alloc(self, tid, offset):
+        t = self.tensors[tid]
+        t.allocate(self.arena)
+        if t.block.offset != offset:
+            raise RuntimeError(f"allocator diverged from the plan: {t.name} at {t.block.offset}, "
+                               f"planned {offset}")
+
+    def _free(self, tid):
+        self.tensors[tid].free()
+
+    def _drop(self, tid):
+        self.tensors[tid].drop()
+
+    def _offload(self, tid, host_offset):
+        t = self.tensors[tid]
+        t.offload(self.host, self.copy_stream)
+        self.stats.bytes_to_host += t.nbytes
+        if t.host_block.offset != host_offset:
+            raise RuntimeError(f"host allocator diverged from the plan for {t.name}")
+
+    def _release(self, tid):
+        self.tensors[tid].release()
+
+    def _evict(self, tid, host_offset):
+        t = self.tensors[tid]
+        if host_offset is None:
+            t.discard()
+            return
+        self._offload(tid, host_offset)
+        t.release()
+
+    def _prefetch(self, tid, offset):
+        t = self.tensors[tid]
+        t.prefetch(self.arena, self.copy_stream)
+        self.stats.bytes_to_device += t.nbytes
+        if t.block.offset != offset:
+            raise RuntimeError(f"allocator diverged from the plan: {t.name} prefetched to "
+                               f"{t.block.offset}, planned {offset}")
+
+    def _wait(self, tid):
+        stream = torch.cuda.current_stream(self.device) if self.copy_stream is not None else None
+        self.tensors[tid].wait(stream)
+
+    # -- kernel launchers -------------------------------------------------------------
+    def _build_launchers(self) -> dict:
+        """key -> launch(algos, workspace id): one per logical step and per recomputable layer."""
+        launch = {}
+        for step in self.program.steps:
+            if step.phase == "forward":
+                launch[step.index] = self._forward_launcher(step.layer, update_running=True)
+            else:
+                launch[step.index] = self._backward_launcher(step)
+        for layer in self.program.order:
+            launch[("recompute", layer.index)] = self._forward_launcher(layer, update_running=False)
+        return launch
+
+    def _v(self, tid):
+        return self.tensors[tid].view()
+
+    def _ws(self, ws):
+        return None if ws is None else self.tensors[ws].view()
+
+    def _param(self, layer, suffix, table=None):
+        table = self.program.param if table is None else table
+        tid = table.get(f"{layer.name}.{suffix}")
+        return None if tid is None else (lambda: self.tensors[tid].view())
+
+    def _forward_launcher(self, layer, update_running):
+        p, v = self.program, self._v
+        op, a = layer.op, layer.attrs
+        out = p.act[layer]
+        ins = [p.act[x] for x in layer.inputs]
+        prec = self.precision
+        if op == "data":
+            return lambda algos, ws: v(out).copy_(self._images)
+        if op == "conv":
+            w, b = self._param(layer, "weight"), self._param(layer, "bias")
+            return lambda algos, ws: conv_k.forward(
+                v(ins[0]), w(), b() if b else None, v(out), stride=a["stride"],
+                padding=a["padding"], algo=algos["forward"], workspace=self._ws(ws), precision=prec)
+        if op == "bn":
+            g, bb = self._param(layer, "weight"), self._param(layer, "bias")
+            rm = self._param(layer, "running_mean", p.buffer)
+            rv = self._param(layer, "running_var", p.buffer)
+            saved = p.saved[layer]
+            return lambda algos, ws: bn_k.forward(
+                v(ins[0]), g(), bb(), v(out), rm(), rv(), v(saved), self._ws(ws),
+                eps=a.get("eps", 1e-5), momentum=a.get("momentum", 0.1),
+                update_running=update_running)
+        if op == "relu":
+            return lambda algos, ws: act_k.forward(v(ins[0]), v(out))
+        if op == "pool":
+            return lambda algos, ws: pool_k.forward(
+                v(ins[0]), v(out), mode=a["mode"], kernel=a["kernel"], stride=a["stride"],
+                padding=a["padding"])
+        if op == "lrn":
+            return lambda algos, ws: lrn_k.forward(
+                v(ins[0]), v(out), size=a["size"], alpha=a["alpha"], beta=a["beta"], k=a["k"])
+        if op == "fc":
+            w, b = self._param(layer, "weight"), self._param(layer, "bias")
+            n = layer.shape[0]
+            return lambda algos, ws: linear_k.forward(
+                v(ins[0]).view(n, -1), w(), b() if b else None, v(out), precision=prec)
+        if op == "dropout":
+            return lambda algos, ws: dropout_k.forward(
+                v(ins[0]), v(out), p=a["p"], seed=self._dropout_seed(layer), offset=0)
+        if op == "add":
+            return lambda algos, ws: join_k.add_forward([v(i) for i in ins], v(out))
+        if op == "concat":
+            return lambda algos, ws: join_k.concat_forward([v(i) for i in ins], v(out))
+        if op == "softmax_loss":
+            return lambda algos, ws: softmax_k.forward(v(ins[0]), v(p.labels), v(out), self._ws(ws))
+        raise ValueError(f"no forward launcher for layer op {op!r}")
+
+    def _dropout_seed(self, layer):
+        return _mask_seed(self.seed, self.stats.iterations, layer.index)
+
+    def _backward_launcher(self, step):
+        kernel = self._backward_kernel(step)
+        updates = self._updates(step.layer)
+        if not updates:
+            return kernel
+
+        def launch(algos, ws):
+            kernel(algos, ws)
+            for update in updates:
+                update()
+        return launch
+
+    def _updates(self, layer):
+        p = self.program
+        out = []
+        for suffix in layer.params:
+            name = f"{layer.name}.{suffix}"
+            param, grad, mom = p.param[name], p.pgrad[name], p.momentum.get(name)
+            out.append(lambda param=param, grad=grad, mom=mom: sgd_k.update(
+                self._v(param), self._v(grad), None if mom is None else self._v(mom),
+                lr=self.lr, momentum=self.momentum, weight_decay=self.weight_decay))
+        return out
+
+    def _backward_kernel(self, step):
+        p, v = self.program, self._v
+        layer = step.layer
+        op, a = layer.op, layer.attrs
+        dy = p.grad.get(layer)
+        ins = [p.act[x] for x in layer.inputs]
+        dxs = [p.grad.get(x) for x in layer.inputs]
+        acc = [step.accumulate.get(d, False) if d is not None else False for d in dxs]
+        opt = lambda tid: None if tid is None else v(tid)  # noqa: E731
+        pg = lambda s: (lambda: v(p.pgrad[f"{layer.name}.{s}"])) if s in layer.params else (lambda: None)  # noqa: E731
+        prec = self.precision
+        if op == "conv":
+            w = self._param(layer, "weight")
+            dw, db = pg("weight"), pg("bias")
+            return lambda algos, ws: conv_k.backward(
+                v(ins[0]), w(), v(dy), opt(dxs[0]), dw(), db(), stride=a["stride"],
+                padding=a["padding"], algo_data=algos.get("backward_data", "implicit"),
+                algo_weight=algos["backward_weight"], workspace=self._ws(ws),
+                accumulate=acc[0], precision=prec)
+        if op == "bn":
+            g = self._param(layer, "weight")
+            return lambda algos, ws: bn_k.backward(
+                v(ins[0]), g(), v(dy), v(p.saved[layer]), opt(dxs[0]), pg("weight")(),
+                pg("bias")(), self._ws(ws), accumulate=acc[0])
+        if op == "relu":
+            return lambda algos, ws: act_k.backward(v(p.act[layer]), v(dy), v(dxs[0]),
+                                                    accumulate=acc[0])
+        if op == "pool":
+            needs_x = a["mode"] == "max"
+            return lambda algos, ws: pool_k.backward(
+                v(ins[0]) if needs_x else None, None, v(dy), v(dxs[0]), mode=a["mode"],
+                kernel=a["kernel"], stride=a["stride"], padding=a["padding"], accumulate=acc[0])
+        if op == "lrn":
+            return lambda algos, ws: lrn_k.backward(
+                v(ins[0]), v(dy), v(dxs[0]), size=a["size"], alpha=a["alpha"], beta=a["beta"],
+                k=a["k"], accumulate=acc[0])
+        if op == "fc":
+            w = self._param(layer, "weight")
+            n = layer.shape[0]
+            return lambda algos, ws: linear_k.backward(
+                v(ins[0]).view(n, -1), w(), v(dy),
+                None if dxs[0] is None else v(dxs[0]).view(n, -1), pg("weight")(), pg("bias")(),
+                accumulate=acc[0], precision=prec)
+        if op == "dropout":
+            return lambda algos, ws: dropout_k.backward(
+                v(dy), v(dxs[0]), p=a["p"], seed=self._dropout_seed(layer), offset=0,
+                accumulate=acc[0])
+        if op == "add":
+            return lambda algos, ws: join_k.add_backward(v(dy), [opt(d) for d in dxs],
+                                                         accumulate=acc)
+        if op == "concat":
+            return lambda algos, ws: join_k.concat_backward(v(dy), [opt(d) for d in dxs],
+                                                            accumulate=acc)
+        if op == "softmax_loss":
+            return lambda algos, ws: softmax_k.backward(v(ins[0]), v(p.labels), v(dxs[0]),
+                                                        accumulate=acc[0])
+        raise ValueError(f"no backward launcher for layer op {op!r}")
+
+
+def _pick_device(device) -> torch.device:
+    if device is None:
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    device = torch.device(device)
+    if device.type not in ("cpu", "cuda"):
+        raise ValueError(f"device must be 'cpu' or 'cuda', got {device}")
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError("device 'cuda' asked for, but no CUDA GPU is available")
+    return device

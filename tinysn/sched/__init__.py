@@ -1,0 +1,1 @@
+"""Scheduling: execution route, liveness, offload, recompute, workspaces, plan."""

@@ -1,0 +1,188 @@
+"""Liveness analysis (paper §3.2): which tensors each step reads and writes, and when each dies.
+
+The training iteration is first written down as a *logical program*, independent of any
+policy: one forward step per layer in route order, then one backward step per layer in
+reverse order (the SGD update of a layer's parameters is part of its backward step, since
+no parameter is used again in the iteration once its layer's backward has run). Each step
+lists the tensors it reads and writes. From that, every tensor's uses give its live range,
+and the in/out live sets of every step follow: a tensor is live from the step that writes it
+first to the last step that reads it.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+import torch
+
+from . import route
+
+# Which saved tensors a layer's backward pass reads, besides the gradient of its output.
+BACKWARD_READS_INPUT = {"conv", "bn", "lrn", "fc", "softmax_loss"}
+BACKWARD_READS_OUTPUT = {"relu"}
+
+
+def backward_reads_input(layer) -> bool:
+    """True when the layer's backward kernel needs the layer's forward inputs."""
+    if layer.op == "pool":
+        return layer.attrs["mode"] == "max"
+    return layer.op in BACKWARD_READS_INPUT
+
+
+@dataclass
+class TensorInfo:
+    """One logical tensor of the iteration."""
+    id: int
+    name: str
+    shape: tuple
+    dtype: torch.dtype
+    kind: str            # data | grad | param | state | workspace
+    layer: object = None  # the Layer that owns it (None for labels)
+    role: str = ""       # act | grad | saved | param | pgrad | momentum | buffer | labels | loss
+    persistent: bool = False  # lives across iterations (parameters, optimizer state, ...)
+
+    @property
+    def nbytes(self) -> int:
+        return math.prod(self.shape) * torch.empty((), dtype=self.dtype).element_size()
+
+
+@dataclass
+class LogicalStep:
+    """One layer phase: what it reads, what it writes, which gradient writes accumulate."""
+    index: int
+    layer: object
+    phase: str                      # "forward" | "backward"
+    reads: list = field(default_factory=list)
+    writes: list = field(default_factory=list)
+    accumulate: dict = field(default_factory=dict)   # tensor id -> bool, for gradient writes
+
+
+class Program:
+    """The logical program of one training iteration of `net` and its tensors."""
+
+    def __init__(self, net, momentum: float = 0.0):
+        net.check()
+        self.net = net
+        self.momentum_value = momentum
+        self.order = route.forward_order(net)
+        self.tensors: list[TensorInfo] = []
+        self.act, self.grad, self.saved = {}, {}, {}
+        self.param, self.pgrad, self.momentum, self.buffer = {}, {}, {}, {}
+        self._make_tensors(momentum)
+        self.steps: list[LogicalStep] = []
+        self._make_steps()
+        self.uses = self._uses()
+
+    # -- tensors -------------------------------------------------------------------------
+    def _new(self, name, shape, kind, layer, role, dtype=torch.float32, persistent=False):
+        info = TensorInfo(len(self.tensors), name, tuple(shape), dtype, kind, layer, role, persistent)
+        self.tensors.append(info)
+        return info.id
+
+    def _make_tensors(self, momentum):
+        net = self.net
+        for layer in self.order:
+            for suffix, shape in layer.params.items():
+                name = f"{layer.name}.{suffix}"
+                self.param[name] = self._new(name, shape, "param", layer, "param", persistent=True)
+            for suffix, shape in layer.buffers.items():
+                name = f"{layer.name}.{suffix}"
+                self.buffer[name] = self._new(name, shape, "state", layer, "buffer", persistent=True)
+        if momentum:
+            for name, tid in self.param.items():
+                info = self.tensors[tid]
+                self.momentum[name] = self._new(name + ".momentum", info.shape, "state",
+                                                info.layer, "momentum", persistent=True)
+        self.labels = self._new("labels", (net.batch,), "data", None, "labels",
+                                dtype=torch.int64, persistent=True)
+        for layer in self.order:
+            persistent = layer.op == "softmax_loss"
+            self.act[layer] = self._new(layer.name, layer.shape, "data", layer, "act",
+                                        persistent=persistent)
+            if layer.op == "bn":
+                self.saved[layer] = self._new(layer.name + ".saved", (2, layer.shape[1]),
+                                              "state", layer, "saved")
+        for layer in self.order:
+            if layer.op not in ("data", "softmax_loss") and self._needs_grad(layer):
+                self.grad[layer] = self._new(layer.name + ".grad", layer.shape, "grad",
+                                             layer, "grad")
+        for name, tid in self.param.items():
+            info = self.tensors[tid]
+            self.pgrad[name] = self._new(name + ".grad", info.shape, "grad", info.layer, "pgrad")
+
+    @staticmethod
+    def _needs_grad(layer) -> bool:
+        """A layer's output needs a gradient unless nothing upstream of it learns."""
+        return layer.op != "data"
+
+    # -- steps ---------------------------------------------------------------------------
+    def _layer_params(self, layer, table):
+        return [table[f"{layer.name}.{s}"] for s in layer.params if f"{layer.name}.{s}" in table]
+
+    def _make_steps(self):
+        for layer in self.order:
+            step = LogicalStep(len(self.steps), layer, "forward")
+            if layer.op == "data":
+                step.writes.append(self.act[layer])
+            else:
+                step.reads += [self.act[x] for x in layer.inputs]
+                step.reads += self._layer_params(layer, self.param)
+                if layer.op == "softmax_loss":
+                    step.reads.append(self.labels)
+                step.writes.append(self.act[layer])
+                if layer.op == "bn":
+                    step.writes.append(self.saved[layer])
+                    step.writes += [self.buffer[f"{layer.name}.{b}"] for b in layer.buffers]
+            self.steps.append(step)
+        written = set()
+        for layer in reversed(self.order):
+            if layer.op == "data":
+                continue
+            step = LogicalStep(len(self.steps), layer, "backward")
+            if layer in self.grad:
+                step.reads.append(self.grad[layer])
+            if backward_reads_input(layer):
+                step.reads += [self.act[x] for x in layer.inputs]
+            if layer.op in BACKWARD_READS_OUTPUT:
+                step.reads.append(self.act[layer])
+            if layer.op == "softmax_loss":
+                step.reads.append(self.labels)
+            if layer.op == "bn":
+                step.reads.append(self.saved[layer])
+            step.reads += self._layer_params(layer, self.param)
+            step.reads += self._layer_params(layer, self.momentum)
+            for x in layer.inputs:
+                if x in self.grad:
+                    gid = self.grad[x]
+                    step.writes.append(gid)
+                    step.accumulate[gid] = gid in written
+                    written.add(gid)
+            step.writes += self._layer_params(layer, self.pgrad)
+            self.steps.append(step)
+
+    def _uses(self) -> dict:
+        """tensor id -> sorted logical step indices that read or write it."""
+        uses = {info.id: [] for info in self.tensors}
+        for step in self.steps:
+            for tid in set(step.reads) | set(step.writes):
+                uses[tid].append(step.index)
+        return uses
+
+    def first_use(self, tid) -> int:
+        return self.uses[tid][0]
+
+    def last_use(self, tid) -> int:
+        return self.uses[tid][-1]
+
+    def live_sets(self):
+        """Per step, the (in, out) live sets of non-persistent tensors, as the paper's Fig. 5."""
+        born = {t: self.first_use(t) for t in self.uses if self.uses[t]}
+        dies = {t: self.last_use(t) for t in self.uses if self.uses[t]}
+        sets = []
+        for step in self.steps:
+            live_in = {t for t in born if born[t] < step.index <= dies[t]
+                       and not self.tensors[t].persistent}
+            live_out = {t for t in born if born[t] <= step.index < dies[t]
+                        and not self.tensors[t].persistent}
+            sets.append((live_in, live_out))
+        return sets

@@ -1,0 +1,442 @@
+"""The plan: every decision of the scheduler, made once, as a list of steps.
+
+For a fixed net, policy and cap every decision (which block each tensor gets, when it is
+freed, offloaded, prefetched or recomputed, which conv algorithm runs) is deterministic. So
+the planner makes them all up front, through the same BlockAllocator the runtime uses, and
+records them as steps of simple operations:
+
+    ("alloc", tid, offset)      give tensor tid a device block at offset
+    ("free", tid)               return its device (and host) blocks
+    ("drop", tid)               free the device block of a tensor that will be recomputed
+    ("offload", tid, hoffset)   start copying it to the pinned host arena (copy stream)
+    ("release", tid)            wait for that copy, then free the device block
+    ("evict", tid, hoffset)     LRU eviction: copy out unless the host copy is valid, free
+    ("prefetch", tid, offset)   allocate a device block and start copying back (copy stream)
+    ("wait", tid)               the compute stream waits for that copy
+    ("kernel", key, algos, ws)  launch the layer's kernels; key is a logical step index or
+                                ("recompute", layer index); ws a workspace tensor id or None
+
+The runtime executes that list; `plan()` (the dry run) is the same list without kernels. So
+the pool's measured peak equals the plan's peak by construction, and a cap that is too small
+fails here, naming the step, before any kernel runs.
+
+Policies (a ladder, each including the ones before it where it makes sense):
+    baseline   every tensor holds its own block for the whole iteration (the paper's baseline)
+    liveness   allocate at first use, free after last use (§3.2)
+    offload    + copy checkpoint outputs to the host, release, prefetch back (§3.3)
+    recompute  + drop cheap layers' outputs and recompute them, cost-aware (§3.4)
+    all        liveness + LRU tensor cache (move only when short) + dynamic conv workspaces
+               (§3.5); if that does not fit, the same with cost-aware recomputation
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from ..errors import OutOfMemory
+from ..pool.allocator import BlockAllocator
+from ..units import format_bytes, parse_bytes
+from . import liveness, offload, recompute, workspace
+from .liveness import TensorInfo
+
+POLICIES = ("baseline", "liveness", "offload", "recompute", "all")
+HOST_CAPACITY = 1 << 46   # bookkeeping bound for the host arena; the plan sizes the real one
+
+
+@dataclass
+class Step:
+    """One executed step: a layer's forward, backward or recomputation, and its operations."""
+    index: int
+    layer: str
+    phase: str                 # "forward" | "backward" | "recompute"
+    ops: list = field(default_factory=list)
+    bytes_in_use: int = 0      # device bytes in use while the kernel runs
+    live_tensors: int = 0      # tensors holding a device block while the kernel runs
+    algos: dict | None = None  # conv algorithms chosen for this step
+
+
+@dataclass
+class Plan:
+    """The result of planning: the step list and the figures it predicts."""
+    net: object
+    policy: str
+    capacity: int
+    momentum: float
+    tensors: list
+    setup: list               # ops run once, before the first iteration (persistent tensors)
+    steps: list
+    peak_bytes: int           # the device pool's peak bytes in use
+    setup_bytes: int          # bytes held across iterations (parameters, optimizer state...)
+    host_bytes: int           # pinned host arena the plan needs
+    bytes_to_host: int        # per iteration
+    bytes_to_device: int      # per iteration
+    recomputed_steps: int     # extra forward steps per iteration (the paper's Table 1)
+    conv_algos: dict          # layer name -> {phase: algo}
+    uses_recompute: bool
+    program: object = None
+
+    def table(self) -> str:
+        """Per-step bytes in use and live tensors, as text."""
+        rows = [f"{'step':>5} {'phase':<9} {'layer':<24} {'in use':>12} {'live':>5}"]
+        for s in self.steps:
+            rows.append(f"{s.index:>5} {s.phase:<9} {s.layer:<24} {s.bytes_in_use:>12,} "
+                        f"{s.live_tensors:>5}")
+        return "\n".join(rows)
+
+    def summary(self) -> str:
+        return (f"{self.policy}: peak {format_bytes(self.peak_bytes)} of cap "
+                f"{format_bytes(self.capacity)}; to host {format_bytes(self.bytes_to_host)}, "
+                f"to device {format_bytes(self.bytes_to_device)}; recomputed steps "
+                f"{self.recomputed_steps}; host arena {format_bytes(self.host_bytes)}")
+
+
+def plan(net, memory, policy: str = "all", *, momentum: float = 0.0, conv_algos=None,
+         checkpoints=offload.DEFAULT_CHECKPOINTS, block_bytes: int = 1024) -> Plan:
+    """Dry-run one training iteration of `net` under a `memory` cap and `policy`.
+
+    Raises OutOfMemory naming the first step that does not fit. `conv_algos` pins conv
+    algorithms ({"forward": "im2col", ...}, or {} for the zero-workspace defaults).
+    """
+    if policy not in POLICIES:
+        raise ValueError(f"unknown policy {policy!r}; choose one of {POLICIES}")
+    capacity = parse_bytes(memory)
+    program = liveness.Program(net, momentum=momentum)
+    if policy != "all":
+        return _Planner(program, capacity, policy, conv_algos, checkpoints, block_bytes).run()
+    try:
+        return _Planner(program, capacity, "all", conv_algos, checkpoints, block_bytes).run()
+    except OutOfMemory:
+        return _Planner(program, capacity, "all", conv_algos, checkpoints, block_bytes,
+                        with_recompute=True).run()
+
+
+def max_batch(model_fn, memory, policy: str = "all", *, limit: int = 1 << 16, **kwargs) -> int:
+    """The largest batch for which `model_fn(batch=b)` plans under `memory` (0 if none)."""
+    def fits(batch):
+        try:
+            plan(model_fn(batch=batch), memory, policy, **kwargs)
+            return True
+        except OutOfMemory:
+            return False
+
+    if not fits(1):
+        return 0
+    lo, hi = 1, 2
+    while hi <= limit and fits(hi):
+        lo, hi = hi, hi * 2
+    hi = min(hi, limit + 1)
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        lo, hi = (mid, hi) if fits(mid) else (lo, mid)
+    return lo
+
+
+class _Planner:
+    """Simulates one iteration through a BlockAllocator and writes down every operation."""
+
+    def __init__(self, program, capacity, policy, conv_algos, checkpoints, block_bytes,
+                 with_recompute=False):
+        self.program = program
+        self.policy = policy
+        self.tensors = list(program.tensors)
+        self.dev = BlockAllocator(capacity, block_bytes)
+        self.host = BlockAllocator(HOST_CAPACITY, block_bytes)
+        self.n_forward = len(program.order)
+        self.cache = offload.LRUCache() if policy == "all" else None
+        self.always_offload = policy in ("offload", "recompute")
+        self.recompute = policy == "recompute" or with_recompute
+        self.chooser = workspace.AlgoChooser(dynamic=policy == "all", pinned=conv_algos)
+        self.producer = {program.act[layer]: layer for layer in program.order}
+        self.loc, self.dblock, self.hblock = {}, {}, {}
+        self.locked = set()
+        self.rebuilt = set()       # dropped tensors currently rebuilt on the device
+        self.steps, self.conv_algos = [], {}
+        self.to_host = self.to_device = 0
+        self.where = "setup"
+        self._choose_roles(checkpoints)
+
+    # -- which tensors get which treatment --------------------------------------------
+    def _choose_roles(self, checkpoints):
+        p = self.program
+        self.dropped = recompute.dropped_tensors(p) if self.recompute else set()
+        if self.recompute:
+            l_peak = recompute.layer_peak(p, self._default_workspace)
+            self.schedule = recompute.RecomputeSchedule(p, self.dropped,
+                                                        recompute.strategies(p, l_peak))
+            self.uses = self.schedule.uses
+            keep = offload.checkpoint_layers(p, checkpoints) | recompute.extra_checkpoints(p)
+        else:
+            self.schedule = None
+            self.uses = p.uses
+            keep = offload.checkpoint_layers(p, checkpoints)
+        self.offloaded = set()
+        if self.always_offload:
+            self.offloaded = {p.act[layer] for layer in keep
+                              if self.uses[p.act[layer]][-1] >= self.n_forward}
+        self.last_forward_use = {}
+        for tid, uses in self.uses.items():
+            fwd = [u for u in uses if u < self.n_forward]
+            if fwd:
+                self.last_forward_use[tid] = fwd[-1]
+
+    def _default_workspace(self, step) -> int:
+        layer = step.layer
+        if layer.op == "conv":
+            return self.chooser.choose(layer, self._conv_phases(step), 0)[1]
+        return workspace.fixed_workspace(layer, step.phase)
+
+    def _conv_phases(self, step):
+        if step.phase == "forward":
+            return ("forward",)
+        has_dx = step.layer.inputs[0] in self.program.grad
+        return ("backward_data", "backward_weight") if has_dx else ("backward_weight",)
+
+    # -- the simulation ---------------------------------------------------------------
+    def run(self) -> Plan:
+        p = self.program
+        setup = []
+        persistent = [t.id for t in p.tensors if t.persistent]
+        if self.policy == "baseline":
+            persistent = [t.id for t in p.tensors]
+        for tid in persistent:
+            self._alloc(tid, setup)
+        if self.policy == "baseline":
+            self.baseline_ws = {}
+            for step in p.steps:
+                size = self._default_workspace(step)
+                if size:
+                    self.baseline_ws[step.index] = self._new_workspace(step.layer, size, setup)
+        setup_bytes = self.dev.in_use
+        for step in p.steps:
+            self.where = f"{step.phase} of layer {step.layer.name}"
+            if step.phase == "backward" and self.schedule:
+                for tid in self.schedule.rebuild.get(step.index, ()):
+                    self._recompute(tid, step)
+            self._run_step(step)
+        leaked = self.dev.in_use - setup_bytes
+        assert leaked == 0, f"planner bug: {leaked} bytes still allocated after the iteration"
+        return Plan(p.net, self.policy, self.dev.capacity, p.momentum_value, self.tensors, setup, self.steps,
+                    self.dev.peak, setup_bytes, max(self.host.peak, 1),
+                    self.to_host, self.to_device,
+                    sum(1 for s in self.steps if s.phase == "recompute"),
+                    self.conv_algos, self.recompute, p)
+
+    def _run_step(self, step):
+        ops = []
+        touched = list(dict.fromkeys(step.reads + step.writes))
+        for tid in dict.fromkeys(step.reads):
+            self._make_readable(tid, ops)
+        self.locked = set(touched)
+        for tid in dict.fromkeys(step.writes):
+            if self.loc.get(tid) not in ("gpu", "offloading"):
+                self._alloc(tid, ops)
+        algos, ws = self._workspace(step, ops)
+        ops.append(("kernel", step.index, algos, ws))
+        record = Step(len(self.steps), step.layer.name, step.phase, ops, self.dev.in_use,
+                      len(self.dblock), algos)
+        self.steps.append(record)
+        if ws is not None and self.policy != "baseline":
+            self._free(ws, ops)
+        for tid in touched:
+            if tid in self.cache_members():
+                self.cache.touch(tid)
+        self.locked = set()
+        self._after(step.index, touched, ops)
+        if step.index + 1 < len(self.program.steps):
+            self._lookahead(self.program.steps[step.index + 1], ops)
+
+    def cache_members(self):
+        return self.cache if self.cache is not None else ()
+
+    def _recompute(self, tid, step):
+        """Rebuild dropped tensor `tid` before backward `step` (a recompute step)."""
+        layer = self.producer[tid]
+        ops = []
+        inputs = [self.program.act[x] for x in layer.inputs]
+        for xid in inputs:
+            self._make_readable(xid, ops)
+        self.locked = set(inputs) | set(self.program.steps[step.index].reads) | {tid}
+        self._alloc(tid, ops)
+        size = workspace.fixed_workspace(layer, "forward")
+        ws = self._new_workspace(layer, size, ops) if size else None
+        ops.append(("kernel", ("recompute", layer.index), None, ws))
+        self.steps.append(Step(len(self.steps), layer.name, "recompute", ops, self.dev.in_use,
+                               len(self.dblock)))
+        if ws is not None:
+            self._free(ws, ops)
+        self.locked = set()
+        self.rebuilt.add(tid)
+        later = self.schedule.rebuild[step.index]
+        rest = later[later.index(tid) + 1:]
+        for xid in inputs:   # an input needed only for this rebuild goes right away
+            if xid in self.rebuilt and step.index not in self.program.uses[xid] \
+                    and not self.schedule.keep_after(xid, step.index) and not any(
+                    xid in [self.program.act[y] for y in self.producer[r].inputs] for r in rest):
+                self._retire_rebuilt(xid, step.index, ops)
+
+    def _retire_rebuilt(self, tid, index, ops):
+        self.rebuilt.discard(tid)
+        if self.uses[tid][-1] > index:
+            self._drop(tid, ops)
+        else:
+            self._free(tid, ops)
+
+    def _after(self, index, touched, ops):
+        """Frees, drops, offloads and releases once a step's kernel has been launched."""
+        p = self.program
+        if index >= self.n_forward:
+            for tid in list(self.rebuilt):
+                if not self.schedule.keep_after(tid, index):
+                    self._retire_rebuilt(tid, index, ops)
+        candidates = set(touched)
+        if self.schedule and index in self.schedule.rebuild:
+            for tid in self.schedule.rebuild[index]:
+                candidates |= {p.act[x] for x in self.producer[tid].inputs}
+        for tid in sorted(candidates):
+            info = self.tensors[tid]
+            if info.persistent or self.policy == "baseline" or self.loc.get(tid) not in ("gpu", "offloading"):
+                continue
+            if self.uses[tid][-1] <= index:
+                self._free(tid, ops)
+                continue
+            if tid in self.offloaded and self.loc[tid] == "gpu" and tid not in self.hblock:
+                self._offload(tid, ops)
+            if index == self.last_forward_use.get(tid) and index < self.n_forward:
+                if tid in self.dropped:
+                    self._drop(tid, ops)
+                elif tid in self.offloaded:
+                    ops.append(("release", tid))
+                    self._release_device(tid, "host")
+
+    def _lookahead(self, nxt, ops):
+        """Prefetch what the next step (and the recomputations before it) will read."""
+        needed = list(nxt.reads)
+        if self.schedule and nxt.index in self.schedule.rebuild:
+            for tid in self.schedule.rebuild[nxt.index]:
+                needed += [self.program.act[x] for x in self.producer[tid].inputs]
+        needed = [t for t in dict.fromkeys(needed) if self.loc.get(t) == "host"]
+        if not needed:
+            return
+        self.locked = set(nxt.reads) | set(nxt.writes) | set(needed)
+        for tid in needed:
+            self._prefetch(tid, ops)
+        self.locked = set()
+
+    # -- primitive operations ---------------------------------------------------------
+    def _make_readable(self, tid, ops):
+        state = self.loc.get(tid)
+        if state == "host":          # not prefetched in time: fetch now and wait
+            self._prefetch(tid, ops)
+            state = "prefetching"
+        if state == "prefetching":
+            ops.append(("wait", tid))
+            self.loc[tid] = "gpu"
+        elif state not in ("gpu", "offloading"):
+            raise AssertionError(f"planner bug: {self.tensors[tid].name} read while {state}")
+        if tid in self.cache_members():
+            self.cache.touch(tid)
+
+    def _alloc(self, tid, ops):
+        self._current_ops = ops
+        info = self.tensors[tid]
+        block = self._dev_alloc(info.nbytes, info.name)
+        self.dblock[tid] = block
+        self.loc[tid] = "gpu"
+        ops.append(("alloc", tid, block.offset))
+        if (self.cache is not None and info.role == "act" and not info.persistent
+                and tid not in self.dropped):
+            self.cache.touch(tid)
+
+    def _dev_alloc(self, nbytes, name):
+        """Allocate on the device, evicting LRU activations first under the cache policy."""
+        while True:
+            try:
+                return self.dev.alloc(nbytes)
+            except OutOfMemory as err:
+                if self.cache is None or not self._evict_one():
+                    raise OutOfMemory(
+                        f"plan does not fit ({self.policy}): step {len(self.steps)} "
+                        f"({self.where}) needs {nbytes:,} bytes for {name}; the cap of "
+                        f"{self.dev.capacity:,} bytes leaves {self.dev.free_bytes:,} free "
+                        f"(largest free run {self.dev.largest_free:,}). {err}") from None
+
+    def _evict_one(self) -> bool:
+        for tid in self.cache.victims(self.locked):
+            if self.loc.get(tid) != "gpu":
+                continue
+            ops = self._current_ops
+            if tid in self.hblock:
+                ops.append(("evict", tid, None))
+            else:
+                hoff = self._host_alloc(tid)
+                ops.append(("evict", tid, hoff))
+                self.to_host += self.tensors[tid].nbytes
+            self._release_device(tid, "host")
+            return True
+        return False
+
+    def _host_alloc(self, tid) -> int:
+        block = self.host.alloc(self.tensors[tid].nbytes)
+        self.hblock[tid] = block
+        return block.offset
+
+    def _offload(self, tid, ops):
+        ops.append(("offload", tid, self._host_alloc(tid)))
+        self.loc[tid] = "offloading"
+        self.to_host += self.tensors[tid].nbytes
+
+    def _release_device(self, tid, state):
+        self.dev.free(self.dblock.pop(tid))
+        self.loc[tid] = state
+        if self.cache is not None:
+            self.cache.remove(tid)
+
+    def _prefetch(self, tid, ops):
+        self._current_ops = ops
+        block = self._dev_alloc(self.tensors[tid].nbytes, self.tensors[tid].name)
+        self.dblock[tid] = block
+        self.loc[tid] = "prefetching"
+        ops.append(("prefetch", tid, block.offset))
+        self.to_device += self.tensors[tid].nbytes
+        if self.cache is not None:
+            self.cache.touch(tid)
+
+    def _drop(self, tid, ops):
+        ops.append(("drop", tid))
+        self._release_device(tid, "dropped")
+
+    def _free(self, tid, ops):
+        ops.append(("free", tid))
+        if tid in self.dblock:
+            self.dev.free(self.dblock.pop(tid))
+        if tid in self.hblock:
+            self.host.free(self.hblock.pop(tid))
+        self.loc[tid] = "freed"
+        if self.cache is not None:
+            self.cache.remove(tid)
+
+    def _new_workspace(self, layer, size, ops) -> int:
+        info = TensorInfo(len(self.tensors), f"{layer.name}.workspace", (size,),
+                          torch.uint8, "workspace", layer, "workspace")
+        self.tensors.append(info)
+        self._current_ops = ops
+        self._alloc(info.id, ops)
+        return info.id
+
+    def _workspace(self, step, ops):
+        """Choose conv algorithms and allocate the step's workspace (None if it needs none)."""
+        self._current_ops = ops
+        layer = step.layer
+        if self.policy == "baseline":
+            algos = None
+            if layer.op == "conv":
+                algos, _ = self.chooser.choose(layer, self._conv_phases(step), 0)
+                self.conv_algos.setdefault(layer.name, {}).update(algos)
+            return algos, self.baseline_ws.get(step.index)
+        if layer.op == "conv":
+            algos, size = self.chooser.choose(layer, self._conv_phases(step), self.dev.largest_free)
+            self.conv_algos.setdefault(layer.name, {}).update(algos)
+        else:
+            algos, size = None, workspace.fixed_workspace(layer, step.phase)
+        return algos, (self._new_workspace(layer, size, ops) if size else None)

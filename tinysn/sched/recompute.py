@@ -1,0 +1,133 @@
+"""Cost-aware recomputation (paper §3.4).
+
+Outputs of cheap layers (pool, ReLU, batch norm, LRN, dropout) are dropped once the forward
+pass has finished with them and rebuilt in the backward pass from the nearest checkpoints.
+A *segment* is a connected group of such cheap layers between checkpoints. Per segment:
+
+- speed-centric: recompute the segment once, at the first backward step that needs any of
+  it, and keep the results until their last backward use (O(N) extra forward work, but the
+  segment's tensors are live together);
+- memory-centric: recompute what a backward step needs right before that step and drop it
+  again afterwards (more extra work, least memory).
+
+The paper picks speed-centric when the segment's memory is at most l_peak, the largest
+single layer's memory, since then recomputing it cannot raise the network-wide peak, and
+memory-centric otherwise. A recomputed batch norm does not update its running statistics
+again and a recomputed dropout draws the same mask (both handled by the kernel launch).
+"""
+from __future__ import annotations
+
+RECOMPUTABLE = {"bn", "relu", "pool", "lrn", "dropout"}
+
+
+def dropped_tensors(program) -> set:
+    """Ids of the activations that the recompute policy drops after the forward pass."""
+    return {program.act[layer] for layer in program.order if layer.op in RECOMPUTABLE}
+
+
+def extra_checkpoints(program) -> set:
+    """Non-cheap layers whose outputs feed a cheap layer: recomputation starts from them."""
+    keep = set()
+    for layer in program.order:
+        if layer.op in RECOMPUTABLE:
+            keep |= {x for x in layer.inputs if x.op not in RECOMPUTABLE}
+    return keep
+
+
+def segments(program) -> list:
+    """Connected groups of recomputable layers (edges between two cheap layers join them)."""
+    parent = {}
+
+    def find(a):
+        while parent[a] is not a:
+            parent[a] = parent[parent[a]]
+            a = parent[a]
+        return a
+
+    cheap = [layer for layer in program.order if layer.op in RECOMPUTABLE]
+    for layer in cheap:
+        parent[layer] = layer
+    for layer in cheap:
+        for x in layer.inputs:
+            if x in parent:
+                parent[find(x)] = find(layer)
+    groups = {}
+    for layer in cheap:
+        groups.setdefault(find(layer), []).append(layer)
+    return list(groups.values())
+
+
+def layer_peak(program, workspace_of) -> int:
+    """l_peak: the most memory any single step touches (its reads, writes and workspace)."""
+    best = 0
+    for step in program.steps:
+        tids = set(step.reads) | set(step.writes)
+        size = sum(program.tensors[t].nbytes for t in tids if not program.tensors[t].persistent)
+        best = max(best, size + workspace_of(step))
+    return best
+
+
+def strategies(program, l_peak: int) -> dict:
+    """tensor id -> "speed" | "memory" for every dropped tensor, by its segment's cost."""
+    chosen = {}
+    for seg in segments(program):
+        cost = sum(program.tensors[program.act[layer]].nbytes for layer in seg)
+        kind = "speed" if cost <= l_peak else "memory"
+        for layer in seg:
+            chosen[program.act[layer]] = kind
+    return chosen
+
+
+class RecomputeSchedule:
+    """Where every recomputation happens, worked out before the memory simulation.
+
+    `run(step_index, reads)` returns, in execution order, the dropped tensors to rebuild
+    before that backward step; `keep_after(tid, step_index)` says whether a rebuilt tensor
+    stays on the device after the step. The planner and this pre-pass follow the same rule,
+    so the uses added here (a recomputation reads its producer's inputs at that step) are the
+    uses the simulation sees.
+    """
+
+    def __init__(self, program, dropped: set, strategy: dict):
+        self.program = program
+        self.dropped = dropped
+        self.strategy = strategy
+        self.producer = {program.act[layer]: layer for layer in program.order}
+        self.direct_uses = program.uses
+        self.uses = {t: list(u) for t, u in program.uses.items()}
+        self.rebuild = {}            # step index -> ordered list of tensor ids to recompute
+        self._prepass()
+
+    def keep_after(self, tid: int, index: int) -> bool:
+        """A rebuilt tensor stays after step `index` only under speed-centric with later uses."""
+        return self.strategy.get(tid) == "speed" and self.direct_uses[tid][-1] > index
+
+    def _prepass(self):
+        program = self.program
+        present = set()
+        first_backward = len(program.order)
+        for step in program.steps[first_backward:]:
+            order = []
+            now = set(present)
+
+            def ensure(tid):
+                if tid not in self.dropped or tid in now:
+                    return
+                for x in self.producer[tid].inputs:
+                    xid = program.act[x]
+                    self.uses[xid].append(step.index)
+                    ensure(xid)
+                now.add(tid)
+                order.append(tid)
+
+            for tid in step.reads:
+                ensure(tid)
+            if order:
+                self.rebuild[step.index] = order
+            present = {t for t in now if self.keep_after(t, step.index)}
+        for tid in self.uses:
+            self.uses[tid] = sorted(set(self.uses[tid]))
+
+    def count(self) -> int:
+        """Extra forward steps the recomputation costs in one iteration."""
+        return sum(len(v) for v in self.rebuild.values())

@@ -1,0 +1,171 @@
+"""The eager tensor: one named array whose storage lives in a pool and may move.
+
+A Tensor knows its shape, dtype, name and kind, and where its bytes are right now:
+
+    unallocated -> gpu -> (offloading -> host -> prefetching -> gpu)* -> freed
+                    \\-> dropped (to be recomputed) -> gpu ...
+
+Reading is allowed in "gpu" and "offloading" (a device-to-host copy only reads the
+device block, so the data there stays valid until the block is released). Reading a tensor
+that is dropped, on the host only, still arriving (prefetching), freed or never allocated
+raises, so a schedule bug shows up as an error instead of silently wrong numbers.
+
+Moves run on a dedicated copy stream with one CUDA event per move; on the CPU they are
+plain synchronous copies. A lock count marks tensors the running layer uses: the LRU tensor
+cache may not evict a locked tensor.
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+
+KINDS = ("data", "grad", "param", "state", "workspace")
+READABLE = ("gpu", "offloading")
+
+
+class _DoneEvent:
+    """Stand-in for a CUDA event on the CPU, where every copy is synchronous."""
+
+    def query(self) -> bool:
+        return True
+
+    def synchronize(self) -> None:
+        pass
+
+
+class Tensor:
+    """A named tensor whose storage is a block of a device Arena or a pinned host Arena."""
+
+    __slots__ = ("id", "name", "shape", "dtype", "kind", "nbytes", "state", "block",
+                 "host_block", "event", "locks", "_device_arena", "_host_arena", "_view")
+
+    def __init__(self, name: str, shape, dtype=torch.float32, kind: str = "data", id: int = -1):
+        if kind not in KINDS:
+            raise ValueError(f"tensor kind must be one of {KINDS}, got {kind!r}")
+        self.id = id
+        self.name = name
+        self.shape = tuple(int(s) for s in shape)
+        self.dtype = dtype
+        self.kind = kind
+        self.nbytes = math.prod(self.shape) * torch.empty((), dtype=dtype).element_size()
+        self.state = "unallocated"
+        self.block = None          # device block while it has one
+        self.host_block = None     # host block while it has one
+        self.event = None          # the event of the last move
+        self.locks = 0
+        self._device_arena = None
+        self._host_arena = None
+        self._view = None
+
+    def __repr__(self) -> str:
+        return f"Tensor({self.name!r}, {self.shape}, {self.kind}, {self.state})"
+
+    # -- placement -----------------------------------------------------------------------
+    def allocate(self, arena, block=None) -> None:
+        """Give the tensor a device block (allocated here unless one is passed)."""
+        if self.state not in ("unallocated", "dropped", "freed"):
+            raise RuntimeError(f"cannot allocate {self.name}: it is {self.state}")
+        self._device_arena = arena
+        self.block = arena.alloc(self.nbytes) if block is None else block
+        self._view = arena.view(self.block, self.shape, self.dtype)
+        self.state = "gpu"
+
+    def view(self) -> torch.Tensor:
+        """The torch view a kernel reads and writes; raises unless the data is on the device."""
+        if self.state not in READABLE:
+            raise RuntimeError(f"kernel read of {self.name} while it is {self.state}")
+        return self._view
+
+    def free(self) -> None:
+        """Return the device block (and any host block) to their pools."""
+        if self.state in ("unallocated", "freed"):
+            raise RuntimeError(f"cannot free {self.name}: it is {self.state}")
+        if self.locks:
+            raise RuntimeError(f"cannot free {self.name}: it is locked by the running layer")
+        if self.state == "offloading":
+            self.event.synchronize()
+        if self.block is not None:
+            self._device_arena.free(self.block)
+        if self.host_block is not None:
+            self._host_arena.free(self.host_block)
+        self.block = self.host_block = self._view = None
+        self.state = "freed"
+
+    def drop(self) -> None:
+        """Free the device block of a tensor that the backward pass will recompute."""
+        if self.state != "gpu":
+            raise RuntimeError(f"cannot drop {self.name}: it is {self.state}")
+        self.free()
+        self.state = "dropped"
+
+    # -- locking for the LRU tensor cache ----------------------------------------------------
+    def lock(self) -> None:
+        self.locks += 1
+
+    def unlock(self) -> None:
+        if self.locks == 0:
+            raise RuntimeError(f"unlock of {self.name}, which is not locked")
+        self.locks -= 1
+
+    # -- moves ---------------------------------------------------------------------------
+    def offload(self, host_arena, copy_stream=None, host_block=None) -> None:
+        """Start copying the device data to a pinned host block (asynchronous on a GPU)."""
+        if self.state != "gpu":
+            raise RuntimeError(f"cannot offload {self.name}: it is {self.state}")
+        self._host_arena = host_arena
+        if self.host_block is None:
+            self.host_block = host_arena.alloc(self.nbytes) if host_block is None else host_block
+        host = host_arena.view(self.host_block, self.shape, self.dtype)
+        self.event = _copy(host, self._view, copy_stream)
+        self.state = "offloading"
+
+    def release(self) -> None:
+        """Free the device block once the offload copy has finished (waits for it)."""
+        if self.state != "offloading":
+            raise RuntimeError(f"cannot release {self.name}: it is {self.state}")
+        self.event.synchronize()
+        self._device_arena.free(self.block)
+        self.block = self._view = None
+        self.state = "host"
+
+    def discard(self) -> None:
+        """Free the device block of a tensor whose host copy is still valid (no copy needed)."""
+        if self.state != "gpu" or self.host_block is None:
+            raise RuntimeError(f"cannot discard {self.name}: it is {self.state} without a host copy")
+        self._device_arena.free(self.block)
+        self.block = self._view = None
+        self.state = "host"
+
+    def prefetch(self, arena, copy_stream=None, block=None) -> None:
+        """Start copying the host data back into a new device block."""
+        if self.state != "host":
+            raise RuntimeError(f"cannot prefetch {self.name}: it is {self.state}")
+        self._device_arena = arena
+        self.block = arena.alloc(self.nbytes) if block is None else block
+        device = arena.view(self.block, self.shape, self.dtype)
+        host = self._host_arena.view(self.host_block, self.shape, self.dtype)
+        self.event = _copy(device, host, copy_stream)
+        self._view = device
+        self.state = "prefetching"
+
+    def wait(self, stream=None) -> None:
+        """Make `stream` (or the host, on the CPU) wait for the prefetch; then it is readable."""
+        if self.state != "prefetching":
+            raise RuntimeError(f"cannot wait for {self.name}: it is {self.state}")
+        if stream is not None:
+            stream.wait_event(self.event)
+        self.state = "gpu"
+
+
+def _copy(dst: torch.Tensor, src: torch.Tensor, copy_stream):
+    """Copy src into dst on `copy_stream` after the work queued so far; return its event."""
+    if copy_stream is None:
+        dst.copy_(src)
+        return _DoneEvent()
+    copy_stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(copy_stream):
+        dst.copy_(src, non_blocking=True)
+        event = torch.cuda.Event()
+        event.record(copy_stream)
+    return event

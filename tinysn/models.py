@@ -66,10 +66,8 @@ def vgg16(batch=32, classes=1000, input_shape=(3, 224, 224)) -> Net:
     sizes fc1 takes whatever the features flatten to. Input >= 32x32."""
     net = Net(input_shape, classes, batch)
     x = net.data()
-    conv = 0
     for stage, (width, depth) in enumerate([(64, 2), (128, 2), (256, 3), (512, 3), (512, 3)], 1):
         for i in range(1, depth + 1):
-            conv += 1
             x = net.relu(net.conv(x, width, 3, padding=1, name=f"conv{stage}_{i}"),
                          name=f"relu{stage}_{i}")
         x = net.pool(x, "max", 2, name=f"pool{stage}")

@@ -83,6 +83,7 @@ class Runtime:
         self.tensors = [Tensor(t.name, t.shape, t.dtype, t.kind, t.id) for t in self.plan.tensors]
         for op in self.plan.setup:
             self._alloc(op[1], op[2])
+        self._predicting = False
         self._launch = self._build_launchers()
         self._ops = {"alloc": self._alloc, "free": self._free, "drop": self._drop,
                      "offload": self._offload, "release": self._release, "evict": self._evict,
@@ -115,6 +116,36 @@ class Runtime:
         self.stats.iterations += 1
         return loss
 
+    def predict(self, images):
+        """Logits of the network for one batch of images (a CPU copy), without training.
+
+        Runs the plan's forward steps up to the loss, with dropout off and batch norm using
+        the batch's statistics (as in training) without updating its running statistics;
+        then frees every activation, leaving the pool as it was before.
+        """
+        self._check_images(images)
+        self._images, self._predicting = images, True
+        loss_layer = self.net.loss.name
+        try:
+            for step in self.plan.steps:
+                if step.phase == "forward" and step.layer == loss_layer:
+                    break
+                for op in step.ops:
+                    if op[0] == "kernel":
+                        self._launch[op[1]](op[2], op[3])
+                    else:
+                        self._ops[op[0]](*op[1:])
+            logits = self.tensors[self.program.act[self.net.loss.inputs[0]]].view()
+            logits = logits.detach().to("cpu", copy=True)
+        finally:
+            self._images, self._predicting = None, False
+            persistent = {t.id for t in self.program.tensors if t.persistent}
+            if self.policy != "baseline":
+                for t in self.tensors:
+                    if t.id not in persistent and t.state not in ("unallocated", "freed"):
+                        t.free()
+        return logits
+
     def params(self) -> dict:
         """Parameters and batch-norm statistics in torch layouts (CPU copies)."""
         named = {**self.program.param, **self.program.buffer}
@@ -139,12 +170,7 @@ class Runtime:
     # -- input checks -----------------------------------------------------------------
     def _check_batch(self, images, labels):
         net = self.net
-        want = (net.batch, *net.input_shape)
-        if not isinstance(images, torch.Tensor) or images.dtype != torch.float32:
-            raise ValueError(f"images must be a float32 torch tensor, got "
-                             f"{getattr(images, 'dtype', type(images).__name__)}")
-        if tuple(images.shape) != want:
-            raise ValueError(f"images must have shape {want}, got {tuple(images.shape)}")
+        self._check_images(images)
         if not isinstance(labels, torch.Tensor) or labels.dtype != torch.int64:
             raise ValueError(f"labels must be an int64 torch tensor, got "
                              f"{getattr(labels, 'dtype', type(labels).__name__)}")
@@ -153,6 +179,17 @@ class Runtime:
         low, high = int(labels.min()), int(labels.max())
         if low < 0 or high >= net.classes:
             raise ValueError(f"labels must lie in [0, {net.classes}), got values in [{low}, {high}]")
+
+    def _check_images(self, images):
+        net = self.net
+        want = (net.batch, *net.input_shape)
+        if not isinstance(images, torch.Tensor) or images.dtype != torch.float32:
+            raise ValueError(f"images must be a float32 torch tensor, got "
+                             f"{getattr(images, 'dtype', type(images).__name__)}")
+        if tuple(images.shape) != want:
+            raise ValueError(f"images must have shape {want}, got {tuple(images.shape)}")
+        if not bool(torch.isfinite(images).all()):
+            raise ValueError("images contain NaN or infinite values")
 
     # -- memory operations ------------------------------------------------------------
     def _alloc(self, tid, offset):
@@ -243,7 +280,7 @@ class Runtime:
             return lambda algos, ws: bn_k.forward(
                 v(ins[0]), g(), bb(), v(out), rm(), rv(), v(saved), self._ws(ws),
                 eps=a.get("eps", 1e-5), momentum=a.get("momentum", 0.1),
-                update_running=update_running)
+                update_running=update_running and not self._predicting)
         if op == "relu":
             return lambda algos, ws: act_k.forward(v(ins[0]), v(out))
         if op == "pool":
@@ -260,7 +297,8 @@ class Runtime:
                 v(ins[0]).view(n, -1), w(), b() if b else None, v(out), precision=prec)
         if op == "dropout":
             return lambda algos, ws: dropout_k.forward(
-                v(ins[0]), v(out), p=a["p"], seed=self._dropout_seed(layer), offset=0)
+                v(ins[0]), v(out), p=0.0 if self._predicting else a["p"],
+                seed=self._dropout_seed(layer), offset=0)
         if op == "add":
             return lambda algos, ws: join_k.add_forward([v(i) for i in ins], v(out))
         if op == "concat":

@@ -83,8 +83,8 @@ class Tensor:
             raise RuntimeError(f"cannot free {self.name}: it is {self.state}")
         if self.locks:
             raise RuntimeError(f"cannot free {self.name}: it is locked by the running layer")
-        if self.state == "offloading":
-            self.event.synchronize()
+        if self.state in ("offloading", "prefetching"):
+            self.event.synchronize()    # never hand out a block a copy still touches
         if self.block is not None:
             self._device_arena.free(self.block)
         if self.host_block is not None:

@@ -50,7 +50,7 @@ def _apply(src_ptr, dst_ptr, offs, n, r, p, scale, ACCUMULATE: tl.constexpr):
     tl.store(dst_ptr + offs, out, mask=mask)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["seed", "offset"])   # one compiled variant for every step
 def _dropout_kernel(src_ptr, dst_ptr, n, p, scale, seed, offset,
                     BLOCK: tl.constexpr, ACCUMULATE: tl.constexpr):
     Q: tl.constexpr = BLOCK // 4

@@ -19,9 +19,8 @@ API
     backward(x, dy, dx, *, size, alpha, beta, k, accumulate=False)
     workspace_bytes(*args) -> 0
 
-Layout: one program takes a block of BLOCK pixels (contiguous h*w) of one image and
-CB consecutive channels, and walks its channels; the neighbouring channels' rows it reads
-again are cache hits. Powers are computed as exp2(-beta * log2(s)).
+Layout: one program takes a [CB channels, BLOCK pixels] tile of one image (pixel rows
+contiguous); the neighbouring channels' rows that the windows read again are cache hits. Powers are computed as exp2(-beta * log2(s)).
 """
 import math
 
@@ -31,10 +30,10 @@ import triton.language as tl
 from ._common import autotune_configs, check_tensor
 
 _GPU_CONFIGS = [
-    triton.Config({"BLOCK": 256, "CB": 8}, num_warps=2),
-    triton.Config({"BLOCK": 512, "CB": 8}, num_warps=4),
-    triton.Config({"BLOCK": 512, "CB": 16}, num_warps=4),
-    triton.Config({"BLOCK": 1024, "CB": 16}, num_warps=4),
+    triton.Config({"BLOCK": 256, "CB": 4}, num_warps=4),
+    triton.Config({"BLOCK": 512, "CB": 2}, num_warps=4),
+    triton.Config({"BLOCK": 256, "CB": 8}, num_warps=8),
+    triton.Config({"BLOCK": 1024, "CB": 2}, num_warps=8),
 ]
 _SMALL_CONFIG = triton.Config({"BLOCK": 128, "CB": 8}, num_warps=4)
 
@@ -45,33 +44,38 @@ def workspace_bytes(*args, **kwargs) -> int:
 
 
 @triton.jit
-def _scale(x_ptr, c, C, HW, hmask, alpha_n, k, SIZE: tl.constexpr, LO: tl.constexpr):
-    """s_c = k + alpha/size * sum of x^2 over the channel window of c (zeros outside)."""
-    ssum = tl.zeros(hmask.shape, tl.float32)
+def _scale(x_ptr, c, C, HW, mask, alpha_n, k, SIZE: tl.constexpr, LO: tl.constexpr):
+    """s_c = k + alpha/size * sum of x^2 over the channel window of c (zeros outside).
+
+    x_ptr: pointers to channel 0 of each lane's pixel; c: each lane's channel.
+    """
+    ssum = tl.zeros(mask.shape, tl.float32)
     for d in tl.static_range(SIZE):
         cc = c - LO + d
-        v = tl.load(x_ptr + cc * HW, mask=hmask & (cc >= 0) & (cc < C), other=0.0)
+        v = tl.load(x_ptr + cc * HW, mask=mask & (cc >= 0) & (cc < C), other=0.0)
         ssum += v * v
     return k + alpha_n * ssum
+
+
+@triton.jit
+def _tile(C, HW, CB: tl.constexpr, BLOCK: tl.constexpr):
+    """This program's [CB channels, BLOCK pixels] tile: channel ids, pixel ids, mask, base."""
+    hw = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    c = tl.program_id(1) * CB + tl.arange(0, CB)
+    base = tl.program_id(2).to(tl.int64) * C * HW
+    c2 = c[:, None] + tl.zeros([CB, BLOCK], tl.int32)
+    mask = (c2 < C) & (hw[None, :] < HW)
+    return c2, hw[None, :] + base, mask
 
 
 @triton.autotune(configs=autotune_configs(_GPU_CONFIGS, _SMALL_CONFIG), key=["C", "HW", "SIZE"])
 @triton.jit
 def _lrn_fwd_kernel(x, y, C, HW, alpha_n, beta, k, SIZE: tl.constexpr, LO: tl.constexpr,
                     BLOCK: tl.constexpr, CB: tl.constexpr):
-    hw = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
-    c_first = tl.program_id(1) * CB
-    base = tl.program_id(2).to(tl.int64) * C * HW
-    hmask = hw < HW
-    xp = x + base + hw
-    yp = y + base + hw
-    zero = tl.zeros([BLOCK], tl.int32)  # channel indices as vectors (keeps masks plain bool)
-    for ci in range(CB):
-        c = zero + (c_first + ci)
-        m = hmask & (c < C)
-        s = _scale(xp, c, C, HW, m, alpha_n, k, SIZE, LO)
-        xc = tl.load(xp + c * HW, mask=m, other=0.0)
-        tl.store(yp + c * HW, xc * tl.exp2(-beta * tl.log2(s)), mask=m)
+    c, pix, m = _tile(C, HW, CB, BLOCK)
+    s = _scale(x + pix, c, C, HW, m, alpha_n, k, SIZE, LO)
+    xc = tl.load(x + pix + c * HW, mask=m, other=0.0)
+    tl.store(y + pix + c * HW, xc * tl.exp2(-beta * tl.log2(s)), mask=m)
 
 
 @triton.autotune(configs=autotune_configs(_GPU_CONFIGS, _SMALL_CONFIG), key=["C", "HW", "SIZE"],
@@ -79,35 +83,24 @@ def _lrn_fwd_kernel(x, y, C, HW, alpha_n, beta, k, SIZE: tl.constexpr, LO: tl.co
 @triton.jit
 def _lrn_bwd_kernel(x, dy, dx, C, HW, alpha_n, beta, k, SIZE: tl.constexpr, LO: tl.constexpr,
                     HI: tl.constexpr, ACC: tl.constexpr, BLOCK: tl.constexpr, CB: tl.constexpr):
-    hw = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
-    c_first = tl.program_id(1) * CB
-    base = tl.program_id(2).to(tl.int64) * C * HW
-    hmask = hw < HW
-    xp = x + base + hw
-    gp = dy + base + hw
-    dp = dx + base + hw
-    zero = tl.zeros([BLOCK], tl.int32)  # channel indices as vectors (keeps masks plain bool)
-    for ci in range(CB):
-        j = zero + (c_first + ci)
-        m = hmask & (j < C)
-        total = tl.zeros([BLOCK], tl.float32)
-        s_j = tl.zeros([BLOCK], tl.float32)
-        for d in tl.static_range(SIZE):
-            c = j - HI + d                     # channels whose window holds j
-            cm = m & (c >= 0) & (c < C)
-            s_c = _scale(xp, c, C, HW, cm, alpha_n, k, SIZE, LO)
-            lg = tl.log2(s_c)
-            if d == HI:
-                s_j = lg                        # c == j: keep log2(s_j)
-            xc = tl.load(xp + c * HW, mask=cm, other=0.0)
-            gc = tl.load(gp + c * HW, mask=cm, other=0.0)
-            total += tl.where(cm, gc * xc * tl.exp2((-beta - 1.0) * lg), 0.0)
-        xj = tl.load(xp + j * HW, mask=m, other=0.0)
-        gj = tl.load(gp + j * HW, mask=m, other=0.0)
-        grad = gj * tl.exp2(-beta * s_j) - (2.0 * beta * alpha_n) * xj * total
-        if ACC:
-            grad += tl.load(dp + j * HW, mask=m, other=0.0)
-        tl.store(dp + j * HW, grad, mask=m)
+    j, pix, m = _tile(C, HW, CB, BLOCK)
+    total = tl.zeros([CB, BLOCK], tl.float32)
+    lg_j = tl.zeros([CB, BLOCK], tl.float32)
+    for d in tl.static_range(SIZE):
+        c = j - HI + d                          # the channels whose window holds j
+        cm = m & (c >= 0) & (c < C)
+        lg = tl.log2(_scale(x + pix, c, C, HW, cm, alpha_n, k, SIZE, LO))
+        if d == HI:
+            lg_j = lg                           # c == j: keep log2(s_j)
+        xc = tl.load(x + pix + c * HW, mask=cm, other=0.0)
+        gc = tl.load(dy + pix + c * HW, mask=cm, other=0.0)
+        total += tl.where(cm, gc * xc * tl.exp2((-beta - 1.0) * lg), 0.0)
+    xj = tl.load(x + pix + j * HW, mask=m, other=0.0)
+    gj = tl.load(dy + pix + j * HW, mask=m, other=0.0)
+    grad = gj * tl.exp2(-beta * lg_j) - (2.0 * beta * alpha_n) * xj * total
+    if ACC:
+        grad += tl.load(dx + pix + j * HW, mask=m, other=0.0)
+    tl.store(dx + pix + j * HW, grad, mask=m)
 
 
 def _check_params(size, alpha, beta, k):

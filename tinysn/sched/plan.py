@@ -67,6 +67,8 @@ class Plan:
     setup: list               # ops run once, before the first iteration (persistent tensors)
     steps: list
     peak_bytes: int           # the device pool's peak bytes in use
+    required_bytes: int       # the highest byte any block reaches: the smallest cap that
+                              # runs this exact plan (first fit may fragment: >= peak_bytes)
     setup_bytes: int          # bytes held across iterations (parameters, optimizer state...)
     host_bytes: int           # pinned host arena the plan needs
     bytes_to_host: int        # per iteration
@@ -152,7 +154,7 @@ class _Planner:
         self.locked = set()
         self.rebuilt = set()       # dropped tensors currently rebuilt on the device
         self.steps, self.conv_algos = [], {}
-        self.to_host = self.to_device = 0
+        self.to_host = self.to_device = self.extent = 0
         self.where = "setup"
         self._choose_roles(checkpoints)
 
@@ -217,7 +219,7 @@ class _Planner:
         leaked = self.dev.in_use - setup_bytes
         assert leaked == 0, f"planner bug: {leaked} bytes still allocated after the iteration"
         return Plan(p.net, self.policy, self.dev.capacity, p.momentum_value, self.tensors, setup, self.steps,
-                    self.dev.peak, setup_bytes, max(self.host.peak, 1),
+                    self.dev.peak, self.extent, setup_bytes, max(self.host.peak, 1),
                     self.to_host, self.to_device,
                     sum(1 for s in self.steps if s.phase == "recompute"),
                     self.conv_algos, self.recompute, p)
@@ -352,7 +354,9 @@ class _Planner:
         """Allocate on the device, evicting LRU activations first under the cache policy."""
         while True:
             try:
-                return self.dev.alloc(nbytes)
+                block = self.dev.alloc(nbytes)
+                self.extent = max(self.extent, block.offset + block.nbytes)
+                return block
             except OutOfMemory as err:
                 if self.cache is None or not self._evict_one():
                     raise OutOfMemory(

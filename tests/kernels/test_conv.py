@@ -1,0 +1,353 @@
+"""Conv kernels (every algorithm of every phase) against torch float64 references.
+
+CPU runs go through Triton's interpreter with tiny shapes; the @pytest.mark.gpu variants run
+the same checks on CUDA with precision "ieee" and "tf32".
+"""
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+from hypothesis import given, settings, strategies as st
+
+import tinysn  # noqa: F401  (interpreter switch before triton)
+from tinysn.kernels import conv
+
+GPU = torch.cuda.is_available()
+gpu = pytest.mark.skipif(not GPU, reason="needs a CUDA GPU")
+
+ALL_ALGOS = {"forward": ("implicit", "im2col"),
+             "backward_data": ("implicit", "zero_insert"),
+             "backward_weight": ("onepass", "splitk")}
+
+
+# --------------------------------------------------------------------------------------------
+# helpers
+# --------------------------------------------------------------------------------------------
+
+def _rand(shape, gen, device):
+    return torch.randn(shape, generator=gen, dtype=torch.float64).float().to(device)
+
+
+def _nan(shape, device):
+    return torch.full(shape, float("nan"), device=device)
+
+
+def _workspace(nbytes, device):
+    """A poisoned workspace (0xFF bytes read as float32 are NaN), 4 spare bytes at the end."""
+    return torch.full((nbytes + 4,), 255, dtype=torch.uint8, device=device)
+
+
+def _close(got, ref, red_len, precision, what):
+    got = got.detach().double().cpu()
+    ref = ref.detach().double().cpu()
+    assert not torch.isnan(got).any(), f"{what}: NaN in output (unwritten element?)"
+    if precision == "ieee":
+        tol = 1e-5 * math.sqrt(max(red_len, 1))
+        torch.testing.assert_close(got, ref, rtol=tol, atol=tol, msg=lambda m: f"{what}: {m}")
+    else:
+        err = (got - ref).norm() / ref.norm().clamp_min(1e-12)
+        assert err < 2e-3, f"{what}: relative error {err:.2e}"
+
+
+def _check(case, device="cpu", precision="ieee", seed=0, bias=True, accumulate=False,
+           dx_none=False, db_none=False):
+    """Run every algorithm of every phase, and backward(), on one conv; compare with float64."""
+    n, c, h, w, k, r, s, stride, padding = case
+    gen = torch.Generator().manual_seed(seed)
+    x = _rand((n, c, h, w), gen, device)
+    wt = _rand((k, c, r, s), gen, device)
+    b = _rand((k,), gen, device) if bias else None
+    shp = conv.out_shape(x.shape, wt.shape, stride, padding)
+    dy = _rand(shp, gen, device)
+    before = _rand(x.shape, gen, device)
+    xd, wd, dyd = x.double().cpu(), wt.double().cpu(), dy.double().cpu()
+    bd = b.double().cpu() if bias else None
+
+    y_ref = F.conv2d(xd, wd, bd, stride, padding)
+    dx_ref = torch.nn.grad.conv2d_input(x.shape, wd, dyd, stride, padding)
+    dw_ref = torch.nn.grad.conv2d_weight(xd, wt.shape, dyd, stride, padding)
+    db_ref = dyd.sum((0, 2, 3))
+    if accumulate:
+        dx_ref = dx_ref + before.double().cpu()
+    red_fwd = c * r * s
+    red_data = k * r * s
+    red_wgt = shp[0] * shp[2] * shp[3]
+
+    # forward
+    offered = conv.algos(x.shape, wt.shape, stride, padding, "forward")
+    assert list(offered)[0] == "implicit" and set(offered) <= set(ALL_ALGOS["forward"])
+    for algo in ALL_ALGOS["forward"]:
+        need = conv.workspace_bytes(x.shape, wt.shape, stride, padding, "forward", algo)
+        assert offered.get(algo, need) == need
+        y = _nan(shp, device)
+        conv.forward(x, wt, b, y, stride=stride, padding=padding, algo=algo,
+                     workspace=_workspace(need, device), precision=precision)
+        _close(y, y_ref, red_fwd, precision, f"forward/{algo}")
+
+    # backward_data
+    offered = conv.algos(x.shape, wt.shape, stride, padding, "backward_data")
+    for algo in ALL_ALGOS["backward_data"]:
+        need = conv.workspace_bytes(x.shape, wt.shape, stride, padding, "backward_data", algo)
+        assert offered.get(algo, need) == need
+        dx = before.clone() if accumulate else _nan(x.shape, device)
+        conv.backward_data(dy, wt, dx, stride=stride, padding=padding, algo=algo,
+                           workspace=_workspace(need, device), accumulate=accumulate,
+                           precision=precision)
+        _close(dx, dx_ref, red_data, precision, f"backward_data/{algo}/acc={accumulate}")
+
+    # backward_weight
+    offered = conv.algos(x.shape, wt.shape, stride, padding, "backward_weight")
+    assert set(offered) == set(ALL_ALGOS["backward_weight"])
+    for algo in ALL_ALGOS["backward_weight"]:
+        need = conv.workspace_bytes(x.shape, wt.shape, stride, padding, "backward_weight", algo)
+        assert offered[algo] == need
+        dw = _nan(wt.shape, device)
+        db = None if db_none else _nan((k,), device)
+        conv.backward_weight(x, dy, dw, db, stride=stride, padding=padding, algo=algo,
+                             workspace=_workspace(need, device), precision=precision)
+        _close(dw, dw_ref, red_wgt, precision, f"backward_weight/{algo}")
+        if db is not None:
+            _close(db, db_ref, red_wgt, precision, "db")
+
+    # backward (both phases through one workspace); the algorithm pair rotates with the seed
+    algo_data = ALL_ALGOS["backward_data"][seed % 2]
+    algo_weight = ALL_ALGOS["backward_weight"][(seed // 2) % 2]
+    need = conv.backward_workspace_bytes(x.shape, wt.shape, stride, padding, algo_data,
+                                         algo_weight, not dx_none, True)
+    dx = None if dx_none else (before.clone() if accumulate else _nan(x.shape, device))
+    dw = _nan(wt.shape, device)
+    db = None if db_none else _nan((k,), device)
+    conv.backward(x, wt, dy, dx, dw, db, stride=stride, padding=padding, algo_data=algo_data,
+                  algo_weight=algo_weight, workspace=_workspace(need, device),
+                  accumulate=accumulate, precision=precision)
+    if dx is not None:
+        _close(dx, dx_ref, red_data, precision, f"backward/{algo_data}")
+    _close(dw, dw_ref, red_wgt, precision, f"backward/{algo_weight}")
+    if db is not None:
+        _close(db, db_ref, red_wgt, precision, "backward/db")
+
+
+@st.composite
+def conv_cases(draw, max_n=2, max_c=5, max_hw=7, max_rs=7):
+    """(N, C, H, W, K, R, S, stride, padding) with the kernel no larger than the padded input."""
+    n = draw(st.integers(1, max_n))
+    c = draw(st.integers(1, max_c))
+    k = draw(st.integers(1, max_c))
+    r = draw(st.integers(1, max_rs))
+    s = draw(st.integers(1, max_rs))
+    sh, sw = draw(st.integers(1, 3)), draw(st.integers(1, 3))
+    ph, pw = draw(st.integers(0, 3)), draw(st.integers(0, 3))
+    h = draw(st.integers(max(1, r - 2 * ph), max(max_hw, r)))
+    w = draw(st.integers(max(1, s - 2 * pw), max(max_hw, s)))
+    stride = (sh, sw) if draw(st.booleans()) or sh != sw else sh     # ints and pairs
+    padding = (ph, pw) if draw(st.booleans()) or ph != pw else ph
+    return n, c, h, w, k, r, s, stride, padding
+
+
+# edge cases: (N, C, H, W, K, R, S, stride, padding)
+EDGE_CASES = [
+    (2, 3, 1, 1, 4, 1, 1, 1, 0),            # 1x1 image, 1x1 conv (the GEMM fast path)
+    (1, 2, 1, 1, 3, 3, 3, 1, 1),            # 1x1 image, 3x3 kernel: only the centre tap
+    (2, 2, 3, 4, 3, 5, 6, 1, 1),            # kernel as large as the padded input: P = Q = 1
+    (1, 1, 5, 5, 1, 3, 3, 2, 1),            # single channel in and out, strided
+    (1, 3, 7, 7, 4, 1, 7, 1, (0, 3)),       # Inception 1x7
+    (1, 3, 7, 7, 4, 7, 1, 1, (3, 0)),       # Inception 7x1
+    (2, 3, 7, 6, 5, 1, 1, 2, 0),            # 1x1 stride 2: dx classes with no taps
+    (2, 20, 5, 5, 18, 1, 1, 1, 0),          # 1x1 fast path: several M, N and K tiles
+    (2, 3, 9, 9, 4, 3, 3, 1, 1),            # several split-K chunks
+    (1, 2, 4, 5, 3, 1, 1, 3, 2),            # padding larger than the kernel
+    (1, 2, 8, 8, 3, 3, 3, 3, 0),            # uncovered rows/cols of x: zero gradient there
+    (2, 3, 9, 7, 2, 7, 7, (2, 3), (3, 2)),  # 7x7 with asymmetric stride and padding
+]
+
+
+# --------------------------------------------------------------------------------------------
+# CPU (interpreter)
+# --------------------------------------------------------------------------------------------
+
+@settings(max_examples=30, deadline=None)
+@given(case=conv_cases(), seed=st.integers(0, 2**16), bias=st.booleans(),
+       accumulate=st.booleans(), dx_none=st.booleans(), db_none=st.booleans())
+def test_conv_random_shapes(case, seed, bias, accumulate, dx_none, db_none):
+    _check(case, "cpu", "ieee", seed, bias, accumulate, dx_none, db_none)
+
+
+@pytest.mark.parametrize("case", EDGE_CASES)
+def test_conv_edge_cases(case):
+    i = EDGE_CASES.index(case)
+    _check(case, "cpu", "ieee", seed=i, bias=i % 2 == 0, accumulate=i % 3 == 1,
+           dx_none=i % 4 == 3, db_none=i % 5 == 2)
+
+
+def test_splitk_really_splits_and_is_deterministic():
+    case = (2, 3, 9, 9, 4, 3, 3, 1, 1)
+    assert conv.splitk_splits((2, 3, 9, 9), (4, 3, 3, 3), 1, 1) > 1
+    gen = torch.Generator().manual_seed(3)
+    x, w, dy = _rand((2, 3, 9, 9), gen, "cpu"), _rand((4, 3, 3, 3), gen, "cpu"), \
+        _rand((2, 4, 9, 9), gen, "cpu")
+    need = conv.workspace_bytes(x.shape, w.shape, 1, 1, "backward_weight", "splitk")
+    outs = []
+    for _ in range(2):
+        dw, db = _nan(w.shape, "cpu"), _nan((4,), "cpu")
+        conv.backward_weight(x, dy, dw, db, stride=1, padding=1, algo="splitk",
+                             workspace=torch.zeros(need // 4, dtype=torch.float32),
+                             precision="ieee")
+        outs.append((dw, db))
+    assert torch.equal(outs[0][0], outs[1][0]) and torch.equal(outs[0][1], outs[1][1])
+    _check(case, "cpu", "ieee", seed=5)
+
+
+def test_algos_and_workspaces():
+    xs, ws = (32, 64, 56, 56), (64, 64, 3, 3)
+    assert conv.out_shape(xs, ws, 1, 1) == (32, 64, 56, 56)
+    assert conv.out_shape((1, 3, 224, 224), (64, 3, 7, 7), (2, 2), (3, 3)) == (1, 64, 112, 112)
+    assert conv.out_shape((1, 3, 17, 17), (4, 3, 1, 7), 1, (0, 3)) == (1, 4, 17, 17)
+    f = conv.algos(xs, ws, 1, 1, "forward")
+    assert f == {"implicit": 0, "im2col": 4 * 32 * 64 * 9 * 56 * 56}
+    assert conv.algos(xs, ws, 1, 1, "backward_data") == {"implicit": 0}
+    d2 = conv.algos(xs, ws, 2, 1, "backward_data")
+    assert list(d2) == ["implicit", "zero_insert"]
+    assert d2["zero_insert"] == 4 * 32 * 64 * 58 * 58
+    wg = conv.algos(xs, ws, 1, 1, "backward_weight")
+    assert list(wg)[0] == "splitk" and wg["onepass"] == 0
+    assert wg["splitk"] == 4 * conv.splitk_splits(xs, ws, 1, 1) * 64 * 64 * 9
+    # a conv with many output tiles gains nothing from split-K
+    assert list(conv.algos((32, 512, 7, 7), (2048, 512, 3, 3), 1, 1,
+                           "backward_weight"))[0] == "onepass"
+    assert conv.backward_workspace_bytes(xs, ws, 2, 1, "zero_insert", "splitk") == max(
+        d2["zero_insert"], conv.workspace_bytes(xs, ws, 2, 1, "backward_weight", "splitk"))
+
+
+def test_bad_input_raises():
+    x = torch.randn(1, 3, 5, 5)
+    w = torch.randn(4, 3, 3, 3)
+    y = torch.empty(1, 4, 5, 5)
+    dy = torch.randn(1, 4, 5, 5)
+    kw = dict(stride=1, padding=1)
+    with pytest.raises(ValueError, match="larger than the padded input"):
+        conv.out_shape((1, 3, 2, 2), (4, 3, 5, 5), 1, 1)
+    with pytest.raises(ValueError, match="larger than the padded input"):
+        conv.forward(torch.randn(1, 3, 2, 2), torch.randn(4, 3, 5, 5), None, y,
+                     stride=1, padding=1)
+    with pytest.raises(ValueError, match="input channels"):
+        conv.forward(x, torch.randn(4, 2, 3, 3), None, y, **kw)
+    with pytest.raises(ValueError, match="shape"):
+        conv.forward(x, w, None, torch.empty(1, 4, 4, 4), **kw)
+    with pytest.raises(ValueError, match="shape"):
+        conv.forward(x, w, torch.randn(5), y, **kw)
+    with pytest.raises(ValueError, match="float32"):
+        conv.forward(x.double(), w, None, y, **kw)
+    with pytest.raises(ValueError, match="contiguous"):
+        conv.forward(x.transpose(2, 3), w, None, y, **kw)
+    with pytest.raises(ValueError, match="4-D"):
+        conv.forward(x[0], w, None, y, **kw)
+    with pytest.raises(ValueError, match="stride"):
+        conv.forward(x, w, None, y, stride=0, padding=1)
+    with pytest.raises(ValueError, match="stride"):
+        conv.forward(x, w, None, y, stride=(1, 1, 1), padding=1)
+    with pytest.raises(ValueError, match="padding"):
+        conv.forward(x, w, None, y, stride=1, padding=-1)
+    with pytest.raises(ValueError, match="algo"):
+        conv.forward(x, w, None, y, algo="fft", **kw)
+    with pytest.raises(ValueError, match="precision"):
+        conv.forward(x, w, None, y, precision="fp16", **kw)
+    with pytest.raises(ValueError, match="phase"):
+        conv.algos(x.shape, w.shape, 1, 1, "sideways")
+    need = conv.workspace_bytes(x.shape, w.shape, 1, 1, "forward", "im2col")
+    with pytest.raises(ValueError, match="workspace too small"):
+        conv.forward(x, w, None, y, algo="im2col", workspace=torch.empty(need - 4,
+                                                                          dtype=torch.uint8), **kw)
+    with pytest.raises(ValueError, match="needs a workspace"):
+        conv.forward(x, w, None, y, algo="im2col", **kw)
+    with pytest.raises(ValueError, match="workspace must be"):
+        conv.forward(x, w, None, y, algo="im2col", workspace=torch.empty(need, dtype=torch.int32),
+                     **kw)
+    buf = torch.randn(200)
+    with pytest.raises(ValueError, match="overlaps"):
+        conv.forward(buf[:75].view(1, 3, 5, 5), w, None, buf[50:150].view(1, 4, 5, 5), **kw)
+    need = conv.workspace_bytes(x.shape, w.shape, 2, 1, "backward_data", "zero_insert")
+    with pytest.raises(ValueError, match="workspace too small"):
+        conv.backward_data(torch.randn(1, 4, 3, 3), w, torch.empty(1, 3, 5, 5), stride=2,
+                           padding=1, algo="zero_insert",
+                           workspace=torch.empty(need // 4 - 1, dtype=torch.float32))
+    with pytest.raises(ValueError, match="shape"):
+        conv.backward_data(torch.randn(1, 4, 4, 4), w, torch.empty(1, 3, 5, 5), **kw)
+    with pytest.raises(ValueError, match="accumulate"):
+        conv.backward_data(dy, w, torch.empty(1, 3, 5, 5), accumulate=1, **kw)
+    need = conv.workspace_bytes(x.shape, w.shape, 1, 1, "backward_weight", "splitk")
+    with pytest.raises(ValueError, match="workspace too small"):
+        conv.backward_weight(x, dy, torch.empty(4, 3, 3, 3), None, algo="splitk",
+                             workspace=torch.empty(need - 1, dtype=torch.uint8), **kw)
+    with pytest.raises(ValueError, match="shape"):
+        conv.backward_weight(x, dy, torch.empty(4, 3, 3, 3), torch.empty(3), **kw)
+    with pytest.raises(ValueError, match="shape"):
+        conv.backward(x, w, dy, torch.empty(1, 3, 4, 5), None, None, **kw)
+    with pytest.raises(ValueError, match="input channels"):
+        conv.backward(x, torch.randn(4, 2, 3, 3), dy, None, torch.empty(4, 2, 3, 3), None, **kw)
+
+
+def test_backward_skips_missing_gradients():
+    gen = torch.Generator().manual_seed(1)
+    x, w, dy = _rand((1, 2, 5, 5), gen, "cpu"), _rand((3, 2, 3, 3), gen, "cpu"), \
+        _rand((1, 3, 5, 5), gen, "cpu")
+    conv.backward(x, w, dy, None, None, None, stride=1, padding=1)       # nothing to do
+    db = _nan((3,), "cpu")
+    conv.backward(x, w, dy, None, None, db, stride=1, padding=1, precision="ieee")
+    _close(db, dy.double().sum((0, 2, 3)), 25, "ieee", "db only")
+    db = _nan((3,), "cpu")
+    conv.backward_weight(x, dy, None, db, stride=1, padding=1)
+    _close(db, dy.double().sum((0, 2, 3)), 25, "ieee", "db only (backward_weight)")
+
+
+# --------------------------------------------------------------------------------------------
+# GPU (device machine)
+# --------------------------------------------------------------------------------------------
+
+GPU_CASES = EDGE_CASES + [
+    (2, 35, 15, 15, 40, 3, 3, 1, 1),        # several tiles of everything, 3x3
+    (3, 3, 23, 23, 33, 7, 7, 2, 3),         # ResNet stem, small
+    (2, 64, 9, 9, 48, 1, 1, 1, 0),          # 1x1 fast path
+    (2, 17, 12, 11, 19, 1, 7, 1, (0, 3)),   # 1x7
+    (4, 40, 13, 13, 24, 3, 3, 2, 1),        # strided 3x3
+    (2, 130, 6, 6, 70, 3, 3, 1, 1),         # reduction over several K blocks
+]
+
+
+@pytest.mark.gpu
+@gpu
+@pytest.mark.parametrize("precision", ["ieee", "tf32"])
+@pytest.mark.parametrize("case", GPU_CASES)
+def test_conv_gpu_cases(case, precision):
+    i = GPU_CASES.index(case)
+    _check(case, "cuda", precision, seed=i, bias=i % 2 == 0, accumulate=i % 3 == 1,
+           dx_none=i % 4 == 3, db_none=i % 5 == 2)
+
+
+@pytest.mark.gpu
+@gpu
+@pytest.mark.parametrize("precision", ["ieee", "tf32"])
+@settings(max_examples=8, deadline=None)
+@given(case=conv_cases(max_n=3, max_c=24, max_hw=12, max_rs=3), seed=st.integers(0, 2**16),
+       accumulate=st.booleans(), dx_none=st.booleans())
+def test_conv_gpu_random_shapes(precision, case, seed, accumulate, dx_none):
+    _check(case, "cuda", precision, seed, True, accumulate, dx_none, False)
+
+
+@pytest.mark.gpu
+@gpu
+def test_conv_gpu_deterministic():
+    gen = torch.Generator().manual_seed(0)
+    x = _rand((8, 64, 28, 28), gen, "cuda")
+    w = _rand((64, 64, 3, 3), gen, "cuda")
+    dy = _rand((8, 64, 28, 28), gen, "cuda")
+    need = conv.backward_workspace_bytes(x.shape, w.shape, 1, 1, "implicit", "splitk")
+    ws = torch.empty(need, dtype=torch.uint8, device="cuda")
+    outs = []
+    for _ in range(2):
+        dx, dw, db = torch.empty_like(x), torch.empty_like(w), torch.empty(64, device="cuda")
+        conv.backward(x, w, dy, dx, dw, db, stride=1, padding=1, algo_weight="splitk",
+                      workspace=ws)
+        outs.append((dx, dw, db))
+    for a, b in zip(*outs):
+        assert torch.equal(a, b)

@@ -1,0 +1,103 @@
+"""The runtime against a float64 torch model of the same graph, and its input checks."""
+import pytest
+import torch
+
+import tinysn as sn
+from tests.nets import every_layer_net
+
+
+def batch_for(net, seed=1):
+    gen = torch.Generator().manual_seed(seed)
+    images = torch.randn((net.batch, *net.input_shape), generator=gen)
+    labels = torch.randint(0, net.classes, (net.batch,), generator=gen)
+    return images, labels
+
+
+@pytest.mark.parametrize("policy", ["baseline", "recompute"])
+def test_three_sgd_steps_match_torch_float64(policy):
+    net = every_layer_net(batch=3)
+    lr, momentum, wd = 0.05, 0.9, 1e-3
+    rt = sn.Runtime(net, "64MiB", policy, device="cpu", lr=lr, momentum=momentum,
+                    weight_decay=wd, seed=3, precision="ieee")
+    ref = net.to_torch(params=rt.params()).double()
+    opt = torch.optim.SGD(ref.parameters(), lr=lr, momentum=momentum, weight_decay=wd)
+    for i in range(3):
+        images, labels = batch_for(net, seed=10 + i)
+        loss = rt.step(images, labels)
+        opt.zero_grad()
+        ref_loss = ref.loss(images.double(), labels)
+        ref_loss.backward()
+        opt.step()
+        assert loss == pytest.approx(float(ref_loss), rel=1e-4, abs=1e-5), f"step {i}"
+    ours, theirs = rt.params(), ref.state_dict()
+    assert set(ours) == set(theirs)
+    for name, value in ours.items():
+        torch.testing.assert_close(value.double(), theirs[name], rtol=2e-4, atol=2e-5,
+                                   msg=lambda m: f"{name}: {m}")
+
+
+def test_bad_input_raises_before_any_change():
+    net = every_layer_net(batch=2)
+    rt = sn.Runtime(net, "64MiB", "liveness", device="cpu", seed=0)
+    before = rt.params()
+    images, labels = batch_for(net)
+    bad = [
+        (images[:1], labels),                        # wrong batch
+        (images.double(), labels),                   # wrong dtype
+        (images, labels.int()),                      # wrong label dtype
+        (images, labels + net.classes),              # label out of range
+        (images, -labels - 1),                       # negative label
+        (images[:, :2], labels),                     # wrong channels
+        (images * float("nan"), labels),             # NaN input
+    ]
+    for x, y in bad:
+        with pytest.raises(ValueError):
+            rt.step(x, y)
+    after = rt.params()
+    for name in before:
+        assert torch.equal(before[name], after[name]), name
+    assert rt.stats.iterations == 0
+
+
+def test_bad_runtime_arguments():
+    net = every_layer_net()
+    with pytest.raises(ValueError, match="policy"):
+        sn.Runtime(net, "64MiB", "fastest", device="cpu")
+    with pytest.raises(ValueError, match="lr"):
+        sn.Runtime(net, "64MiB", "liveness", device="cpu", lr=-1)
+    with pytest.raises(ValueError):
+        sn.Runtime(net, "lots", "liveness", device="cpu")
+    with pytest.raises(ValueError, match="device"):
+        sn.Runtime(net, "64MiB", "liveness", device="tpu")
+
+
+def test_cap_too_small_fails_before_any_kernel_names_step():
+    net = every_layer_net()
+    need = sn.plan(net, "64MiB", "liveness").peak_bytes
+    with pytest.raises(sn.OutOfMemory, match=r"step \d+ \(.*layer") as err:
+        sn.Runtime(net, need // 2, "liveness", device="cpu")
+    assert isinstance(err.value, MemoryError)
+
+
+def test_measured_peak_and_trace_equal_the_plan():
+    net = every_layer_net()
+    rt = sn.Runtime(net, "64MiB", "offload", device="cpu")
+    images, labels = batch_for(net)
+    rt.step(images, labels)
+    assert rt.stats.peak_bytes == rt.plan.peak_bytes
+    assert [r["bytes_in_use"] for r in rt.stats.trace] == [s.bytes_in_use for s in rt.plan.steps]
+    assert [r["live_tensors"] for r in rt.stats.trace] == [s.live_tensors for s in rt.plan.steps]
+    assert rt.stats.bytes_to_host == rt.plan.bytes_to_host > 0
+
+
+def test_predict_leaves_pool_as_it_was_and_training_continues():
+    net = every_layer_net()
+    rt = sn.Runtime(net, "64MiB", "recompute", device="cpu", precision="ieee")
+    images, labels = batch_for(net)
+    rt.step(images, labels)
+    in_use = rt.arena.allocator.in_use
+    logits = rt.predict(images)
+    assert logits.shape == (net.batch, net.classes) and torch.isfinite(logits).all()
+    assert rt.arena.allocator.in_use == in_use
+    rt.step(images, labels)             # the plan's offsets still hold after predict
+    assert rt.stats.peak_bytes == rt.plan.peak_bytes

@@ -31,6 +31,8 @@ from ..units import format_bytes, parse_bytes
 
 __all__ = ["Block", "BlockAllocator"]
 
+_new_block = tuple.__new__      # Block(...) without namedtuple's Python-level __new__
+
 
 class Block(NamedTuple):
     """One allocation: `nbytes` (rounded to whole blocks) at byte `offset` of its pool.
@@ -111,14 +113,18 @@ class BlockAllocator:
         bb = self._bb
         need = -(-nbytes // bb)
         lens = self._lens
-        # First fit: index of the first run with length >= need (the scan runs in C).
-        i = next(compress(count(), map(need.__le__, lens)), -1)
-        if i < 0:
-            if self._pending and self.reclaim():
-                lens = self._lens
-                i = next(compress(count(), map(need.__le__, lens)), -1)
+        # First fit: the first run with length >= need. Usually the first run fits; else
+        # the scan over the lengths runs in C (compress/map), O(#free runs).
+        if lens and lens[0] >= need:
+            i = 0
+        else:
+            i = next(compress(count(), map(need.__le__, lens)), -1)
             if i < 0:
-                raise self._oom(nbytes, need)
+                if self._pending and self.reclaim():
+                    lens = self._lens
+                    i = next(compress(count(), map(need.__le__, lens)), -1)
+                if i < 0:
+                    raise self._oom(nbytes, need)
         starts = self._starts
         start = starts[i]
         rest = lens[i] - need
@@ -134,7 +140,7 @@ class BlockAllocator:
             self._peak_blocks = used
         bid = self._next_id
         self._next_id = bid + 1
-        block = Block(bid, start * bb, need * bb, self)
+        block = _new_block(Block, (bid, start * bb, need * bb, self))
         self._used[bid] = block
         return block
 
@@ -144,11 +150,17 @@ class BlockAllocator:
         ValueError if the block is not live in this allocator (double free, a block of
         another allocator, or one already handed to free_after).
         """
-        bid = self._check_live(block)
-        if bid in self._pending:
-            raise ValueError(f"{block!r} is already waiting on an event (free_after); "
-                             "it is freed by reclaim(), not free()")
-        self._release(bid)
+        try:
+            live = self._used.get(block.id)
+        except AttributeError:
+            live = None
+        if live is not block or (self._pending and block.id in self._pending):
+            # slow path: an equal copy of a live block is fine; anything else is an error
+            bid = self._check_live(block)
+            if bid in self._pending:
+                raise ValueError(f"{block!r} is already waiting on an event (free_after); "
+                                 "it is freed by reclaim(), not free()")
+        self._release(block.id)
 
     def _check_live(self, block) -> int:
         if not isinstance(block, Block) or block.owner is not self:

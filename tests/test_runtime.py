@@ -28,7 +28,7 @@ def test_three_sgd_steps_match_torch_float64(policy):
         ref_loss = ref.loss(images.double(), labels)
         ref_loss.backward()
         opt.step()
-        assert loss == pytest.approx(float(ref_loss), rel=1e-4, abs=1e-5), f"step {i}"
+        assert loss == pytest.approx(ref_loss.item(), rel=1e-4, abs=1e-5), f"step {i}"
     ours, theirs = rt.params(), ref.state_dict()
     assert set(ours) == set(theirs)
     for name, value in ours.items():

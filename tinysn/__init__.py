@@ -15,7 +15,7 @@ from .units import parse_bytes  # noqa: E402
 from .tensor import Tensor  # noqa: E402
 from . import pool  # noqa: E402
 from .graph import Net, Layer  # noqa: E402
-from . import models  # noqa: E402
+from . import models, data  # noqa: E402
 from .sched.plan import plan, max_batch, POLICIES, Plan  # noqa: E402
 from .runtime import Runtime  # noqa: E402
 

@@ -59,6 +59,8 @@ class Runtime:
                  momentum: float = 0.0, weight_decay: float = 0.0, seed: int = 0,
                  conv_algos=None, precision=None):
         device = _pick_device(device)
+        if policy not in plan_mod.POLICIES:
+            raise ValueError(f"unknown policy {policy!r}; choose one of {plan_mod.POLICIES}")
         for name, value in (("lr", lr), ("momentum", momentum), ("weight_decay", weight_decay)):
             if not isinstance(value, (int, float)) or isinstance(value, bool) or value < 0:
                 raise ValueError(f"{name} must be a non-negative number, got {value!r}")
@@ -361,6 +363,8 @@ class Runtime:
             return lambda algos, ws: act_k.backward(v(p.act[layer]), v(dy), v(dxs[0]),
                                                     accumulate=acc[0])
         if op == "pool":
+            # max pooling recomputes its argmax from x; average pooling reads neither x nor
+            # y, so it runs after both were freed
             needs_x = a["mode"] == "max"
             return lambda algos, ws: pool_k.backward(
                 v(ins[0]) if needs_x else None, None, v(dy), v(dxs[0]), mode=a["mode"],
@@ -395,7 +399,10 @@ class Runtime:
 def _pick_device(device) -> torch.device:
     if device is None:
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    device = torch.device(device)
+    try:
+        device = torch.device(device)
+    except (RuntimeError, TypeError):
+        raise ValueError(f"device must be 'cpu' or 'cuda', got {device!r}") from None
     if device.type not in ("cpu", "cuda"):
         raise ValueError(f"device must be 'cpu' or 'cuda', got {device}")
     if device.type == "cuda" and not torch.cuda.is_available():

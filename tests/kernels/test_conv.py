@@ -166,7 +166,7 @@ EDGE_CASES = [
 # CPU (interpreter)
 # --------------------------------------------------------------------------------------------
 
-@settings(max_examples=30, deadline=None)
+@settings(max_examples=60, deadline=None)
 @given(case=conv_cases(), seed=st.integers(0, 2**16), bias=st.booleans(),
        accumulate=st.booleans(), dx_none=st.booleans(), db_none=st.booleans())
 def test_conv_random_shapes(case, seed, bias, accumulate, dx_none, db_none):

@@ -16,7 +16,7 @@ def _nonzero(shape, seed, device="cpu"):
     """Random values with no zeros (|v| >= 0.1), so y != 0 exactly marks the kept elements."""
     g = torch.Generator().manual_seed(seed)
     v = torch.randn(shape, generator=g)
-    return (v.sign() * (v.abs() + 0.1)).to(device)
+    return torch.where(v >= 0, v + 0.1, v - 0.1).to(device)
 
 
 def _fwd(x, p, seed, offset):
@@ -46,8 +46,15 @@ def _check(shape, p, seed, offset, accumulate, device="cpu"):
     return keep
 
 
+def _capped(shape, limit=20000):
+    """Keep hypothesis shapes small for the interpreter: drop trailing dims past `limit`."""
+    while len(shape) > 1 and math.prod(shape) > limit:
+        shape = shape[:-1]
+    return tuple(shape)
+
+
 @settings(max_examples=25, deadline=None)
-@given(shape=st.lists(st.integers(1, 40), min_size=1, max_size=4),
+@given(shape=st.lists(st.integers(1, 40), min_size=1, max_size=4).map(_capped),
        p=st.sampled_from([0.0, 0.1, 0.5, 0.9, 0.999]), seed=st.integers(0, 2**31 - 1),
        offset=st.integers(0, 2**40), accumulate=st.booleans())
 def test_dropout_random(shape, p, seed, offset, accumulate):
@@ -139,20 +146,20 @@ def test_dropout_gpu(shape, accumulate):
     assert abs(kept - 0.5) < 5 * math.sqrt(0.25 / keep.numel()) + 1e-9
 
 
-def _philox_keep(seed, offset, n, p, block=dropout.BLOCK):
-    """The documented mask, computed with numpy: Philox-4x32-10 on 32-bit counters."""
+def _philox_keep(seed, offset, n, p):
+    """The documented mask, computed with numpy: Philox-4x32-10, counter offset + e // 4,
+    output e % 4, uniform = int31 * 4.6566127342e-10, keep when uniform >= p."""
     e = np.arange(n, dtype=np.uint64)
-    q = block // 4
-    ctr = np.uint64(offset) + (e // np.uint64(block)) * np.uint64(q) + e % np.uint64(q)
-    c = [ctr & np.uint64(0xFFFFFFFF), ctr >> np.uint64(32), ctr * 0, ctr * 0]
-    k0, k1 = np.uint64(seed & 0xFFFFFFFF), np.uint64(seed >> 32)
+    ctr = np.uint64(offset) + e // np.uint64(4)
     m32 = np.uint64(0xFFFFFFFF)
+    c = [ctr & m32, ctr >> np.uint64(32), ctr * 0, ctr * 0]
+    k0, k1 = np.uint64(seed & 0xFFFFFFFF), np.uint64(seed >> 32)
     for _ in range(10):
         pa, pb = c[0] * np.uint64(0xD2511F53), c[2] * np.uint64(0xCD9E8D57)
-        c = [(pb >> np.uint64(32)) ^ c[1] ^ k0, pb & m32, (pa >> np.uint64(32)) ^ c[3] ^ k1, pa & m32]
+        c = [(pb >> np.uint64(32)) ^ c[1] ^ k0, pb & m32,
+             (pa >> np.uint64(32)) ^ c[3] ^ k1, pa & m32]
         k0, k1 = (k0 + np.uint64(0x9E3779B9)) & m32, (k1 + np.uint64(0xBB67AE85)) & m32
-    stream = (e % np.uint64(block)) // np.uint64(q)
-    r = np.choose(stream.astype(np.int64), c).astype(np.uint32).view(np.int32)
+    r = np.choose((e % np.uint64(4)).astype(np.int64), c).astype(np.uint32).view(np.int32)
     r = np.where(r < 0, ~r, r)
     u = r.astype(np.float32) * np.float32(4.6566127342e-10)
     return torch.from_numpy(u >= np.float32(p))
@@ -164,6 +171,6 @@ def test_mask_matches_numpy_philox(device):
     """The keep mask is exactly the documented Philox stream, on every triton version/device."""
     n = 2 * dropout.BLOCK + 17
     x = _nonzero((n,), 2, device)
-    for seed, offset in ((9, 77), (2**31 - 1, 2**32 - 100)):
+    for seed, offset in ((9, 77), (2**31 - 1, 2**32 - 1000), (0, 0)):
         keep = (_fwd(x, 0.3, seed, offset) != 0).cpu()
         assert torch.equal(keep, _philox_keep(seed, offset, n, 0.3))

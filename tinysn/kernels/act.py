@@ -65,7 +65,8 @@ def forward(x: torch.Tensor, y: torch.Tensor) -> None:
     _relu_fwd_kernel[(triton.cdiv(n, BLOCK),)](x, y, n, BLOCK=BLOCK, num_warps=NUM_WARPS)
 
 
-def backward(y: torch.Tensor, dy: torch.Tensor, dx: torch.Tensor, *, accumulate: bool = False) -> None:
+def backward(y: torch.Tensor, dy: torch.Tensor, dx: torch.Tensor, *,
+             accumulate: bool = False) -> None:
     """dx (+)= dy * (y > 0), from the forward OUTPUT y.
 
     dx may be dx is dy (in place); it must not partly overlap y or dy.

@@ -183,24 +183,32 @@ def _cfg(bm, bn, bk, warps, stages, group_m=8):
                          num_warps=warps, num_stages=stages)
 
 
-# forward / backward_data: M = output pixels (large), N = channels (64..512)
-_PIX_CONFIGS = [
+# forward: M = output pixels (large), N = output channels (64..512). Chosen from the
+# compiler's resource report (sm_90): none of these spills registers.
+_FWD_CONFIGS = [
     _cfg(128, 128, 32, 8, 3),
     _cfg(128, 64, 32, 4, 4),
     _cfg(64, 128, 32, 4, 4),
-    _cfg(128, 128, 32, 4, 3),
     _cfg(256, 64, 32, 8, 3),
     _cfg(64, 64, 32, 4, 4),
     _cfg(128, 256, 32, 8, 3),
+]
+# backward_data: M = input pixels, N = input channels; more index registers than forward
+_DATA_CONFIGS = [
+    _cfg(128, 128, 32, 8, 3),
+    _cfg(128, 64, 32, 8, 4),
+    _cfg(64, 128, 32, 8, 4),
+    _cfg(256, 64, 32, 8, 3),
+    _cfg(64, 64, 32, 4, 4),
 ]
 # backward_weight: M = K, N = C*R*S, reduction over pixels
 _WGT_CONFIGS = [
     _cfg(64, 64, 64, 4, 3),
     _cfg(128, 128, 32, 8, 3),
     _cfg(128, 64, 32, 4, 4),
-    _cfg(64, 128, 32, 4, 4),
     _cfg(64, 64, 32, 4, 4),
-    _cfg(128, 128, 64, 8, 3),
+    _cfg(64, 128, 32, 8, 4),
+    _cfg(128, 64, 64, 8, 3),
 ]
 _SMALL_CONFIG = _cfg(32, 16, 16, 1, 1, group_m=2)
 
@@ -252,8 +260,15 @@ def _tile_ids(pid, M, N, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GROUP_M: 
 
 
 @triton.jit
+def _ult(x, bound):
+    """0 <= x < bound in one unsigned compare."""
+    return x.to(tl.uint32, bitcast=True) < bound
+
+
+@triton.jit
 def _conv_fwd_kernel(x_ptr, w_ptr, b_ptr, y_ptr,
-                     N, C, H, W, K, P, Q, SH, SW, PH, PW,
+                     N, C, K, SH, SW, PH, PW,
+                     H: tl.constexpr, W: tl.constexpr, P: tl.constexpr, Q: tl.constexpr,
                      R: tl.constexpr, S: tl.constexpr, IS_1X1: tl.constexpr,
                      HAS_BIAS: tl.constexpr, PRECISION: tl.constexpr,
                      BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
@@ -262,27 +277,31 @@ def _conv_fwd_kernel(x_ptr, w_ptr, b_ptr, y_ptr,
 
     Gathered tiles are built as [BLOCK_K, BLOCK_M] so that the pixel axis, contiguous in NCHW,
     is the fast axis of the loads; the weight tile is read along (c,r,s), its contiguous axis.
+    Addresses: one 64-bit base per program (its first image), 32-bit offsets inside the tile.
+    Spatial sizes are compile-time constants (divisions by them are multiplications).
     """
     pid = tl.program_id(0)
-    PQ = P * Q
-    HW = H * W
+    PQ: tl.constexpr = P * Q
+    HW: tl.constexpr = H * W
+    RS: tl.constexpr = R * S
     M = N * PQ
-    CRS = C * R * S
+    CRS = C * RS
     pid_m, pid_n = _tile_ids(pid, M, K, BLOCK_M, BLOCK_N, GROUP_M)
-    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    m0 = pid_m * BLOCK_M
+    img0 = m0 // PQ
+    offs_m = m0 + tl.arange(0, BLOCK_M)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     m_ok = offs_m < M
     n_ok = offs_n < K
-    img = offs_m // PQ
+    dimg = offs_m // PQ - img0
     pq = offs_m % PQ
+    x_base = x_ptr + img0.to(tl.int64) * (C * HW)
     if IS_1X1:
-        x_m = img.to(tl.int64) * (C * HW) + pq
+        x_m = dimg * (C * HW) + pq
     else:
-        oh = pq // Q
-        ow = pq % Q
-        ih0 = tl.where(m_ok, oh * SH - PH, -R)        # a dead row never lands inside
-        iw0 = ow * SW - PW
-        x_m = img.to(tl.int64) * (C * HW) + ih0 * W + iw0
+        ih0 = tl.where(m_ok, (pq // Q) * SH - PH, -R)     # a dead row never lands inside
+        iw0 = (pq % Q) * SW - PW
+        x_m = dimg * (C * HW) + ih0 * W + iw0
     w_n = offs_n * CRS
 
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
@@ -290,18 +309,17 @@ def _conv_fwd_kernel(x_ptr, w_ptr, b_ptr, y_ptr,
         offs_k = k0 + tl.arange(0, BLOCK_K)
         k_ok = offs_k < CRS
         if IS_1X1:
-            a_ptrs = x_ptr + (x_m[None, :] + (offs_k * HW)[:, None])
+            a_ptrs = x_base + (x_m[None, :] + (offs_k * HW)[:, None])
             a_mask = k_ok[:, None] & m_ok[None, :]
         else:
-            c = offs_k // (R * S)
-            rs = offs_k % (R * S)
+            ku = offs_k.to(tl.uint32)                       # unsigned: cheaper division
+            c = ku // RS
+            rs = ku - c * RS
             r = rs // S
-            s = rs % S
-            r = tl.where(k_ok, r, H + PH + R)           # a dead tap never lands inside
-            ih = ih0[None, :] + r[:, None]
-            iw = iw0[None, :] + s[:, None]
-            a_ptrs = x_ptr + (x_m[None, :] + (c * HW + r * W + s)[:, None])
-            a_mask = (ih >= 0) & (ih < H) & (iw >= 0) & (iw < W)
+            s = (rs - r * S).to(tl.int32)
+            r = tl.where(k_ok, r.to(tl.int32), H + R)      # a dead tap never lands inside
+            a_ptrs = x_base + (x_m[None, :] + (c.to(tl.int32) * HW + r * W + s)[:, None])
+            a_mask = _ult(ih0[None, :] + r[:, None], H) & _ult(iw0[None, :] + s[:, None], W)
         a = tl.load(a_ptrs, mask=a_mask, other=0.0)                          # [BK, BM]
         b = tl.load(w_ptr + (w_n[None, :] + offs_k[:, None]),
                     mask=k_ok[:, None] & n_ok[None, :], other=0.0)           # [BK, BN]
@@ -309,52 +327,56 @@ def _conv_fwd_kernel(x_ptr, w_ptr, b_ptr, y_ptr,
 
     if HAS_BIAS:
         acc += tl.load(b_ptr + offs_n, mask=n_ok, other=0.0)[None, :]
-    y_m = img.to(tl.int64) * (K * PQ) + pq
-    y_ptrs = y_ptr + (y_m[None, :] + (offs_n * PQ)[:, None])                # [BN, BM]
+    y_base = y_ptr + img0.to(tl.int64) * (K * PQ)
+    y_ptrs = y_base + ((dimg * (K * PQ) + pq)[None, :] + (offs_n * PQ)[:, None])   # [BN, BM]
     tl.store(y_ptrs, tl.trans(acc), mask=n_ok[:, None] & m_ok[None, :])
 
 
-_conv_fwd = _autotune(_PIX_CONFIGS, _KEY, _fwd_macs)(_conv_fwd_kernel)
+_conv_fwd = _autotune(_FWD_CONFIGS, _KEY, _fwd_macs)(_conv_fwd_kernel)
 
 
 @triton.jit
-def _im2col_kernel(x_ptr, col_ptr, N, C, H, W, P, Q, SH, SW, PH, PW,
+def _im2col_kernel(x_ptr, col_ptr, N, C, SH, SW, PH, PW,
+                   H: tl.constexpr, W: tl.constexpr, P: tl.constexpr, Q: tl.constexpr,
                    R: tl.constexpr, S: tl.constexpr,
                    BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr):
     """col[n, (c,r,s), p, q] = X[n, c, p*SH-PH+r, q*SW-PW+s] (0 in the padding)."""
-    PQ = P * Q
-    HW = H * W
+    PQ: tl.constexpr = P * Q
+    HW: tl.constexpr = H * W
+    RS: tl.constexpr = R * S
     M = N * PQ
-    CRS = C * R * S
-    offs_m = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+    CRS = C * RS
+    m0 = tl.program_id(0) * BLOCK_M
+    img0 = m0 // PQ
+    offs_m = m0 + tl.arange(0, BLOCK_M)
     offs_k = tl.program_id(1) * BLOCK_K + tl.arange(0, BLOCK_K)
     m_ok = offs_m < M
     k_ok = offs_k < CRS
-    img = offs_m // PQ
+    dimg = offs_m // PQ - img0
     pq = offs_m % PQ
-    oh = pq // Q
-    ow = pq % Q
-    ih0 = oh * SH - PH
-    iw0 = ow * SW - PW
-    c = offs_k // (R * S)
-    rs = offs_k % (R * S)
+    ih0 = (pq // Q) * SH - PH
+    iw0 = (pq % Q) * SW - PW
+    c = offs_k // RS
+    rs = offs_k % RS
     r = rs // S
     s = rs % S
-    ih = ih0[None, :] + r[:, None]
-    iw = iw0[None, :] + s[:, None]
     ok = k_ok[:, None] & m_ok[None, :]
-    src = x_ptr + ((img.to(tl.int64) * (C * HW) + ih0 * W + iw0)[None, :]
-                   + (c * HW + r * W + s)[:, None])
-    v = tl.load(src, mask=ok & (ih >= 0) & (ih < H) & (iw >= 0) & (iw < W), other=0.0)
-    dst = col_ptr + ((img.to(tl.int64) * (CRS * PQ) + pq)[None, :] + (offs_k * PQ)[:, None])
+    src = x_ptr + img0.to(tl.int64) * (C * HW) + \
+        ((dimg * (C * HW) + ih0 * W + iw0)[None, :] + (c * HW + r * W + s)[:, None])
+    v = tl.load(src, mask=ok & _ult(ih0[None, :] + r[:, None], H) & _ult(iw0[None, :] + s[:, None], W),
+                other=0.0)
+    dst = col_ptr + img0.to(tl.int64) * (CRS * PQ) + \
+        ((dimg * (CRS * PQ) + pq)[None, :] + (offs_k * PQ)[:, None])
     tl.store(dst, v, mask=ok)
 
 
 @triton.jit
 def _conv_bwd_data_kernel(dy_ptr, w_ptr, dx_ptr,
-                          N, C, H, W, K, P, Q, SH, SW, PH, PW,
+                          N, C, K, SH, SW, PH, PW,
+                          H: tl.constexpr, W: tl.constexpr, P: tl.constexpr, Q: tl.constexpr,
                           R: tl.constexpr, S: tl.constexpr, IS_1X1: tl.constexpr,
-                          ACCUMULATE: tl.constexpr, PRECISION: tl.constexpr,
+                          STRIDE1: tl.constexpr, ACCUMULATE: tl.constexpr,
+                          PRECISION: tl.constexpr,
                           BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                           GROUP_M: tl.constexpr):
     """dX[(n,h,w), c] (+)= sum over contributing (k, r, s) of dY[n,k,p,q] * W[k,c,r,s].
@@ -362,40 +384,64 @@ def _conv_bwd_data_kernel(dy_ptr, w_ptr, dx_ptr,
     Grid axis 1 is the residue class (rho, sigma) = ((h+PH) % SH, (w+PW) % SW) of the dx pixels;
     within a class the contributing taps are r = rho + SH*t, s = sigma + SW*u with
     p = pb + i - t, q = qb + j - u for the class's pixels h = h0 + SH*i, w = w0 + SW*j.
+    STRIDE1 (SH = SW = 1) has one class and compile-time tap counts.
     """
     pid = tl.program_id(0)
-    cls = tl.program_id(1)
-    rho = cls // SW
-    sig = cls % SW
-    h0 = ((rho - PH) % SH + SH) % SH
-    w0 = ((sig - PW) % SW + SW) % SW
-    HC = (H - h0 + SH - 1) // SH            # rows / columns of dx in this class
-    WC = (W - w0 + SW - 1) // SW
-    TC = (R - rho + SH - 1) // SH           # taps of this class along r / s
-    UC = (S - sig + SW - 1) // SW
-    pb = (h0 + PH - rho) // SH
-    qb = (w0 + PW - sig) // SW
-    PQ = P * Q
-    HW = H * W
-    RS = R * S
+    PQ: tl.constexpr = P * Q
+    HW: tl.constexpr = H * W
+    RS: tl.constexpr = R * S
     CRS = C * RS
+    if STRIDE1:
+        rho = 0
+        sig = 0
+        h0 = 0
+        w0 = 0
+        HC: tl.constexpr = H
+        WC: tl.constexpr = W
+        TC: tl.constexpr = R
+        UC: tl.constexpr = S
+        pb = PH
+        qb = PW
+        M_GRID = N * HW
+    else:
+        cls = tl.program_id(1)
+        rho = cls // SW
+        sig = cls % SW
+        h0 = ((rho - PH) % SH + SH) % SH
+        w0 = ((sig - PW) % SW + SW) % SW
+        HC = (H - h0 + SH - 1) // SH            # rows / columns of dx in this class
+        WC = (W - w0 + SW - 1) // SW
+        TC = (R - rho + SH - 1) // SH           # taps of this class along r / s
+        UC = (S - sig + SW - 1) // SW
+        pb = (h0 + PH - rho) // SH
+        qb = (w0 + PW - sig) // SW
+        M_GRID = N * ((H + SH - 1) // SH) * ((W + SW - 1) // SW)
     HWC = HC * WC
     MC = N * HWC
-    M_GRID = N * ((H + SH - 1) // SH) * ((W + SW - 1) // SW)
     pid_m, pid_n = _tile_ids(pid, M_GRID, C, BLOCK_M, BLOCK_N, GROUP_M)
-    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    m0 = pid_m * BLOCK_M
+    offs_m = m0 + tl.arange(0, BLOCK_M)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     m_ok = offs_m < MC
     n_ok = offs_n < C
-    hwc = tl.maximum(HWC, 1)
-    wc = tl.maximum(WC, 1)
-    img = offs_m // hwc
-    ij = offs_m % hwc
-    i = ij // wc
-    j = ij % wc
+    if STRIDE1:
+        img0 = m0 // HW
+        dimg = offs_m // HW - img0
+        ij = offs_m % HW
+        i = ij // W
+        j = ij % W
+    else:
+        hwc = tl.maximum(HWC, 1)
+        wc = tl.maximum(WC, 1)
+        img0 = m0 // hwc
+        dimg = offs_m // hwc - img0
+        ij = offs_m % hwc
+        i = ij // wc
+        j = ij % wc
     p_m = tl.where(m_ok, pb + i, -1)        # p = p_m - t < 0 for a dead row
     q_m = qb + j
-    dy_m = img.to(tl.int64) * (K * PQ) + p_m * Q + q_m
+    dy_base = dy_ptr + img0.to(tl.int64) * (K * PQ)
+    dy_m = dimg * (K * PQ) + p_m * Q + q_m
     TU = TC * UC
     RED = K * TU
     w_n = offs_n * RS
@@ -405,29 +451,25 @@ def _conv_bwd_data_kernel(dy_ptr, w_ptr, dx_ptr,
         offs_k = k0 + tl.arange(0, BLOCK_K)
         k_ok = offs_k < RED
         if IS_1X1:
-            a_ptrs = dy_ptr + (dy_m[None, :] + (offs_k * PQ)[:, None])
+            a_ptrs = dy_base + (dy_m[None, :] + (offs_k * PQ)[:, None])
             a_mask = k_ok[:, None] & m_ok[None, :]
             b_ptrs = w_ptr + (offs_k[:, None] * C + offs_n[None, :])
         else:
             kc = offs_k // TU
             tu = offs_k % TU
-            t = tu // UC
+            t = tl.where(k_ok, tu // UC, H + PH + 1)    # a dead tap never lands inside
             u = tu % UC
-            t = tl.where(k_ok, t, H + PH + 1)  # a dead tap never lands inside
-            p = p_m[None, :] - t[:, None]
-            q = q_m[None, :] - u[:, None]
-            a_ptrs = dy_ptr + (dy_m[None, :] + (kc * PQ - t * Q - u)[:, None])
-            a_mask = (p >= 0) & (p < P) & (q >= 0) & (q < Q)
+            a_ptrs = dy_base + (dy_m[None, :] + (kc * PQ - t * Q - u)[:, None])
+            a_mask = _ult(p_m[None, :] - t[:, None], P) & _ult(q_m[None, :] - u[:, None], Q)
             b_ptrs = w_ptr + ((kc * CRS + (rho + SH * t) * S + sig + SW * u)[:, None]
                               + w_n[None, :])
         a = tl.load(a_ptrs, mask=a_mask, other=0.0)                          # [BK, BM]
         b = tl.load(b_ptrs, mask=k_ok[:, None] & n_ok[None, :], other=0.0)   # [BK, BN]
         acc = tl.dot(tl.trans(a), b, acc, input_precision=PRECISION)
 
-    h = h0 + SH * i
-    w = w0 + SW * j
-    dx_m = img.to(tl.int64) * (C * HW) + h * W + w
-    dx_ptrs = dx_ptr + (dx_m[None, :] + (offs_n * HW)[:, None])             # [BN, BM]
+    dx_base = dx_ptr + img0.to(tl.int64) * (C * HW)
+    dx_m = dimg * (C * HW) + (h0 + SH * i) * W + w0 + SW * j
+    dx_ptrs = dx_base + (dx_m[None, :] + (offs_n * HW)[:, None])           # [BN, BM]
     mask = n_ok[:, None] & m_ok[None, :]
     out = tl.trans(acc)
     if ACCUMULATE:
@@ -439,9 +481,9 @@ def _bwd_data_macs(a):
     return a["N"] * a["H"] * a["W"] * a["K"] * a["C"] * a["R"] * a["S"] // (a["SH"] * a["SW"])
 
 
-_conv_bwd_data = _autotune(_PIX_CONFIGS, _KEY, _bwd_data_macs)(_conv_bwd_data_kernel)
+_conv_bwd_data = _autotune(_DATA_CONFIGS, _KEY, _bwd_data_macs)(_conv_bwd_data_kernel)
 # accumulate=True reads dx: autotuning must restore it after each timed trial
-_conv_bwd_data_acc = _autotune(_PIX_CONFIGS, _KEY, _bwd_data_macs,
+_conv_bwd_data_acc = _autotune(_DATA_CONFIGS, _KEY, _bwd_data_macs,
                                restore=["dx_ptr"])(_conv_bwd_data_kernel)
 
 
@@ -463,7 +505,8 @@ def _zero_insert_kernel(dy_ptr, z_ptr, P, Q, HZ, WZ, SH, SW, OFFH, OFFW, BLOCK: 
 
 @triton.jit
 def _conv_bwd_weight_kernel(x_ptr, dy_ptr, dw_ptr,
-                            N, C, H, W, K, P, Q, SH, SW, PH, PW, SPLIT_LEN,
+                            N, C, K, SH, SW, PH, PW, SPLIT_LEN,
+                            H: tl.constexpr, W: tl.constexpr, P: tl.constexpr, Q: tl.constexpr,
                             R: tl.constexpr, S: tl.constexpr, IS_1X1: tl.constexpr,
                             PRECISION: tl.constexpr,
                             BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
@@ -475,10 +518,10 @@ def _conv_bwd_weight_kernel(x_ptr, dy_ptr, dw_ptr,
     """
     pid = tl.program_id(0)
     split = tl.program_id(1)
-    RS = R * S
+    PQ: tl.constexpr = P * Q
+    HW: tl.constexpr = H * W
+    RS: tl.constexpr = R * S
     CRS = C * RS
-    PQ = P * Q
-    HW = H * W
     NPQ = N * PQ
     pid_m, pid_n = _tile_ids(pid, K, CRS, BLOCK_M, BLOCK_N, GROUP_M)
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)     # output channel k
@@ -490,9 +533,8 @@ def _conv_bwd_weight_kernel(x_ptr, dy_ptr, dw_ptr,
     else:
         c = offs_n // RS
         rs = offs_n % RS
-        r = rs // S
+        r = tl.where(n_ok, rs // S, H + R)                # a dead column never lands inside
         s = rs % S
-        r = tl.where(n_ok, r, H + PH + R)                # a dead column never lands inside
         x_n = c * HW + r * W + s
     dy_k = offs_m * PQ
     lo = split * SPLIT_LEN
@@ -500,25 +542,25 @@ def _conv_bwd_weight_kernel(x_ptr, dy_ptr, dw_ptr,
 
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for j0 in range(lo, hi, BLOCK_K):
+        img0 = j0 // PQ
         offs_j = j0 + tl.arange(0, BLOCK_K)
         j_ok = offs_j < hi
-        img = offs_j // PQ
+        dimg = offs_j // PQ - img0
         pq = offs_j % PQ
-        a = tl.load(dy_ptr + ((img.to(tl.int64) * (K * PQ) + pq)[None, :] + dy_k[:, None]),
+        dy_base = dy_ptr + img0.to(tl.int64) * (K * PQ)
+        x_base = x_ptr + img0.to(tl.int64) * (C * HW)
+        a = tl.load(dy_base + ((dimg * (K * PQ) + pq)[None, :] + dy_k[:, None]),
                     mask=m_ok[:, None] & j_ok[None, :], other=0.0)            # [BM, BK]
         if IS_1X1:
-            bt = tl.load(x_ptr + ((img.to(tl.int64) * (C * HW) + pq)[None, :] + x_n[:, None]),
+            bt = tl.load(x_base + ((dimg * (C * HW) + pq)[None, :] + x_n[:, None]),
                          mask=n_ok[:, None] & j_ok[None, :], other=0.0)       # [BN, BK]
         else:
-            oh = pq // Q
-            ow = pq % Q
-            ih0 = tl.where(j_ok, oh * SH - PH, -R)
-            iw0 = ow * SW - PW
-            x_j = img.to(tl.int64) * (C * HW) + ih0 * W + iw0
-            ih = ih0[None, :] + r[:, None]
-            iw = iw0[None, :] + s[:, None]
-            bt = tl.load(x_ptr + (x_j[None, :] + x_n[:, None]),
-                         mask=(ih >= 0) & (ih < H) & (iw >= 0) & (iw < W), other=0.0)
+            ih0 = tl.where(j_ok, (pq // Q) * SH - PH, -R)
+            iw0 = (pq % Q) * SW - PW
+            x_j = dimg * (C * HW) + ih0 * W + iw0
+            bt = tl.load(x_base + (x_j[None, :] + x_n[:, None]),
+                         mask=_ult(ih0[None, :] + r[:, None], H) & _ult(iw0[None, :] + s[:, None], W),
+                         other=0.0)
         acc = tl.dot(a, tl.trans(bt), acc, input_precision=PRECISION)
 
     out = dw_ptr + split.to(tl.int64) * (K * CRS) + (offs_m[:, None] * CRS + offs_n[None, :])
@@ -631,7 +673,7 @@ def _pix_grid(m, n):
 def _launch_fwd(x, w, b, y, n, c, h, wd, k, p, q, sh, sw, ph, pw, r, s, prec):
     is_1x1 = r == 1 and s == 1 and sh == 1 and sw == 1 and ph == 0 and pw == 0
     _conv_fwd[_pix_grid(n * p * q, k)](
-        x, w, b if b is not None else y, y, n, c, h, wd, k, p, q, sh, sw, ph, pw,
+        x, w, b if b is not None else y, y, n, c, k, sh, sw, ph, pw, H=h, W=wd, P=p, Q=q,
         R=r, S=s, IS_1X1=is_1x1, HAS_BIAS=b is not None, PRECISION=prec)
 
 
@@ -659,7 +701,7 @@ def forward(x, w, b, y, *, stride, padding, algo="implicit", workspace=None, pre
     crs = c * r * s
     bm, bk = (16, 16) if INTERPRET else (128, 32)
     _im2col_kernel[(triton.cdiv(n * p * q, bm), triton.cdiv(crs, bk))](
-        x, ws, n, c, h, wd, p, q, sh, sw, ph, pw, R=r, S=s, BLOCK_M=bm, BLOCK_K=bk,
+        x, ws, n, c, sh, sw, ph, pw, H=h, W=wd, P=p, Q=q, R=r, S=s, BLOCK_M=bm, BLOCK_K=bk,
         num_warps=4)
     _launch_fwd(ws, w, b, y, n, crs, p, q, k, p, q, 1, 1, 0, 0, 1, 1, prec)
 
@@ -670,8 +712,9 @@ def _launch_bwd_data(dy, w, dx, n, c, h, wd, k, p, q, sh, sw, ph, pw, r, s, accu
     m_grid = n * triton.cdiv(h, sh) * triton.cdiv(wd, sw)
     grid = lambda meta: (triton.cdiv(m_grid, meta["BLOCK_M"]) * triton.cdiv(c, meta["BLOCK_N"]),  # noqa: E731
                          sh * sw)
-    kern[grid](dy, w, dx, n, c, h, wd, k, p, q, sh, sw, ph, pw,
-               R=r, S=s, IS_1X1=is_1x1, ACCUMULATE=accumulate, PRECISION=prec)
+    kern[grid](dy, w, dx, n, c, k, sh, sw, ph, pw, H=h, W=wd, P=p, Q=q,
+               R=r, S=s, IS_1X1=is_1x1, STRIDE1=sh == 1 and sw == 1, ACCUMULATE=accumulate,
+               PRECISION=prec)
 
 
 def _run_bwd_data(dy, w, dx, x_shape, geo, algo, ws, accumulate, prec):
@@ -734,7 +777,7 @@ def _run_bwd_weight(x, dy, dw, db, geo, algo, ws, prec):
     crs = c * r * s
     grid = lambda meta: (triton.cdiv(k, meta["BLOCK_M"]) * triton.cdiv(crs, meta["BLOCK_N"]),  # noqa: E731
                          splits)
-    _conv_bwd_weight[grid](x, dy, out, n, c, h, wd, k, p, q, sh, sw, ph, pw, split_len,
+    _conv_bwd_weight[grid](x, dy, out, n, c, k, sh, sw, ph, pw, split_len, H=h, W=wd, P=p, Q=q,
                            R=r, S=s, IS_1X1=is_1x1, PRECISION=prec)
     if algo == "splitk":
         total = k * crs

@@ -6,17 +6,16 @@ backward(dy, dx, *, p, seed, offset, accumulate)   dx (+)= dy * keep / (1 - p)
 The keep mask is regenerated from (seed, offset) by the backward pass (and by a recomputed
 forward), so it never occupies memory. An element is kept when its uniform draw u >= p.
 
-Random numbers: Philox-4x32-10 (`tl.philox`, 32-bit counters, key = seed), one call giving four
-32-bit draws. Element e of a launch (flat index, 0 <= e < numel) takes
-    counter = offset + (e // BLOCK) * (BLOCK // 4) + e % (BLOCK // 4)      (64-bit; low word c0,
-                                                                           high word c1)
-    draw    = output number (e % BLOCK) // (BLOCK // 4) of that Philox call
+Random numbers: Philox-4x32-10 (`tl.philox`, 32-bit counter words, key = seed); one Philox
+call gives four 32-bit outputs, used by four consecutive elements. Element e of a launch (flat
+index, 0 <= e < numel) takes
+    counter = offset + e // 4            (64-bit: low word c0, high word c1, c2 = c3 = 0)
+    draw    = output e % 4 of that call
     u       = int31(draw) * 4.6566127342e-10   (triton's uint_to_uniform_float: [0, 1))
-so four elements share one Philox evaluation (it is cheap enough that the kernel stays
-memory-bound). Every counter a launch uses lies in [offset, offset + numel): the runtime gives
-each (step, layer) a disjoint counter range (e.g. offset = running sum of dropout numels) and the
-masks are independent. BLOCK is a fixed module constant (never autotuned): forward and backward
-must use the same one.
+and is kept when u >= p. The mask therefore depends only on (seed, offset, e, p): not on the
+block size, the device or the triton version (tests pin it against a numpy Philox). A launch
+uses the counters [offset, offset + ceil(numel / 4)): give each (step, layer) a disjoint range
+(offsets spaced by numel are always safe) and their masks are independent.
 
 p == 0 is an exact copy (y = x bitwise). p must lie in [0, 1); seed in [0, 2**31); offset >= 0.
 """
@@ -26,9 +25,8 @@ import triton.language as tl
 
 from ._common import check_tensor
 
-BLOCK = 4096      # elements per program; 4 Philox outputs per counter -> BLOCK // 4 counters
-NUM_WARPS = 8
-_UNIFORM_SCALE = 4.6566127342e-10   # largest float with (2**31 - 1) * scale < 1
+BLOCK = 4096      # elements per program (BLOCK // 4 Philox calls); any multiple of 4 gives
+NUM_WARPS = 8     # the same mask
 
 
 @triton.jit
@@ -39,33 +37,26 @@ def _uniform(r):
     return i.to(tl.float32) * 4.6566127342e-10
 
 
-@triton.jit
-def _apply(src_ptr, dst_ptr, offs, n, r, p, scale, ACCUMULATE: tl.constexpr):
-    mask = offs < n
-    v = tl.load(src_ptr + offs, mask=mask)
-    keep = _uniform(r) >= p
-    out = tl.where(keep, v * scale, 0.0)
-    if ACCUMULATE:
-        out = tl.load(dst_ptr + offs, mask=mask) + out
-    tl.store(dst_ptr + offs, out, mask=mask)
-
-
 @triton.jit(do_not_specialize=["seed", "offset"])   # one compiled variant for every step
 def _dropout_kernel(src_ptr, dst_ptr, n, p, scale, seed, offset,
                     BLOCK: tl.constexpr, ACCUMULATE: tl.constexpr):
     Q: tl.constexpr = BLOCK // 4
     pid = tl.program_id(0).to(tl.int64)
-    lane = tl.arange(0, Q)
-    ctr = offset + pid * Q + lane.to(tl.int64)          # 64-bit Philox counter
-    c0 = ctr.to(tl.uint32)                               # low word (truncating cast)
-    c1 = (ctr >> 32).to(tl.uint32)                       # high word
+    ctr = offset + pid * Q + tl.arange(0, Q).to(tl.int64)      # 64-bit Philox counter
+    c0 = ctr.to(tl.uint32)                                      # low word (truncating cast)
+    c1 = (ctr >> 32).to(tl.uint32)                              # high word
     zero = c0 * 0
     r0, r1, r2, r3 = tl.philox(seed, c0, c1, zero, zero)
-    base = pid * BLOCK + lane
-    _apply(src_ptr, dst_ptr, base, n, r0, p, scale, ACCUMULATE)
-    _apply(src_ptr, dst_ptr, base + Q, n, r1, p, scale, ACCUMULATE)
-    _apply(src_ptr, dst_ptr, base + 2 * Q, n, r2, p, scale, ACCUMULATE)
-    _apply(src_ptr, dst_ptr, base + 3 * Q, n, r3, p, scale, ACCUMULATE)
+    # element 4*i + j of the block takes output j of counter i: each thread then holds four
+    # contiguous elements (one 16-byte load) together with the Philox call that covers them
+    r = tl.interleave(tl.interleave(r0, r2), tl.interleave(r1, r3))
+    offs = pid * BLOCK + tl.arange(0, BLOCK)
+    mask = offs < n
+    v = tl.load(src_ptr + offs, mask=mask)
+    out = tl.where(_uniform(r) >= p, v * scale, 0.0)
+    if ACCUMULATE:
+        out = tl.load(dst_ptr + offs, mask=mask) + out
+    tl.store(dst_ptr + offs, out, mask=mask)
 
 
 def _check_args(src_name, src, dst_name, dst, p, seed, offset, accumulate=False):

@@ -5,7 +5,10 @@ add
     add_backward(dy, dxs, accumulate=...)   dx_i = dy  or  dx_i += dy  (per input)
 concat (NCHW, along channels)
     concat_forward(xs, y)         y[:, c0:c0+Ci] = x_i
-    concat_backward(dy, dxs, accumulate=...)   dx_i = dy[:, c0:c0+Ci]  (or +=)
+    concat_backward(dy, dxs, accumulate=..., channels=None)   dx_i = dy[:, c0:c0+Ci]  (or +=)
+accumulate is a bool or a list with one bool per input; entries of dxs may be None (no
+gradient wanted). A None concat entry has no shape to read C_i from: one None is inferred,
+with several pass channels=[C_0, C_1, ...].
 
 One kernel launch sums up to four inputs (reading each once and writing y once); more
 inputs chain in place on y, keeping the left-fold order. The add backward writes up to four
@@ -13,9 +16,14 @@ gradients per launch from one read of dy. A channel slice of an NCHW tensor is N
 Ci*H*W contiguous elements, the rows C*H*W apart: the concat kernels copy those rows
 directly (a strided row copy), no torch copy or temporary is made.
 
+Every output element is computed by one lane in a fixed order, so the results do not depend
+on the autotuned block size (bitwise deterministic). Autotuning benchmarks a kernel several
+times, so kernels that update in place (y chained over >4 inputs, accumulating gradients)
+declare restore_value: the tuner saves and restores those tensors (a temporary copy, on the
+first call of a shape only).
+
 No workspace: workspace_bytes(...) is 0.
 """
-import torch
 import triton
 import triton.language as tl
 
@@ -95,7 +103,8 @@ def _copy_rows_kernel(src, dst, row_len, src_stride, dst_stride, src_off, dst_of
                       ACC: tl.constexpr, BLOCK: tl.constexpr):
     """dst[dst_off + r*dst_stride + i] (+)= src[src_off + r*src_stride + i], i < row_len.
 
-    One program copies BLOCK contiguous elements of one row: pid = row * cdiv(row_len, BLOCK) + block.
+    One program copies BLOCK contiguous elements of one row:
+    pid = row * cdiv(row_len, BLOCK) + block.
     """
     pid = tl.program_id(0)
     nblk = tl.cdiv(row_len, BLOCK)

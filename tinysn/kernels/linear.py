@@ -199,7 +199,8 @@ def backward(x, w, dy: torch.Tensor, dx, dw, db, *, accumulate: bool = False,
         f = w.shape[1]
     if x is not None:
         check_tensor("x", x)
-        if x.dim() != 2 or x.shape[0] != n or x.shape[1] == 0 or (f is not None and x.shape[1] != f):
+        if (x.dim() != 2 or x.shape[0] != n or x.shape[1] == 0
+                or (f is not None and x.shape[1] != f)):
             raise ValueError(f"linear: x must be [{n}, {f if f is not None else 'F'}], got "
                              f"{tuple(x.shape)}")
         f = x.shape[1]

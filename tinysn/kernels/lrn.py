@@ -20,7 +20,8 @@ API
     workspace_bytes(*args) -> 0
 
 Layout: one program takes a [CB channels, BLOCK pixels] tile of one image (pixel rows
-contiguous); the neighbouring channels' rows that the windows read again are cache hits. Powers are computed as exp2(-beta * log2(s)).
+contiguous); the neighbouring channels' rows that the windows read again are cache hits.
+Powers are computed as exp2(-beta * log2(s)).
 """
 import math
 
@@ -34,6 +35,13 @@ _GPU_CONFIGS = [
     triton.Config({"BLOCK": 512, "CB": 2}, num_warps=4),
     triton.Config({"BLOCK": 256, "CB": 8}, num_warps=8),
     triton.Config({"BLOCK": 1024, "CB": 2}, num_warps=8),
+]
+_GPU_BWD_CONFIGS = [   # the backward unrolls size*size loads: fewer elements per thread
+    triton.Config({"BLOCK": 128, "CB": 2}, num_warps=4),
+    triton.Config({"BLOCK": 256, "CB": 2}, num_warps=4),
+    triton.Config({"BLOCK": 128, "CB": 4}, num_warps=4),
+    triton.Config({"BLOCK": 512, "CB": 2}, num_warps=8),
+    triton.Config({"BLOCK": 256, "CB": 4}, num_warps=8),
 ]
 _SMALL_CONFIG = triton.Config({"BLOCK": 128, "CB": 8}, num_warps=4)
 
@@ -78,8 +86,8 @@ def _lrn_fwd_kernel(x, y, C, HW, alpha_n, beta, k, SIZE: tl.constexpr, LO: tl.co
     tl.store(y + pix + c * HW, xc * tl.exp2(-beta * tl.log2(s)), mask=m)
 
 
-@triton.autotune(configs=autotune_configs(_GPU_CONFIGS, _SMALL_CONFIG), key=["C", "HW", "SIZE"],
-                 restore_value=["dx"])
+@triton.autotune(configs=autotune_configs(_GPU_BWD_CONFIGS, _SMALL_CONFIG),
+                 key=["C", "HW", "SIZE"], restore_value=["dx"])
 @triton.jit
 def _lrn_bwd_kernel(x, dy, dx, C, HW, alpha_n, beta, k, SIZE: tl.constexpr, LO: tl.constexpr,
                     HI: tl.constexpr, ACC: tl.constexpr, BLOCK: tl.constexpr, CB: tl.constexpr):

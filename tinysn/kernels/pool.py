@@ -32,8 +32,13 @@ the neighbourhood); for stride 1 windows overlap more (3x3/1: 81 cached loads pe
 which makes the backward compute-bound rather than bandwidth-bound. Saves: the int64 index
 tensor the size of y (2x y's bytes) that torch keeps from forward to backward; only x must
 stay alive (y is not read by the max backward; the parameter is kept for a uniform API).
+
+Determinism: every output (and every dx) element is produced by one lane in a fixed order
+(window scan; candidate windows i, j ascending), so the autotuned block sizes do not change
+a bit of the results; the global-pool sum is a cross-lane reduction, so its tile is fixed.
+The backward kernel declares restore_value=["dx"] so that autotuning an accumulating launch
+(it runs the kernel several times) does not add twice.
 """
-import torch
 import triton
 import triton.language as tl
 
@@ -47,20 +52,20 @@ _FWD_GPU = [
 ]
 _FWD_SMALL = triton.Config({"BLOCK": 1024}, num_warps=4)
 
+# backward: LANES = elements of the program's [cells, CELLP] tile; the cell count BLOCK =
+# LANES // CELLP follows (triton.heuristics), so that a tile stays in registers whatever the
+# stride. The max backward unrolls kh*kw loads per candidate window: <= 8 lanes per thread.
 _BWD_GPU = [
-    triton.Config({"BLOCK": 128}, num_warps=4),
-    triton.Config({"BLOCK": 256}, num_warps=4),
-    triton.Config({"BLOCK": 512}, num_warps=4),
-    triton.Config({"BLOCK": 512}, num_warps=8),
+    triton.Config({"LANES": 512}, num_warps=4),
+    triton.Config({"LANES": 1024}, num_warps=4),
+    triton.Config({"LANES": 1024}, num_warps=8),
+    triton.Config({"LANES": 2048}, num_warps=8),
 ]
-_BWD_SMALL = triton.Config({"BLOCK": 256}, num_warps=4)
+_BWD_SMALL = triton.Config({"LANES": 1024}, num_warps=4)
 
-_GLOBAL_GPU = [
-    triton.Config({"PLANES": 8}, num_warps=4),
-    triton.Config({"PLANES": 16}, num_warps=4),
-    triton.Config({"PLANES": 32}, num_warps=8),
-]
-_GLOBAL_SMALL = triton.Config({"PLANES": 16}, num_warps=4)
+# global pooling sums across lanes (tl.sum), so its tile is fixed, not autotuned: the
+# summation order, hence every bit of the result, must not depend on a timing race
+_GLOBAL_LANES = 2048
 
 _INT32_LIMIT = 2**31 - 1
 
@@ -179,7 +184,6 @@ def _pool_fwd_kernel(x, y, total, H, W, OH, OW,
     tl.store(y + offs, out, mask=mask)
 
 
-@triton.autotune(configs=autotune_configs(_GLOBAL_GPU, _GLOBAL_SMALL), key=["planes", "HW"])
 @triton.jit
 def _pool_global_fwd_kernel(x, y, planes, HW, IS_MAX: tl.constexpr, INDEX64: tl.constexpr,
                             COLS: tl.constexpr, PLANES: tl.constexpr):
@@ -214,12 +218,13 @@ def _pool_global_fwd_kernel(x, y, planes, HW, IS_MAX: tl.constexpr, INDEX64: tl.
 
 @triton.autotune(configs=autotune_configs(_BWD_GPU, _BWD_SMALL),
                  key=["total", "H", "W", "KH", "KW", "SH", "SW"], restore_value=["dx"])
+@triton.heuristics({"BLOCK": lambda a: max(2, a["LANES"] // a["CELLP"])})
 @triton.jit
 def _pool_bwd_kernel(x, dy, dx, total, H, W, OH, OW, NBH, NBW, OBH, OBW,
                      KH: tl.constexpr, KW: tl.constexpr, SH: tl.constexpr, SW: tl.constexpr,
                      PH: tl.constexpr, PW: tl.constexpr, NH: tl.constexpr, NW: tl.constexpr,
                      CELLP: tl.constexpr, IS_MAX: tl.constexpr, ACC: tl.constexpr,
-                     INDEX64: tl.constexpr, BLOCK: tl.constexpr):
+                     INDEX64: tl.constexpr, LANES: tl.constexpr, BLOCK: tl.constexpr):
     """Gather: one lane per cell of SH x SW input pixels (cell = pixels sharing windows).
 
     Cell (orow, ocol) holds rows orow*SH - PH + r (r < SH) and cols ocol*SW - PW + q; its
@@ -313,8 +318,10 @@ def forward(x, y, *, mode, kernel, stride, padding):
         planes = n * c
         hw = h * w
         cols = min(_next_pow2(hw), 1024)
-        _pool_global_fwd_kernel[lambda meta: (triton.cdiv(planes, meta["PLANES"]),)](
-            x, y, planes, hw, IS_MAX=is_max, INDEX64=index64, COLS=cols)
+        rows = max(2, _GLOBAL_LANES // cols)
+        _pool_global_fwd_kernel[(triton.cdiv(planes, rows),)](
+            x, y, planes, hw, IS_MAX=is_max, INDEX64=index64, COLS=cols, PLANES=rows,
+            num_warps=4)
         return
     _pool_fwd_kernel[lambda meta: (triton.cdiv(total, meta["BLOCK"]),)](
         x, y, total, h, w, oh, ow, KH=kh, KW=kw, SH=sh, SW=sw, PH=ph, PW=pw,
@@ -324,20 +331,31 @@ def forward(x, y, *, mode, kernel, stride, padding):
 def backward(x, y, dy, dx, *, mode, kernel, stride, padding, accumulate=False):
     """dx (+)= d pool / dx . dy, a gather over input pixels (deterministic, no atomics).
 
-    Max pooling recomputes the argmax from x; y is accepted for a uniform API but not read.
-    dx may be None (nothing to do).
+    Max pooling recomputes the argmax from x; y is accepted for a uniform API but not read
+    and may be None; average pooling reads neither, so x may be None too (the scheduler
+    frees both before an average pool's backward). dx may be None (nothing to do).
     """
     is_max = _mode(mode)
     kh, kw, sh, sw, ph, pw = _params(kernel, stride, padding)
-    shape = _check_io(x, y, kernel, stride, padding)
+    if x is None and (is_max or dx is None):
+        raise ValueError("max pooling's backward needs x (it recomputes the argmax), and "
+                         "average pooling's needs dx to know the input shape")
+    ref = x if x is not None else dx
+    check_tensor("x" if x is not None else "dx", ref)
+    if ref.dim() != 4:
+        raise ValueError(f"x must be 4-D NCHW, got shape {tuple(ref.shape)}")
+    shape = out_shape(ref.shape, kernel, stride, padding)
+    if y is not None:
+        check_tensor("y", y, shape)
     check_tensor("dy", dy, shape)
     if not isinstance(accumulate, bool):
         raise ValueError(f"accumulate must be a bool, got {accumulate!r}")
     if dx is not None:
-        check_tensor("dx", dx, x.shape)
-    _check_same_device(("x", x), ("y", y), ("dy", dy), ("dx", dx))
-    if dx is None or x.numel() == 0:
+        check_tensor("dx", dx, ref.shape)
+    _check_same_device(("dy", dy), ("x", x), ("y", y), ("dx", dx))
+    if dx is None or ref.numel() == 0:
         return
+    x = x if x is not None else dx      # average pooling never reads x
     n, c, oh, ow = shape
     h, w = x.shape[2], x.shape[3]
     obh, obw = ph // sh, pw // sw                    # first cell's owner window row / col
@@ -348,7 +366,7 @@ def backward(x, y, dy, dx, *, mode, kernel, stride, padding, accumulate=False):
     nw = -(-kw // sw)
     cellp = max(2, _next_pow2(sh * sw))
     index64 = x.numel() > _INT32_LIMIT
-    _pool_bwd_kernel[lambda meta: (triton.cdiv(total, meta["BLOCK"]),)](
+    _pool_bwd_kernel[lambda meta: (triton.cdiv(total, max(2, meta["LANES"] // cellp)),)](
         x, dy, dx, total, h, w, oh, ow, nbh, nbw, obh, obw,
         KH=kh, KW=kw, SH=sh, SW=sw, PH=ph, PW=pw, NH=nh, NW=nw, CELLP=cellp,
         IS_MAX=is_max, ACC=accumulate, INDEX64=index64)

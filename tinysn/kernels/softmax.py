@@ -99,7 +99,8 @@ def _num_warps(block_k: int) -> int:
 def _check_logits_labels(logits, labels):
     check_tensor("logits", logits)
     if logits.dim() != 2 or logits.shape[0] == 0 or logits.shape[1] == 0:
-        raise ValueError(f"logits must be a non-empty [N, K] tensor, got shape {tuple(logits.shape)}")
+        raise ValueError(f"logits must be a non-empty [N, K] tensor, got shape "
+                         f"{tuple(logits.shape)}")
     n = logits.shape[0]
     check_tensor("labels", labels, shape=(n,), dtype=torch.int64)
     if labels.device != logits.device:

@@ -1,0 +1,183 @@
+"""Conv kernels (every algorithm of every phase) against cuDNN through torch, ResNet-50 shapes.
+
+    PYTHONPATH=. python bench/kernels_conv.py [--phases forward,backward_data] [--shapes 0,2]
+                                               [--batch 32] [--json PATH] [--warm]
+
+bench(device="cuda") -> list of rows {"kernel": "conv.<phase>", "algo", "shape", "tinysn_ms",
+"torch_ms", "ratio" (torch_ms / tinysn_ms), "tflops" (2*N*K*P*Q*C*R*S / tinysn time),
+"torch_tflops", "rel_err" (against torch's own TF32 result), "config" (the autotuner's pick)}.
+torch: F.conv2d (with bias) for forward, torch.nn.grad.conv2d_input / conv2d_weight (cuDNN
+backward data / filter) for the backward pieces; tinysn's backward_weight runs without db so
+both sides do the same work. TF32 on both sides. Times: triton.testing.do_bench medians
+(warmup 25 ms, rep 100 ms), everything allocated outside the timed function.
+--warm only compiles and autotunes (used to fill Triton's cache from parallel processes).
+"""
+import argparse
+import json
+import os
+import sys
+import time
+
+try:
+    import tinysn  # noqa: F401  (before triton: interpreter switch when there is no GPU)
+except ImportError:
+    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    import tinysn  # noqa: F401
+import torch  # noqa: E402
+import torch.nn.functional as F  # noqa: E402
+import triton  # noqa: E402
+from tinysn.kernels import conv  # noqa: E402
+
+# (name, C, H, W, K, R, S, stride, padding) -- ResNet-50 layers
+SHAPES = [
+    ("7x7/2 3->64 @224", 3, 224, 224, 64, 7, 7, 2, 3),
+    ("1x1 64->64 @56", 64, 56, 56, 64, 1, 1, 1, 0),
+    ("3x3 64->64 @56", 64, 56, 56, 64, 3, 3, 1, 1),
+    ("1x1 64->256 @56", 64, 56, 56, 256, 1, 1, 1, 0),
+    ("3x3 128->128 @28", 128, 28, 28, 128, 3, 3, 1, 1),
+    ("3x3 256->256 @14", 256, 14, 14, 256, 3, 3, 1, 1),
+    ("3x3 512->512 @7", 512, 7, 7, 512, 3, 3, 1, 1),
+    ("1x1 1024->256 @14", 1024, 14, 14, 256, 1, 1, 1, 0),
+]
+PHASES = ("forward", "backward_data", "backward_weight")
+_TUNED = {"forward": "_conv_fwd", "backward_data": "_conv_bwd_data",
+          "backward_weight": "_conv_bwd_weight"}
+
+
+def _do_bench(fn):
+    return triton.testing.do_bench(fn, warmup=25, rep=100, return_mode="median")
+
+
+def _rel(a, b):
+    return ((a.double() - b.double()).norm() / b.double().norm().clamp_min(1e-30)).item()
+
+
+def _tuning(phase):
+    """The autotuner's pick and the timings of every config it tried (if it benchmarked)."""
+    kern = getattr(conv, _TUNED[phase])
+    best = getattr(kern, "best_config", None)
+    timings = getattr(kern, "configs_timings", None) or {}
+    tried = {str(c.kwargs) + f" w{c.num_warps} s{c.num_stages}":
+             (t[0] if isinstance(t, (list, tuple)) else t) for c, t in timings.items()}
+    return (str(best.kwargs) + f" w{best.num_warps} s{best.num_stages}") if best else None, tried
+
+
+def bench(device="cuda", batch=32, shapes=None, phases=PHASES, precision="tf32", warm=False,
+          log=print):
+    torch.backends.cudnn.allow_tf32 = True
+    torch.backends.cuda.matmul.allow_tf32 = True
+    rows = []
+    for idx, (name, c, h, w, k, r, s, st, pd) in enumerate(SHAPES):
+        if shapes is not None and idx not in shapes:
+            continue
+        n = batch
+        gen = torch.Generator(device=device).manual_seed(idx)
+        x = torch.randn(n, c, h, w, device=device, generator=gen)
+        wt = torch.randn(k, c, r, s, device=device, generator=gen) * (1.0 / (c * r * s) ** 0.5)
+        b = torch.randn(k, device=device, generator=gen)
+        _, _, p, q = conv.out_shape(x.shape, wt.shape, st, pd)
+        dy = torch.randn(n, k, p, q, device=device, generator=gen)
+        y = torch.empty(n, k, p, q, device=device)
+        dx = torch.empty_like(x)
+        dw = torch.empty_like(wt)
+        flops = 2 * n * k * p * q * c * r * s
+        for phase in phases:
+            if phase == "forward":
+                torch_fn = lambda: F.conv2d(x, wt, b, st, pd)  # noqa: E731
+                out = y
+            elif phase == "backward_data":
+                torch_fn = lambda: torch.nn.grad.conv2d_input(x.shape, wt, dy, st, pd)  # noqa: E731
+                out = dx
+            else:
+                torch_fn = lambda: torch.nn.grad.conv2d_weight(x, wt.shape, dy, st, pd)  # noqa: E731
+                out = dw
+            ref = torch_fn()
+            torch_ms = None if warm else _do_bench(torch_fn)
+            for algo in conv._ALGOS[phase]:
+                need = conv.workspace_bytes(x.shape, wt.shape, st, pd, phase, algo)
+                ws = torch.empty(max(need, 4), dtype=torch.uint8, device=device)
+                if phase == "forward":
+                    fn = lambda: conv.forward(x, wt, b, y, stride=st, padding=pd, algo=algo,  # noqa: E731
+                                              workspace=ws, precision=precision)
+                elif phase == "backward_data":
+                    fn = lambda: conv.backward_data(dy, wt, dx, stride=st, padding=pd,  # noqa: E731
+                                                    algo=algo, workspace=ws,
+                                                    precision=precision)
+                else:
+                    fn = lambda: conv.backward_weight(x, dy, dw, None, stride=st, padding=pd,  # noqa: E731
+                                                      algo=algo, workspace=ws,
+                                                      precision=precision)
+                row = {"kernel": f"conv.{phase}", "algo": algo, "shape": f"{name} b{n}",
+                       "workspace_bytes": need, "flops": flops}
+                try:
+                    t0 = time.time()
+                    out.fill_(float("nan"))
+                    fn()
+                    if x.is_cuda:
+                        torch.cuda.synchronize()
+                    row["first_call_s"] = round(time.time() - t0, 2)
+                    row["config"], row["tune_ms"] = _tuning(phase)
+                    row["rel_err"] = _rel(out, ref)
+                    if not warm:
+                        ms = _do_bench(fn)
+                        row.update(tinysn_ms=ms, torch_ms=torch_ms, ratio=torch_ms / ms,
+                                   tflops=flops / ms * 1e-9, torch_tflops=flops / torch_ms * 1e-9)
+                except Exception as e:  # keep going: one failure should not hide the rest
+                    row["error"] = f"{type(e).__name__}: {e}"[:500]
+                rows.append(row)
+                log(_fmt(row))
+            del ref
+    return rows
+
+
+def _fmt(row):
+    if "error" in row:
+        return f"{row['kernel']:<21}{row['algo']:<12}{row['shape']:<24} ERROR {row['error'][:200]}"
+    if "tinysn_ms" not in row:
+        return f"{row['kernel']:<21}{row['algo']:<12}{row['shape']:<24} warm " \
+               f"{row['first_call_s']}s err {row['rel_err']:.1e} {row['config']}"
+    return (f"{row['kernel']:<21}{row['algo']:<12}{row['shape']:<24}"
+            f"{row['tinysn_ms']:9.3f}{row['torch_ms']:9.3f}{row['ratio']:7.2f}"
+            f"{row['tflops']:8.1f}{row['torch_tflops']:8.1f}  {row['rel_err']:.1e}  {row['config']}")
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--phases", default=",".join(PHASES))
+    ap.add_argument("--shapes", default=None, help="comma-separated indices into SHAPES")
+    ap.add_argument("--batch", type=int, default=32)
+    ap.add_argument("--precision", default="tf32")
+    ap.add_argument("--json", default=None)
+    ap.add_argument("--warm", action="store_true")
+    a = ap.parse_args()
+    shapes = None if a.shapes is None else [int(i) for i in a.shapes.split(",")]
+    phases = tuple(a.phases.split(","))
+    print(f"{'kernel':<21}{'algo':<12}{'shape':<24}{'tinysn':>9}{'torch':>9}{'ratio':>7}"
+          f"{'TFLOP/s':>8}{'torch':>8}  rel_err  config", flush=True)
+    rows = bench("cuda", a.batch, shapes, phases, a.precision, a.warm,
+                 log=lambda s: print(s, flush=True))
+    if a.warm:
+        return
+    meta = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__,
+            "triton": triton.__version__, "cudnn": torch.backends.cudnn.version(),
+            "batch": a.batch, "precision": a.precision,
+            "date": time.strftime("%Y-%m-%d %H:%M:%S")}
+    path = a.json or os.path.join(os.path.dirname(os.path.abspath(__file__)), "results",
+                                  "kernels_conv.json")
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    with open(path, "w") as f:
+        json.dump({"meta": meta, "rows": rows}, f, indent=1)
+    print(f"\n{meta}\nwrote {path}\n")
+    print(f"{'kernel':<21}{'algo':<12}{'shape':<24}{'tinysn':>9}{'torch':>9}{'ratio':>7}"
+          f"{'TFLOP/s':>8}")
+    for row in rows:
+        if "tinysn_ms" in row:
+            print(f"{row['kernel']:<21}{row['algo']:<12}{row['shape']:<24}"
+                  f"{row['tinysn_ms']:9.3f}{row['torch_ms']:9.3f}{row['ratio']:7.2f}"
+                  f"{row['tflops']:8.1f}")
+        else:
+            print(_fmt(row))
+
+
+if __name__ == "__main__":
+    main()

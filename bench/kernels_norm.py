@@ -1,0 +1,297 @@
+"""Batch norm, pooling, join (add, concat) and LRN kernels against torch, same process.
+
+    PYTHONPATH=. python bench/kernels_norm.py [--batch 32] [--only bn,pool,join,lrn] [--json PATH]
+
+bench(device="cuda") -> list of rows {"kernel", "algo", "shape", "tinysn_ms", "torch_ms",
+"ratio" (torch_ms / tinysn_ms), "gbps" (bytes each kernel must read + write once, per tinysn
+time: the figure a single-pass kernel could reach), "torch_gbps", "copy_gbps" (torch's
+device-to-device copy of a ResNet-50 activation in the same run: the bandwidth a memory-bound
+kernel can hope for), "frac_of_copy" (gbps / copy_gbps), "moved_gbps" where tinysn reads more
+than the minimum (bn reads x twice: the bytes it actually moves, per its time), "rel_err"
+where outputs are comparable}.
+
+Shapes (ResNet-50 at batch 32, AlexNet for LRN):
+  bn        [32,64,112,112] and [32,256,56,56]     (training mode; backward: dx, dgamma, dbeta)
+  maxpool   3x3 / 2 pad 1 on [32,64,112,112]
+  avgpool   7x7 on [32,2048,7,7]                  (the global pool)
+  add       two [32,256,56,56]                    (backward: 2 gradients, copy and accumulate)
+  concat    two [32,128,28,28]
+  lrn       size 5 on [32,96,55,55]
+torch equivalents: F.batch_norm / native_batch_norm(_backward); max_pool2d_with_indices
+(+ its backward, which reads torch's int64 indices); avg_pool2d(_backward); add(out=), copy_;
+cat(out=) and slice copies; F.local_response_norm and autograd.grad through it (a composite
+of several torch kernels). Times: triton.testing.do_bench medians (warmup 25 ms, rep 100 ms),
+everything allocated outside the timed function.
+"""
+import argparse
+import json
+import os
+import sys
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+import tinysn  # noqa: E402,F401  (before triton: interpreter switch when there is no GPU)
+import torch  # noqa: E402
+import torch.nn.functional as F  # noqa: E402
+import triton  # noqa: E402
+from tinysn.kernels import bn, join, lrn, pool  # noqa: E402
+
+GROUPS = ("bn", "pool", "join", "lrn")
+
+
+def _do_bench(fn):
+    return triton.testing.do_bench(fn, warmup=25, rep=100, return_mode="median")
+
+
+def _rel(a, b):
+    return ((a.double() - b.double()).norm() / b.double().norm().clamp_min(1e-30)).item()
+
+
+def _shape(s):
+    return "x".join(str(d) for d in s)
+
+
+class _Runner:
+    def __init__(self, log):
+        self.rows, self.log, self.copy_gbps = [], log, None
+
+    def run(self, kernel, algo, shape, fn, torch_fn, *, nbytes, moved=None, check=None,
+            **extra):
+        row = {"kernel": kernel, "algo": algo, "shape": shape, **extra}
+        try:
+            fn()
+            torch_fn()
+            torch.cuda.synchronize()
+            if check is not None:
+                row["rel_err"] = check()
+            ms, tms = _do_bench(fn), _do_bench(torch_fn)
+            row.update(tinysn_ms=ms, torch_ms=tms, ratio=tms / ms,
+                       gbps=nbytes / ms * 1e-6, torch_gbps=nbytes / tms * 1e-6)
+            if moved is not None:
+                row["moved_gbps"] = moved / ms * 1e-6
+            if self.copy_gbps:
+                row.update(copy_gbps=self.copy_gbps, frac_of_copy=row["gbps"] / self.copy_gbps)
+        except Exception as e:  # keep going: one failure should not hide the rest
+            row["error"] = f"{type(e).__name__}: {e}"[:500]
+        self.rows.append(row)
+        self.log(_fmt(row))
+        return row
+
+
+def _copy_gbps(device):
+    x = torch.randn(32, 256, 56, 56, device=device)
+    y = torch.empty_like(x)
+    ms = _do_bench(lambda: y.copy_(x))
+    return 2 * x.numel() * 4 / ms * 1e-6
+
+
+def _randn(shape, device, seed):
+    g = torch.Generator(device=device).manual_seed(seed)
+    return torch.randn(shape, device=device, generator=g)
+
+
+def _bench_bn(r, device, batch):
+    for shape in [(batch, 64, 112, 112), (batch, 256, 56, 56)]:
+        c = shape[1]
+        x, dy = _randn(shape, device, 1), _randn(shape, device, 2)
+        gamma, beta = _randn((c,), device, 3), _randn((c,), device, 4)
+        rm, rv = torch.zeros(c, device=device), torch.ones(c, device=device)
+        trm, trv = rm.clone(), rv.clone()
+        y, dx = torch.empty_like(x), torch.empty_like(x)
+        saved = torch.empty(2, c, device=device)
+        wsf = torch.empty(bn.workspace_bytes(shape, "forward"), dtype=torch.uint8, device=device)
+        wsb = torch.empty(bn.workspace_bytes(shape, "backward"), dtype=torch.uint8, device=device)
+        dg, db = torch.empty(c, device=device), torch.empty(c, device=device)
+        s = x.numel() * 4
+        _, smean, sinv = torch.ops.aten.native_batch_norm(x, gamma, beta, trm.clone(), trv.clone(),
+                                                          True, 0.1, 1e-5)
+
+        def t_fwd():
+            torch.ops.aten.native_batch_norm(x, gamma, beta, trm, trv, True, 0.1, 1e-5)
+
+        def t_fwd_f():
+            F.batch_norm(x, trm, trv, gamma, beta, training=True, momentum=0.1, eps=1e-5)
+
+        def t_bwd():
+            torch.ops.aten.native_batch_norm_backward(dy, x, gamma, trm, trv, smean, sinv, True,
+                                                      1e-5, [True, True, True])
+
+        r.run("bn.forward", "3-pass", _shape(shape),
+              lambda: bn.forward(x, gamma, beta, y, rm, rv, saved, wsf),
+              t_fwd, nbytes=2 * s, moved=3 * s, torch_op="native_batch_norm",
+              check=lambda: _rel(y, F.batch_norm(x, None, None, gamma, beta, training=True)))
+        r.run("bn.forward", "3-pass vs F.batch_norm", _shape(shape),
+              lambda: bn.forward(x, gamma, beta, y, rm, rv, saved, wsf),
+              t_fwd_f, nbytes=2 * s, moved=3 * s, torch_op="F.batch_norm (cudnn if chosen)")
+        bn.forward(x, gamma, beta, y, rm, rv, saved, wsf)
+
+        def check_bwd():
+            ref = torch.ops.aten.native_batch_norm_backward(dy, x, gamma, trm, trv, smean, sinv,
+                                                            True, 1e-5, [True, True, True])
+            return max(_rel(dx, ref[0]), _rel(dg, ref[1]), _rel(db, ref[2]))
+
+        r.run("bn.backward", "3-pass dx+dgamma+dbeta", _shape(shape),
+              lambda: bn.backward(x, gamma, dy, saved, dx, dg, db, wsb),
+              t_bwd, nbytes=3 * s, moved=5 * s, torch_op="native_batch_norm_backward",
+              check=check_bwd)
+        del x, dy, y, dx
+
+
+def _bench_pool(r, device, batch):
+    cases = [("max", (batch, 64, 112, 112), 3, 2, 1), ("avg", (batch, 2048, 7, 7), 7, 7, 0)]
+    for mode, shape, k, st, p in cases:
+        x = _randn(shape, device, 5)
+        oshape = pool.out_shape(shape, k, st, p)
+        dy = _randn(oshape, device, 6)
+        y, ty = torch.empty(oshape, device=device), torch.empty(oshape, device=device)
+        dx, tdx = torch.empty_like(x), torch.empty_like(x)
+        sx, sy = x.numel() * 4, y.numel() * 4
+        kw = dict(mode=mode, kernel=k, stride=st, padding=p)
+        name = f"{_shape(shape)} k{k} s{st} p{p}"
+        if mode == "max":
+            _, idx = torch.ops.aten.max_pool2d_with_indices(x, [k, k], [st, st], [p, p])
+
+            def t_fwd():
+                torch.ops.aten.max_pool2d_with_indices(x, [k, k], [st, st], [p, p])
+
+            def t_bwd():
+                torch.ops.aten.max_pool2d_with_indices_backward.grad_input(
+                    dy, x, [k, k], [st, st], [p, p], [1, 1], False, idx, grad_input=tdx)
+
+            r.run("pool.forward", "max", name, lambda: pool.forward(x, y, **kw), t_fwd,
+                  nbytes=sx + sy, check=lambda: _rel(y, F.max_pool2d(x, k, st, p)),
+                  torch_op="max_pool2d_with_indices (also writes int64 indices)")
+            r.run("pool.backward", "max (argmax recomputed from x)", name,
+                  lambda: pool.backward(x, y, dy, dx, **kw), t_bwd, nbytes=sx + sy + sx,
+                  check=lambda: _rel(dx, tdx), torch_op="max_pool2d_with_indices_backward")
+        else:
+            def t_fwd():
+                torch.ops.aten.avg_pool2d.out(x, [k, k], [st, st], [p, p], False, True, None,
+                                              out=ty)
+
+            def t_bwd():
+                torch.ops.aten.avg_pool2d_backward.grad_input(dy, x, [k, k], [st, st], [p, p],
+                                                              False, True, None, grad_input=tdx)
+
+            r.run("pool.forward", "avg (global)", name, lambda: pool.forward(x, y, **kw),
+                  t_fwd, nbytes=sx + sy, check=lambda: _rel(y, ty), torch_op="avg_pool2d")
+            r.run("pool.backward", "avg", name, lambda: pool.backward(x, y, dy, dx, **kw),
+                  t_bwd, nbytes=sy + sx, check=lambda: _rel(dx, tdx),
+                  torch_op="avg_pool2d_backward")
+        del x, dy, dx, tdx
+
+
+def _bench_join(r, device, batch):
+    shape = (batch, 256, 56, 56)
+    a, b = _randn(shape, device, 7), _randn(shape, device, 8)
+    y, ty = torch.empty_like(a), torch.empty_like(a)
+    d0, d1 = torch.empty_like(a), torch.empty_like(a)
+    s = a.numel() * 4
+    r.run("join.add_forward", "2 inputs", _shape(shape), lambda: join.add_forward([a, b], y),
+          lambda: torch.add(a, b, out=ty), nbytes=3 * s, check=lambda: _rel(y, ty))
+
+    def t_copy2():
+        d0.copy_(a)
+        d1.copy_(a)
+
+    def t_acc2():
+        d0.add_(a)
+        d1.add_(a)
+
+    r.run("join.add_backward", "2 gradients, overwrite", _shape(shape),
+          lambda: join.add_backward(a, [d0, d1], accumulate=False), t_copy2, nbytes=3 * s,
+          torch_op="2x copy_ (torch autograd passes dy through without a copy)")
+    r.run("join.add_backward", "2 gradients, accumulate", _shape(shape),
+          lambda: join.add_backward(a, [d0, d1], accumulate=True), t_acc2, nbytes=5 * s,
+          torch_op="2x add_")
+    del a, b, y, ty, d0, d1
+
+    cshape = (batch, 128, 28, 28)
+    xs = [_randn(cshape, device, 9), _randn(cshape, device, 10)]
+    oshape = (batch, 256, 28, 28)
+    y, ty = torch.empty(oshape, device=device), torch.empty(oshape, device=device)
+    dxs = [torch.empty(cshape, device=device) for _ in range(2)]
+    s = y.numel() * 4
+    r.run("join.concat_forward", "2 inputs", f"2x {_shape(cshape)}",
+          lambda: join.concat_forward(xs, y), lambda: torch.cat(xs, dim=1, out=ty),
+          nbytes=2 * s, check=lambda: _rel(y, ty))
+
+    def t_split():
+        dxs[0].copy_(y[:, :128])
+        dxs[1].copy_(y[:, 128:])
+
+    r.run("join.concat_backward", "2 gradients, overwrite", f"2x {_shape(cshape)}",
+          lambda: join.concat_backward(y, dxs, accumulate=False), t_split, nbytes=2 * s,
+          torch_op="2x slice copy_")
+
+
+def _bench_lrn(r, device, batch):
+    shape = (batch, 96, 55, 55)
+    p = dict(size=5, alpha=1e-4, beta=0.75, k=2.0)
+    x, dy = _randn(shape, device, 11) * 10, _randn(shape, device, 12)
+    y, dx = torch.empty_like(x), torch.empty_like(x)
+    s = x.numel() * 4
+    xg = x.clone().requires_grad_()
+    out = F.local_response_norm(xg, **p)
+
+    r.run("lrn.forward", "size 5", _shape(shape), lambda: lrn.forward(x, y, **p),
+          lambda: F.local_response_norm(x, **p), nbytes=2 * s,
+          check=lambda: _rel(y, F.local_response_norm(x, **p)),
+          torch_op="F.local_response_norm (composite)")
+    r.run("lrn.backward", "size 5 (recomputes from x)", _shape(shape),
+          lambda: lrn.backward(x, dy, dx, **p),
+          lambda: torch.autograd.grad(out, xg, dy, retain_graph=True), nbytes=3 * s,
+          check=lambda: _rel(dx, torch.autograd.grad(out, xg, dy, retain_graph=True)[0]),
+          torch_op="autograd.grad through F.local_response_norm")
+
+
+def bench(device="cuda", batch=32, only=GROUPS, log=print):
+    """Run the benchmarks; returns one dict per (kernel, algo, shape)."""
+    torch.backends.cudnn.allow_tf32 = True
+    torch.backends.cuda.matmul.allow_tf32 = True
+    r = _Runner(log)
+    r.copy_gbps = _copy_gbps(device)
+    log(f"torch copy_: {r.copy_gbps:.0f} GB/s")
+    fns = {"bn": _bench_bn, "pool": _bench_pool, "join": _bench_join, "lrn": _bench_lrn}
+    for grp in only:
+        try:
+            fns[grp](r, device, batch)
+        except Exception as e:  # a group that fails to set up still leaves a row
+            r.rows.append({"kernel": grp, "error": f"{type(e).__name__}: {e}"[:500]})
+            log(f"{grp}: {r.rows[-1]['error']}")
+        torch.cuda.empty_cache()
+    return r.rows
+
+
+def _fmt(row):
+    if "error" in row:
+        return (f"{row['kernel']:<22}{row.get('algo', ''):<34}{row.get('shape', ''):<30}"
+                f" ERROR {row['error']}")
+    return (f"{row['kernel']:<22}{row['algo'][:33]:<34}{row['shape'][:29]:<30}"
+            f"{row['tinysn_ms']:>9.4f}{row['torch_ms']:>9.4f}{row['ratio']:>7.2f}"
+            f"{row['gbps']:>8.0f}{row.get('frac_of_copy', 0):>6.2f}"
+            + (f"  err {row['rel_err']:.1e}" if "rel_err" in row else ""))
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--batch", type=int, default=32)
+    ap.add_argument("--only", default=",".join(GROUPS))
+    ap.add_argument("--json", default=None)
+    a = ap.parse_args()
+    print(f"{'kernel':<22}{'algo':<34}{'shape':<30}{'tinysn':>9}{'torch':>9}{'ratio':>7}"
+          f"{'GB/s':>8}{'/copy':>6}", flush=True)
+    rows = bench("cuda", a.batch, tuple(a.only.split(",")), log=lambda s: print(s, flush=True))
+    meta = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__,
+            "triton": triton.__version__, "batch": a.batch,
+            "date": time.strftime("%Y-%m-%d %H:%M:%S")}
+    path = a.json or os.path.join(os.path.dirname(os.path.abspath(__file__)), "results",
+                                  "kernels_norm.json")
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    with open(path, "w") as f:
+        json.dump({"meta": meta, "rows": rows}, f, indent=1)
+    print(f"\n{meta}\nwrote {path}")
+
+
+if __name__ == "__main__":
+    main()

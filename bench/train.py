@@ -1,0 +1,116 @@
+"""End-to-end training speed: tinysn beside PyTorch eager, same model, batch and process.
+
+    PYTHONPATH=. python bench/train.py [--model resnet50] [--batch 32] [--policies baseline,all]
+
+For each policy: plans, trains `--steps` iterations on one fixed synthetic batch (the loss must
+fall), and reports images/s from the median CUDA-event time of an iteration after warm-up,
+the pool's measured peak against the plan's, and the bytes moved. PyTorch: torchvision's model
+(or the tinysn graph's torch twin when torchvision is missing), TF32 convolutions, SGD with the
+same hyper-parameters. Writes bench/results/train-<model>-<gpu>.json.
+"""
+import argparse
+import os
+import sys
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+import tinysn as sn  # noqa: E402
+import torch  # noqa: E402
+
+from bench import common  # noqa: E402
+from tinysn.cli import MODELS  # noqa: E402
+
+
+def torch_images_per_s(model_name, batch, classes, steps, lr, momentum, net):
+    try:
+        import torchvision
+        model = getattr(torchvision.models, model_name)(num_classes=classes)
+        source = f"torchvision.models.{model_name}"
+    except (ImportError, AttributeError):
+        model = net.to_torch()
+        source = "tinysn graph's torch twin"
+    model = model.cuda().train()
+    opt = torch.optim.SGD(model.parameters(), lr=lr, momentum=momentum)
+    images, labels = sn.data.synthetic(net, seed=0, device="cuda")
+
+    def step():
+        opt.zero_grad(set_to_none=True)
+        loss = torch.nn.functional.cross_entropy(model(images), labels)
+        loss.backward()
+        opt.step()
+    ms = common.cuda_median_ms(step, iters=steps, warmup=3)
+    peak = torch.cuda.max_memory_allocated()
+    del model, opt
+    torch.cuda.empty_cache()
+    return {"source": source, "ms_per_step": ms, "images_per_s": batch / ms * 1e3,
+            "max_memory_allocated": peak}
+
+
+def tinysn_run(net, policy, memory, steps, lr, momentum, conv_algos):
+    t0 = time.perf_counter()
+    rt = sn.Runtime(net, memory, policy, device="cuda", lr=lr, momentum=momentum,
+                    conv_algos=conv_algos)
+    setup_s = time.perf_counter() - t0
+    images, labels = sn.data.synthetic(net, seed=0, device="cuda")
+    losses = [rt.step(images, labels) for _ in range(3)]          # warm-up (compiles, tunes)
+    times = []
+    for _ in range(steps):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        losses.append(rt.step(images, labels))
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end))
+    ms = sorted(times)[len(times) // 2]
+    out = {"policy": policy, "memory": memory, "ms_per_step": ms,
+           "images_per_s": net.batch / ms * 1e3, "losses": losses,
+           "loss_fell": losses[-1] < losses[0], "peak_bytes": rt.stats.peak_bytes,
+           "planned_peak_bytes": rt.plan.peak_bytes,
+           "peak_equals_plan": rt.stats.peak_bytes == rt.plan.peak_bytes,
+           "bytes_to_host_per_step": rt.plan.bytes_to_host,
+           "bytes_to_device_per_step": rt.plan.bytes_to_device,
+           "recomputed_steps": rt.plan.recomputed_steps, "setup_s": setup_s,
+           "conv_algos": sorted({f"{p}:{a}" for d in rt.plan.conv_algos.values()
+                                 for p, a in d.items()})}
+    del rt
+    torch.cuda.empty_cache()
+    return out
+
+
+def main():
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--model", default="resnet50", choices=sorted(MODELS))
+    parser.add_argument("--batch", type=int, default=32)
+    parser.add_argument("--memory", default="40GiB")
+    parser.add_argument("--policies", default="baseline,all")
+    parser.add_argument("--steps", type=int, default=10)
+    parser.add_argument("--lr", type=float, default=0.01)
+    parser.add_argument("--momentum", type=float, default=0.9)
+    parser.add_argument("--pin-algos", action="store_true",
+                        help="zero-workspace conv algorithms instead of timing them")
+    args = parser.parse_args()
+    torch.backends.cudnn.allow_tf32 = True
+    torch.backends.cuda.matmul.allow_tf32 = True
+    torch.backends.cudnn.benchmark = True
+    net = MODELS[args.model](batch=args.batch)
+    ref = torch_images_per_s(args.model, args.batch, net.classes, args.steps, args.lr,
+                             args.momentum, net)
+    print(f"pytorch ({ref['source']}): {ref['images_per_s']:.1f} images/s "
+          f"({ref['ms_per_step']:.2f} ms/step)")
+    rows = []
+    for policy in args.policies.split(","):
+        row = tinysn_run(net, policy, args.memory, args.steps, args.lr, args.momentum,
+                         {} if args.pin_algos else None)
+        row["ratio_to_pytorch"] = row["images_per_s"] / ref["images_per_s"]
+        rows.append(row)
+        print(f"tinysn {policy:>9}: {row['images_per_s']:.1f} images/s ({row['ms_per_step']:.2f} "
+              f"ms/step, {row['ratio_to_pytorch']:.2f}x PyTorch); peak {row['peak_bytes']:,} "
+              f"== plan {row['planned_peak_bytes']:,}: {row['peak_equals_plan']}; loss "
+              f"{row['losses'][0]:.3f} -> {row['losses'][-1]:.3f}")
+    path = common.write(f"train-{args.model}-b{args.batch}-{common.gpu_tag()}",
+                        {"model": args.model, "batch": args.batch, "pytorch": ref, "tinysn": rows})
+    print(f"wrote {path}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,242 @@
+"""Training-mode BatchNorm2d kernels against torch float64 (F.batch_norm + autograd)."""
+import pytest
+import torch
+import torch.nn.functional as F
+from hypothesis import assume, given, settings, strategies as st
+
+import tinysn  # noqa: F401  (interpreter switch before triton)
+from tinysn.kernels import bn
+
+GPU = torch.cuda.is_available()
+NAN = float("nan")
+
+
+def _rand(shape, seed, device="cpu", scale=1.0, offset=0.0):
+    g = torch.Generator().manual_seed(seed)
+    return (torch.randn(shape, generator=g) * scale + offset).to(device)
+
+
+def _workspace(shape, phase, device, dtype=torch.uint8):
+    nbytes = bn.workspace_bytes(shape, phase)
+    if dtype == torch.uint8:       # garbage: the kernels must not rely on its contents
+        return torch.full((nbytes + 3,), 0xFF, dtype=torch.uint8, device=device)
+    return torch.full((nbytes // 4 + 1,), NAN, device=device)
+
+
+def _check(shape, seed=0, device="cpu", accumulate=False, update_running=True, grads="all",
+           offset=0.0, scale=1.0, ws_dtype=torch.uint8, momentum=0.1):
+    n, c, h, w = shape
+    red = n * h * w
+    x = _rand(shape, seed, device, scale, offset)
+    gamma = _rand((c,), seed + 1, device)
+    beta = _rand((c,), seed + 2, device)
+    rmean = _rand((c,), seed + 3, device)
+    rvar = _rand((c,), seed + 4, device).abs() + 0.5
+    rmean0, rvar0 = rmean.clone(), rvar.clone()
+    y = torch.full_like(x, NAN)
+    saved = torch.full((2, c), NAN, device=device)
+    ws = _workspace(shape, "forward", device, ws_dtype)
+    bn.forward(x, gamma, beta, y, rmean, rvar, saved, ws, eps=1e-5, momentum=momentum, update_running=update_running)
+
+    xd = x.double().requires_grad_()
+    gd = gamma.double().requires_grad_()
+    bd = beta.double().requires_grad_()
+    rmd, rvd = rmean0.double(), rvar0.double()
+    ref = F.batch_norm(xd, rmd, rvd, gd, bd, training=True, momentum=momentum, eps=1e-5)
+    mean = xd.detach().mean((0, 2, 3))
+    var = xd.detach().var((0, 2, 3), unbiased=False)
+    # tolerances scale with the reduction length; an offset data set is limited by the
+    # float32 resolution of x itself (ulp(offset)) times the normalisation's 1/std
+    tol = 1e-5 * red ** 0.5
+    xtol = tol + 2 * abs(offset) * 2.0 ** -23 / scale
+    torch.testing.assert_close(y.double(), ref.detach(), rtol=tol, atol=xtol * 4)
+    torch.testing.assert_close(saved[0].double(), mean, rtol=tol, atol=tol * scale)
+    torch.testing.assert_close(saved[1].double(), 1 / torch.sqrt(var + 1e-5), rtol=tol, atol=0)
+    if update_running:
+        torch.testing.assert_close(rmean.double(), rmd, rtol=tol, atol=tol * scale)
+        torch.testing.assert_close(rvar.double(), rvd, rtol=tol, atol=tol)
+    else:
+        assert torch.equal(rmean, rmean0) and torch.equal(rvar, rvar0)
+
+    dy = _rand(shape, seed + 5, device)
+    ref.backward(dy.double())
+    want_dx = grads in ("all", "dx")
+    want_p = grads in ("all", "params")
+    ref_dx = xd.grad
+    if want_dx and accumulate:
+        before = _rand(shape, seed + 6, device)
+        dx = before.clone()
+        ref_dx = before.double() + ref_dx
+    else:
+        dx = torch.full_like(x, NAN) if want_dx else None
+    dgamma = torch.full((c,), NAN, device=device) if want_p else None
+    dbeta = torch.full((c,), NAN, device=device) if want_p else None
+    bn.backward(x, gamma, dy, saved, dx, dgamma, dbeta,
+                _workspace(shape, "backward", device, ws_dtype), accumulate=accumulate)
+    if want_dx:
+        torch.testing.assert_close(dx.double(), ref_dx, rtol=tol, atol=xtol * 4)
+    if want_p:
+        torch.testing.assert_close(dbeta.double(), bd.grad, rtol=tol, atol=tol)
+        torch.testing.assert_close(dgamma.double(), gd.grad, rtol=tol, atol=xtol * red ** 0.5)
+    return y, saved, rmean, rvar, dx, dgamma, dbeta
+
+
+shapes = st.tuples(st.integers(1, 4), st.integers(1, 7), st.integers(1, 9), st.integers(1, 9))
+
+
+@settings(max_examples=60, deadline=None)
+@given(shape=shapes, seed=st.integers(0, 2**16), accumulate=st.booleans(),
+       update_running=st.booleans(), grads=st.sampled_from(["all", "dx", "params"]),
+       ws_dtype=st.sampled_from([torch.uint8, torch.float32]))
+def test_bn_random(shape, seed, accumulate, update_running, grads, ws_dtype):
+    assume(shape[0] * shape[2] * shape[3] >= 2)
+    _check(shape, seed, accumulate=accumulate, update_running=update_running, grads=grads,
+           ws_dtype=ws_dtype)
+
+
+@pytest.mark.parametrize("shape", [
+    (1, 1, 1, 2),          # N*H*W = 2, single channel
+    (2, 3, 1, 1),          # 1x1 images, N*H*W = 2
+    (1, 5, 2, 1),
+    (4, 7, 9, 9),
+    (16, 1, 32, 32),       # several row chunks per channel
+    (1, 2, 128, 128),      # several column chunks per channel
+    (2, 1, 128, 128),      # row and column chunks
+    (3, 2, 45, 50),        # ragged tiles
+])
+@pytest.mark.parametrize("accumulate", [False, True])
+def test_bn_edge(shape, accumulate):
+    _check(shape, 11, accumulate=accumulate)
+
+
+@pytest.mark.parametrize("offset,scale", [(100.0, 1.0), (1e4, 1.0), (-3e3, 0.01)])
+def test_bn_large_mean_is_stable(offset, scale):
+    # E[x^2] - E[x]^2 in float32 would lose every digit of the variance here
+    _check((4, 3, 12, 12), 5, offset=offset, scale=scale)
+    _check((2, 1, 100, 100), 6, offset=offset, scale=scale)
+
+
+def test_bn_recompute_gives_same_bits():
+    shape = (3, 4, 7, 7)
+    x = _rand(shape, 1)
+    gamma, beta = _rand((4,), 2), _rand((4,), 3)
+    rm, rv = torch.zeros(4), torch.ones(4)
+    y1, y2 = torch.empty_like(x), torch.full_like(x, NAN)
+    s1, s2 = torch.empty(2, 4), torch.full((2, 4), NAN)
+    ws = _workspace(shape, "forward", "cpu")
+    bn.forward(x, gamma, beta, y1, rm, rv, s1, ws)
+    rm1, rv1 = rm.clone(), rv.clone()
+    bn.forward(x, gamma, beta, y2, rm, rv, s2, ws, update_running=False)
+    assert torch.equal(y1, y2) and torch.equal(s1, s2)
+    assert torch.equal(rm, rm1) and torch.equal(rv, rv1)
+    bn.forward(x, gamma, beta, y2, None, None, s2, ws, update_running=False)   # stats not needed
+    assert torch.equal(y1, y2)
+    dy = _rand(shape, 4)
+    outs = []
+    for _ in range(2):
+        dx, dg, db = torch.empty_like(x), torch.empty(4), torch.empty(4)
+        bn.backward(x, gamma, dy, s1, dx, dg, db, _workspace(shape, "backward", "cpu"))
+        outs.append((dx, dg, db))
+    assert all(torch.equal(a, b) for a, b in zip(*outs))
+    bn.backward(x, gamma, dy, s1, None, None, None, _workspace(shape, "backward", "cpu"))
+
+
+def test_bn_workspace_bytes():
+    for shape in [(1, 1, 1, 2), (32, 64, 112, 112), (32, 256, 56, 56), (32, 2048, 7, 7)]:
+        f = bn.workspace_bytes(shape, "forward")
+        b = bn.workspace_bytes(shape, "backward")
+        assert f > 0 and b > 0 and f % 4 == 0 and b % 4 == 0
+        assert f <= 3 * 4 * shape[1] * 2048 and b <= 2 * 4 * shape[1] * 2049
+    with pytest.raises(ValueError):
+        bn.workspace_bytes((2, 3, 4, 4), "sideways")
+    with pytest.raises(ValueError):
+        bn.workspace_bytes((2, 3, 4), "forward")
+
+
+def test_bn_bad_input():
+    shape = (2, 3, 4, 4)
+    x = _rand(shape, 0)
+    g, b = torch.ones(3), torch.zeros(3)
+    rm, rv = torch.zeros(3), torch.ones(3)
+    y, s = torch.empty_like(x), torch.empty(2, 3)
+    ws = _workspace(shape, "forward", "cpu")
+    bn.forward(x, g, b, y, rm, rv, s, ws)            # the valid call
+    with pytest.raises(ValueError):                   # one value per channel
+        bn.forward(torch.ones(1, 3, 1, 1), g, b, torch.empty(1, 3, 1, 1), rm, rv, s,
+                   _workspace((1, 3, 1, 1), "forward", "cpu"))
+    with pytest.raises(ValueError):
+        bn.forward(x, torch.ones(4), b, y, rm, rv, s, ws)
+    with pytest.raises(ValueError):
+        bn.forward(x, g, b, torch.empty(2, 3, 4, 5), rm, rv, s, ws)
+    with pytest.raises(ValueError):
+        bn.forward(x, g, b, y, rm, rv, torch.empty(3, 2), ws)
+    with pytest.raises(ValueError):
+        bn.forward(x, g, b, y, None, rv, s, ws)       # running stats needed
+    with pytest.raises(ValueError):
+        bn.forward(x, g, b, y, rm, rv, s, ws[:4])     # workspace too small
+    with pytest.raises(ValueError):
+        bn.forward(x, g, b, y, rm, rv, s, ws.to(torch.int32))
+    with pytest.raises(ValueError):
+        bn.forward(x.double(), g, b, y, rm, rv, s, ws)
+    with pytest.raises(ValueError):
+        bn.forward(x, g, b, y, rm, rv, s, ws, eps=0.0)
+    with pytest.raises(ValueError):
+        bn.forward(x, g, b, y, rm, rv, s, ws, momentum=2.0)
+    with pytest.raises(ValueError):
+        bn.forward(x.view(2, 3, 16), g, b, y.view(2, 3, 16), rm, rv, s, ws)
+    wsb = _workspace(shape, "backward", "cpu")
+    with pytest.raises(ValueError):
+        bn.backward(x, g, torch.empty(2, 3, 4, 5), s, torch.empty_like(x), None, None, wsb)
+    with pytest.raises(ValueError):
+        bn.backward(x, g, x, s, torch.empty_like(x), torch.empty(2), None, wsb)
+    with pytest.raises(ValueError):
+        bn.backward(x, g, x, s, torch.empty_like(x), None, None, wsb[:8])
+    with pytest.raises(ValueError):
+        bn.backward(x, g, x, s, torch.empty_like(x), None, None, wsb, accumulate=None)
+
+
+# ----------------------------------------------------------------------------- GPU
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not GPU, reason="needs a CUDA GPU")
+@pytest.mark.parametrize("shape", [(32, 64, 112, 112), (32, 256, 56, 56), (32, 2048, 7, 7),
+                                   (1, 64, 224, 224), (2, 3, 1, 1), (1, 1, 1, 2), (3, 5, 17, 19)])
+@pytest.mark.parametrize("accumulate", [False, True])
+def test_bn_gpu(shape, accumulate):
+    _check(shape, 3, device="cuda", accumulate=accumulate)
+    _check(shape, 4, device="cuda", accumulate=accumulate, update_running=False, grads="dx",
+           offset=50.0)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not GPU, reason="needs a CUDA GPU")
+def test_bn_gpu_deterministic():
+    shape = (32, 64, 56, 56)
+    x = _rand(shape, 1, "cuda")
+    g, b = _rand((64,), 2, "cuda"), _rand((64,), 3, "cuda")
+    dy = _rand(shape, 4, "cuda")
+    res = []
+    for _ in range(3):
+        y, s = torch.empty_like(x), torch.empty(2, 64, device="cuda")
+        bn.forward(x, g, b, y, None, None, s, _workspace(shape, "forward", "cuda"),
+                   update_running=False)
+        dx = torch.empty_like(x)
+        dg, db = torch.empty(64, device="cuda"), torch.empty(64, device="cuda")
+        bn.backward(x, g, dy, s, dx, dg, db, _workspace(shape, "backward", "cuda"))
+        res.append((y, s, dx, dg, db))
+    for r in res[1:]:
+        assert all(torch.equal(a, b) for a, b in zip(res[0], r))
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not GPU, reason="needs a CUDA GPU")
+@settings(max_examples=100, deadline=None)
+@given(shape=st.tuples(st.integers(1, 40), st.integers(1, 70), st.integers(1, 40),
+                      st.integers(1, 40)),
+       seed=st.integers(0, 2**16), accumulate=st.booleans(), update_running=st.booleans(),
+       grads=st.sampled_from(["all", "dx", "params"]))
+def test_bn_random_gpu(shape, seed, accumulate, update_running, grads):
+    assume(shape[0] * shape[2] * shape[3] >= 2)
+    _check(shape, seed, device="cuda", accumulate=accumulate, update_running=update_running,
+           grads=grads)

@@ -1,0 +1,230 @@
+"""Max / avg pooling kernels against torch float64 references; interpreter and (gpu) CUDA."""
+import pytest
+import torch
+import torch.nn.functional as F
+from hypothesis import assume, given, settings, strategies as st
+
+import tinysn  # noqa: F401  (interpreter switch before triton)
+from tinysn.kernels import pool
+
+GPU = torch.cuda.is_available()
+NAN = float("nan")
+
+
+def _rand(shape, seed, device="cpu"):
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(shape, generator=g).to(device)
+
+
+def _torch_pool(x, mode, kernel, stride, padding):
+    if mode == "max":
+        return F.max_pool2d(x, kernel, stride, padding)
+    return F.avg_pool2d(x, kernel, stride, padding)          # count_include_pad=True
+
+
+def _check(shape, mode, kernel, stride, padding, seed=0, accumulate=False, device="cpu"):
+    x = _rand(shape, seed, device)
+    oshape = pool.out_shape(shape, kernel, stride, padding)
+    y = torch.full(oshape, NAN, device=device)
+    pool.forward(x, y, mode=mode, kernel=kernel, stride=stride, padding=padding)
+    xd = x.double().requires_grad_()
+    ref = _torch_pool(xd, mode, kernel, stride, padding)
+    assert tuple(ref.shape) == oshape
+    kh, kw = (kernel, kernel) if isinstance(kernel, int) else kernel
+    tol = 1e-5 * (kh * kw) ** 0.5
+    torch.testing.assert_close(y.double(), ref.detach(), rtol=tol, atol=tol)
+
+    dy = _rand(oshape, seed + 1, device)
+    ref.backward(dy.double())
+    ref_dx = xd.grad
+    if accumulate:
+        before = _rand(shape, seed + 2, device)
+        dx = before.clone()
+        ref_dx = before.double() + ref_dx
+    else:
+        dx = torch.full_like(x, NAN)
+    pool.backward(x, y, dy, dx, mode=mode, kernel=kernel, stride=stride, padding=padding,
+                  accumulate=accumulate)
+    torch.testing.assert_close(dx.double(), ref_dx, rtol=tol, atol=tol)
+
+
+@st.composite
+def pool_cases(draw, max_hw=9, max_k=4):
+    n = draw(st.integers(1, 4), label="n")
+    c = draw(st.integers(1, 7), label="c")
+    h = draw(st.integers(1, max_hw), label="h")
+    w = draw(st.integers(1, max_hw), label="w")
+    kh = draw(st.integers(1, max_k), label="kh")
+    kw = draw(st.one_of(st.just(kh), st.integers(1, max_k)), label="kw")
+    sh = draw(st.integers(1, 3), label="sh")
+    sw = draw(st.one_of(st.just(sh), st.integers(1, 3)), label="sw")
+    ph = draw(st.integers(0, kh // 2), label="ph")
+    pw = draw(st.integers(0, kw // 2), label="pw")
+    assume(h + 2 * ph >= kh and w + 2 * pw >= kw)
+    kernel = kh if kh == kw else (kh, kw)
+    stride = sh if sh == sw else (sh, sw)
+    padding = ph if ph == pw else (ph, pw)
+    return (n, c, h, w), kernel, stride, padding
+
+
+@settings(max_examples=120, deadline=None)
+@given(case=pool_cases(), mode=st.sampled_from(["max", "avg"]), seed=st.integers(0, 2**16),
+       accumulate=st.booleans())
+def test_pool_random(case, mode, seed, accumulate):
+    shape, kernel, stride, padding = case
+    _check(shape, mode, kernel, stride, padding, seed, accumulate)
+
+
+EDGE = [
+    ((1, 1, 1, 1), 1, 1, 0),            # 1x1 image
+    ((2, 3, 1, 1), 3, 2, 1),            # 1x1 image, kernel = padded input
+    ((1, 1, 5, 5), 5, 1, 0),            # kernel as large as the input (global pooling)
+    ((2, 2, 4, 6), (6, 8), 3, (1, 1)),  # kernel as large as the padded input, rectangular
+    ((1, 1, 9, 9), 3, 2, 1),            # single channel, ResNet stem pool
+    ((2, 5, 7, 7), 7, 7, 0),            # ResNet's global 7x7 avg pool
+    ((3, 2, 8, 8), 2, 2, 0),            # VGG pool (windows tile the input)
+    ((1, 3, 7, 5), 1, 3, 0),            # stride > kernel: pixels in no window get 0
+    ((2, 2, 6, 7), (3, 1), (1, 2), (1, 0)),
+    ((1, 2, 9, 8), 4, 1, 2),
+]
+
+
+@pytest.mark.parametrize("case", EDGE)
+@pytest.mark.parametrize("mode", ["max", "avg"])
+@pytest.mark.parametrize("accumulate", [False, True])
+def test_pool_edge(case, mode, accumulate):
+    shape, kernel, stride, padding = case
+    _check(shape, mode, kernel, stride, padding, 3, accumulate)
+
+
+@pytest.mark.parametrize("kernel,stride,padding", [(3, 2, 1), (3, 1, 1), (2, 2, 0), (4, 3, 2),
+                                                   (5, 5, 0)])
+def test_max_pool_ties_and_nan_match_torch(kernel, stride, padding):
+    # Ties: the first maximum in scan order gets the gradient, as in torch (so the result is
+    # bitwise torch's, float32 against float32). NaN propagates; -inf windows still pick
+    # their first in-image cell.
+    g = torch.Generator().manual_seed(kernel * 10 + stride)
+    x = torch.randint(0, 3, (2, 3, 7, 7), generator=g).float()
+    x[0, 0, 2, 3] = NAN
+    x[1, 2, 0, 0] = NAN
+    x[1, 1] = float("-inf")
+    x[1, 0, 4, 4] = float("-inf")
+    oshape = pool.out_shape(x.shape, kernel, stride, padding)
+    y = torch.empty(oshape)
+    pool.forward(x, y, mode="max", kernel=kernel, stride=stride, padding=padding)
+    xr = x.clone().requires_grad_()
+    ref = F.max_pool2d(xr, kernel, stride, padding)
+    dy = torch.randn(oshape, generator=g)
+    ref.backward(dy)
+    assert torch.equal(y.isnan(), ref.isnan())
+    assert torch.equal(y.nan_to_num(), ref.detach().nan_to_num())
+    dx = torch.full_like(x, NAN)
+    pool.backward(x, y, dy, dx, mode="max", kernel=kernel, stride=stride, padding=padding)
+    torch.testing.assert_close(dx, xr.grad, rtol=1e-6, atol=1e-6)
+
+
+@pytest.mark.parametrize("mode", ["max", "avg"])
+def test_pool_int64_index_path(monkeypatch, mode):
+    # tensors over 2**31 elements switch the index math to int64; force it on a small one
+    monkeypatch.setattr(pool, "_INT32_LIMIT", 0)
+    _check((2, 3, 9, 8), mode, 3, 2, 1, 4, accumulate=True)
+    _check((2, 3, 5, 5), mode, 5, 5, 0, 5)            # global path
+
+
+def test_max_backward_does_not_read_y():
+    x = _rand((2, 3, 9, 9), 1)
+    dy = _rand((2, 3, 5, 5), 2)
+    dx1 = torch.empty_like(x)
+    dx2 = torch.empty_like(x)
+    y = torch.empty(2, 3, 5, 5)
+    pool.forward(x, y, mode="max", kernel=3, stride=2, padding=1)
+    pool.backward(x, y, dy, dx1, mode="max", kernel=3, stride=2, padding=1)
+    pool.backward(x, torch.full_like(y, NAN), dy, dx2, mode="max", kernel=3, stride=2, padding=1)
+    assert torch.equal(dx1, dx2)
+    pool.backward(x, y, dy, None, mode="max", kernel=3, stride=2, padding=1)   # dx None: no-op
+
+
+@pytest.mark.parametrize("h,w,kernel,stride,padding",
+                         [(7, 7, 3, 2, 1), (5, 9, (2, 3), (1, 2), (1, 0)), (4, 4, 4, 4, 0),
+                          (3, 3, 3, 1, 1), (9, 4, 3, 3, 0)])
+def test_out_shape_matches_torch(h, w, kernel, stride, padding):
+    ref = F.max_pool2d(torch.zeros(2, 3, h, w), kernel, stride, padding).shape
+    assert pool.out_shape((2, 3, h, w), kernel, stride, padding) == tuple(ref)
+
+
+def test_pool_deterministic_and_workspace():
+    x = _rand((2, 3, 11, 11), 4)
+    dy = _rand((2, 3, 5, 5), 5)
+    outs = []
+    for _ in range(2):
+        y = torch.empty(2, 3, 5, 5)
+        dx = torch.empty_like(x)
+        pool.forward(x, y, mode="avg", kernel=3, stride=2, padding=0)
+        pool.backward(x, y, dy, dx, mode="avg", kernel=3, stride=2, padding=0)
+        outs.append((y, dx))
+    assert torch.equal(outs[0][0], outs[1][0]) and torch.equal(outs[0][1], outs[1][1])
+    assert pool.workspace_bytes((2, 3, 11, 11), 3, 2, 0) == 0
+
+
+def test_pool_bad_input():
+    x = _rand((2, 3, 6, 6), 0)
+    y = torch.empty(2, 3, 3, 3)
+    with pytest.raises(ValueError):
+        pool.out_shape((2, 3, 6, 6), 3, 2, 2)              # padding > kernel // 2
+    with pytest.raises(ValueError):
+        pool.out_shape((2, 3, 2, 2), 5, 1, 1)              # kernel > padded input
+    with pytest.raises(ValueError):
+        pool.out_shape((2, 3, 6, 6), 0, 1, 0)
+    with pytest.raises(ValueError):
+        pool.out_shape((2, 3, 6, 6), 2, 0, 0)
+    with pytest.raises(ValueError):
+        pool.out_shape((2, 3, 6, 6), (2, 2, 2), 1, 0)
+    with pytest.raises(ValueError):
+        pool.out_shape((3, 6, 6), 2, 2, 0)                 # not NCHW
+    with pytest.raises(ValueError):
+        pool.forward(x, y, mode="min", kernel=2, stride=2, padding=0)
+    with pytest.raises(ValueError):
+        pool.forward(x, torch.empty(2, 3, 2, 2), mode="max", kernel=2, stride=2, padding=0)
+    with pytest.raises(ValueError):
+        pool.forward(x.double(), y, mode="max", kernel=2, stride=2, padding=0)
+    with pytest.raises(ValueError):
+        pool.forward(x.transpose(2, 3), y, mode="avg", kernel=2, stride=2, padding=0)
+    with pytest.raises(ValueError):
+        pool.backward(x, y, torch.empty(2, 3, 3, 4), torch.empty_like(x), mode="max",
+                      kernel=2, stride=2, padding=0)
+    with pytest.raises(ValueError):
+        pool.backward(x, y, torch.empty_like(y), torch.empty(2, 3, 6, 5), mode="avg",
+                      kernel=2, stride=2, padding=0)
+
+
+# ----------------------------------------------------------------------------- GPU
+
+
+GPU_CASES = [
+    ((32, 64, 112, 112), "max", 3, 2, 1),
+    ((32, 2048, 7, 7), "avg", 7, 7, 0),
+    ((4, 96, 55, 55), "max", 3, 2, 0),
+    ((4, 64, 56, 56), "avg", 2, 2, 0),
+    ((4, 32, 35, 35), "max", 3, 1, 1),
+    ((4, 32, 35, 35), "avg", 3, 1, 1),
+]
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not GPU, reason="needs a CUDA GPU")
+@pytest.mark.parametrize("case", GPU_CASES + [(c[0], m, *c[1:]) for c in EDGE
+                                  for m in ("max", "avg")])
+@pytest.mark.parametrize("accumulate", [False, True])
+def test_pool_gpu(case, accumulate):
+    shape, mode, kernel, stride, padding = case
+    _check(shape, mode, kernel, stride, padding, 5, accumulate, device="cuda")
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not GPU, reason="needs a CUDA GPU")
+@settings(max_examples=200, deadline=None)
+@given(case=pool_cases(max_hw=20, max_k=7), mode=st.sampled_from(["max", "avg"]),
+       seed=st.integers(0, 2**16), accumulate=st.booleans())
+def test_pool_random_gpu(case, mode, seed, accumulate):
+    shape, kernel, stride, padding = case
+    _check(shape, mode, kernel, stride, padding, seed, accumulate, device="cuda")

@@ -1,0 +1,400 @@
+"""BatchNorm2d in training mode (nn.BatchNorm2d: affine, biased batch variance for the
+normalisation, unbiased for the running variance), NCHW float32, forward and backward.
+
+API
+    forward(x, gamma, beta, y, running_mean, running_var, saved, workspace, *,
+            eps=1e-5, momentum=0.1, update_running=True)
+        y = (x - mean) * inv_std * gamma + beta, per channel over (N, H, W);
+        saved[0] = mean, saved[1] = inv_std = 1 / sqrt(var + eps)   (saved is [2, C]);
+        running_mean = (1 - m) running_mean + m mean,
+        running_var  = (1 - m) running_var  + m var * n / (n - 1)   when update_running.
+        update_running=False (a recomputed bn) gives the same y and saved, stats untouched.
+    backward(x, gamma, dy, saved, dx, dgamma, dbeta, workspace, *, accumulate=False)
+        dbeta = sum dy, dgamma = sum dy * xhat,
+        dx (+)= gamma * inv_std / n * (n dy - dbeta - xhat dgamma).
+        dx, dgamma, dbeta may each be None; dgamma / dbeta always overwrite.
+    workspace_bytes(shape, phase) -> bytes of scratch, phase "forward" | "backward".
+
+Reductions (three launches per phase, no atomics, bitwise deterministic):
+  1. partials: channel c's N x HW values are cut into chunks (row ranges x column ranges of
+     the [N, HW] view, picked from the shape alone, about 2048 programs over all channels);
+     one program per (channel, chunk) reads its chunk as [ROWS, COLS] tiles of contiguous HW
+     rows. Forward: shifted sums, the shift being the mean of the chunk's first tile, give
+     the chunk's (count, mean, M2) without the cancellation of E[x^2] - E[x]^2. Backward:
+     sum dy and sum dy * (x - mean).
+  2. finalize: one lane row per channel merges its chunks in a fixed order (Chan et al.:
+     mean = sum n_i mean_i / n, M2 = sum M2_i + sum n_i (mean_i - mean)^2) and writes saved,
+     the running statistics (forward) or dgamma, dbeta (backward).
+  3. an elementwise pass over [N*C, HW] tiles: y = (x - mean) * (inv_std gamma) + beta, or
+     dx = gamma inv_std (dy - dbeta / n - (x - mean) inv_std dgamma / n).
+Block shapes come from the tensor shape (no autotuning), so the summation order, and hence
+every bit of the result, does not depend on timing. x is read twice in the forward (stats,
+normalise) and x, dy twice in the backward.
+
+The workspace (uint8 or float32, 1-D, at least workspace_bytes) holds per-(channel, chunk)
+partials ([C, chunks, 3] floats forward, [C, chunks, 2] + [2, C] backward); its contents on
+entry do not matter.
+"""
+import torch
+import triton
+import triton.language as tl
+
+from ._common import INTERPRET, check_tensor
+
+_TILE = 1024 if INTERPRET else 2048          # elements per tile of the streaming passes
+_WARPS = 4 if INTERPRET else 8
+_TARGET_PROGRAMS = 2048                      # partial-sum programs over all channels
+_MIN_CHUNK = 8192                            # elements per chunk, at least (when possible)
+
+
+# ----------------------------------------------------------------------------- geometry
+
+
+def _cdiv(a, b):
+    return -(-a // b)
+
+
+def _next_pow2(v):
+    return 1 << max(0, int(v - 1).bit_length())
+
+
+def _chunks(n, c, hw):
+    """(rows per chunk, row groups, cols per chunk, col groups) of a channel's [n, hw] view.
+
+    From the shape alone (the workspace size must not depend on the machine).
+    """
+    want = max(1, min(_cdiv(_TARGET_PROGRAMS, c), _cdiv(n * hw, _MIN_CHUNK)))
+    nr = min(n, want)
+    rpc = _cdiv(n, nr)
+    nr = _cdiv(n, rpc)
+    nh = max(1, min(_cdiv(want, nr), _cdiv(hw, 1024)))
+    cpc = _cdiv(_cdiv(hw, nh), 128) * 128
+    nh = _cdiv(hw, cpc)
+    return rpc, nr, cpc, nh
+
+
+def _tile_shape(rows_max, cols_max):
+    """[ROWS, COLS] tile of about _TILE elements for a rows_max x cols_max region."""
+    cols = min(_next_pow2(cols_max), _TILE)
+    rows = max(1, min(_TILE // cols, _next_pow2(rows_max)))
+    return rows, cols
+
+
+def _shape4(shape):
+    shape = tuple(int(s) for s in shape)
+    if len(shape) != 4:
+        raise ValueError(f"batch norm input must be 4-D NCHW, got shape {shape}")
+    return shape
+
+
+def workspace_bytes(shape, phase) -> int:
+    """Scratch bytes for a bn of an NCHW `shape`; phase "forward" or "backward"."""
+    n, c, h, w = _shape4(shape)
+    rpc, nr, cpc, nh = _chunks(n, c, h * w)
+    if phase == "forward":
+        return 4 * c * nr * nh * 3
+    if phase == "backward":
+        return 4 * (c * nr * nh * 2 + 2 * c)
+    raise ValueError(f"phase must be 'forward' or 'backward', got {phase!r}")
+
+
+# ----------------------------------------------------------------------------- kernels
+
+
+@triton.jit
+def _chunk_bounds(pid, N, HW, RPC, CPC, NCH, NHC):
+    c = pid // NCH
+    ch = pid % NCH
+    r0 = (ch // NHC) * RPC
+    h0 = (ch % NHC) * CPC
+    r1 = tl.minimum(r0 + RPC, N)
+    h1 = tl.minimum(h0 + CPC, HW)
+    return c, r0, r1, h0, h1
+
+
+@triton.jit
+def _bn_stats_kernel(x, ws, N, C, HW, RPC, CPC, NCH, NHC,
+                     ROWS: tl.constexpr, COLS: tl.constexpr):
+    """ws[c, chunk] = (count, mean, M2) of one chunk of channel c (shifted sums)."""
+    pid = tl.program_id(0)
+    c, r0, r1, h0, h1 = _chunk_bounds(pid, N, HW, RPC, CPC, NCH, NHC)
+    ri = tl.arange(0, ROWS)
+    ci = tl.arange(0, COLS)
+    # shift = mean of the chunk's first tile
+    rows = r0 + ri
+    cols = h0 + ci
+    m = (rows < r1)[:, None] & (cols < h1)[None, :]
+    ptr = x + ((rows.to(tl.int64) * C + c) * HW)[:, None] + cols[None, :]
+    v = tl.load(ptr, mask=m, other=0.0)
+    n0 = (tl.minimum(r1 - r0, ROWS) * tl.minimum(h1 - h0, COLS)).to(tl.float32)
+    shift = tl.sum(tl.sum(v, axis=1), axis=0) / n0
+    s1 = tl.zeros([ROWS, COLS], tl.float32)
+    s2 = tl.zeros([ROWS, COLS], tl.float32)
+    for r in range(r0, r1, ROWS):
+        rows = r + ri
+        rbase = ((rows.to(tl.int64) * C + c) * HW)[:, None]
+        rm = (rows < r1)[:, None]
+        for h in range(h0, h1, COLS):
+            cols = h + ci
+            m = rm & (cols < h1)[None, :]
+            v = tl.load(x + rbase + cols[None, :], mask=m, other=0.0)
+            d = tl.where(m, v - shift, 0.0)
+            s1 += d
+            s2 += d * d
+    cnt = ((r1 - r0) * (h1 - h0)).to(tl.float32)
+    t1 = tl.sum(tl.sum(s1, axis=1), axis=0)
+    t2 = tl.sum(tl.sum(s2, axis=1), axis=0)
+    dm = t1 / cnt
+    m2 = tl.maximum(t2 - t1 * dm, 0.0)
+    out = ws + pid * 3
+    tl.store(out, cnt)
+    tl.store(out + 1, shift + dm)
+    tl.store(out + 2, m2)
+
+
+@triton.jit
+def _bn_finalize_kernel(ws, saved, rmean, rvar, C, NCH, total, unbias, eps, momentum,
+                        UPDATE: tl.constexpr, CB: tl.constexpr, NCHP: tl.constexpr):
+    """Merge each channel's chunk partials; write saved (mean, inv_std) and running stats."""
+    c = tl.program_id(0) * CB + tl.arange(0, CB)
+    cm = c < C
+    k = tl.arange(0, NCHP)
+    m = cm[:, None] & (k < NCH)[None, :]
+    p = ws + (c[:, None] * NCH + k[None, :]) * 3
+    cnt = tl.load(p, mask=m, other=0.0)
+    mu = tl.load(p + 1, mask=m, other=0.0)
+    m2 = tl.load(p + 2, mask=m, other=0.0)
+    mean = tl.sum(cnt * mu, axis=1) / total
+    d = tl.where(m, mu - mean[:, None], 0.0)
+    var = (tl.sum(m2, axis=1) + tl.sum(cnt * d * d, axis=1)) / total
+    inv_std = 1.0 / tl.sqrt(var + eps)
+    tl.store(saved + c, mean, mask=cm)
+    tl.store(saved + C + c, inv_std, mask=cm)
+    if UPDATE:
+        rm = tl.load(rmean + c, mask=cm, other=0.0)
+        rv = tl.load(rvar + c, mask=cm, other=0.0)
+        tl.store(rmean + c, (1.0 - momentum) * rm + momentum * mean, mask=cm)
+        tl.store(rvar + c, (1.0 - momentum) * rv + momentum * (var * unbias), mask=cm)
+
+
+@triton.jit
+def _bn_norm_kernel(x, y, saved, gamma, beta, NC, C, HW,
+                    R: tl.constexpr, COLS: tl.constexpr):
+    """y = (x - mean) * (inv_std * gamma) + beta over [R rows of N*C, COLS of HW] tiles."""
+    rows = tl.program_id(0).to(tl.int64) * R + tl.arange(0, R)
+    cols = tl.program_id(1) * COLS + tl.arange(0, COLS)
+    rm = rows < NC
+    c = (rows % C).to(tl.int32)
+    mean = tl.load(saved + c, mask=rm, other=0.0)
+    inv = tl.load(saved + C + c, mask=rm, other=0.0)
+    scale = inv * tl.load(gamma + c, mask=rm, other=0.0)
+    b = tl.load(beta + c, mask=rm, other=0.0)
+    m = rm[:, None] & (cols < HW)[None, :]
+    offs = (rows * HW)[:, None] + cols[None, :]
+    v = tl.load(x + offs, mask=m, other=0.0)
+    tl.store(y + offs, (v - mean[:, None]) * scale[:, None] + b[:, None], mask=m)
+
+
+@triton.jit
+def _bn_bwd_partial_kernel(x, dy, saved, ws, N, C, HW, RPC, CPC, NCH, NHC,
+                           ROWS: tl.constexpr, COLS: tl.constexpr):
+    """ws[c, chunk] = (sum dy, sum dy * (x - mean)) over one chunk of channel c."""
+    pid = tl.program_id(0)
+    c, r0, r1, h0, h1 = _chunk_bounds(pid, N, HW, RPC, CPC, NCH, NHC)
+    mean = tl.load(saved + c)
+    ri = tl.arange(0, ROWS)
+    ci = tl.arange(0, COLS)
+    s1 = tl.zeros([ROWS, COLS], tl.float32)
+    s2 = tl.zeros([ROWS, COLS], tl.float32)
+    for r in range(r0, r1, ROWS):
+        rows = r + ri
+        rbase = ((rows.to(tl.int64) * C + c) * HW)[:, None]
+        rm = (rows < r1)[:, None]
+        for h in range(h0, h1, COLS):
+            cols = h + ci
+            m = rm & (cols < h1)[None, :]
+            offs = rbase + cols[None, :]
+            g = tl.load(dy + offs, mask=m, other=0.0)
+            v = tl.load(x + offs, mask=m, other=0.0)
+            s1 += g
+            s2 += g * tl.where(m, v - mean, 0.0)
+    out = ws + pid * 2
+    tl.store(out, tl.sum(tl.sum(s1, axis=1), axis=0))
+    tl.store(out + 1, tl.sum(tl.sum(s2, axis=1), axis=0))
+
+
+@triton.jit
+def _bn_bwd_finalize_kernel(ws, sums, saved, dgamma, dbeta, C, NCH,
+                            HAS_DG: tl.constexpr, HAS_DB: tl.constexpr,
+                            CB: tl.constexpr, NCHP: tl.constexpr):
+    """sums[0, c] = dbeta = sum dy, sums[1, c] = dgamma = inv_std * sum dy (x - mean)."""
+    c = tl.program_id(0) * CB + tl.arange(0, CB)
+    cm = c < C
+    k = tl.arange(0, NCHP)
+    m = cm[:, None] & (k < NCH)[None, :]
+    p = ws + (c[:, None] * NCH + k[None, :]) * 2
+    db = tl.sum(tl.load(p, mask=m, other=0.0), axis=1)
+    dg = tl.sum(tl.load(p + 1, mask=m, other=0.0), axis=1) * tl.load(saved + C + c, mask=cm)
+    tl.store(sums + c, db, mask=cm)
+    tl.store(sums + C + c, dg, mask=cm)
+    if HAS_DB:
+        tl.store(dbeta + c, db, mask=cm)
+    if HAS_DG:
+        tl.store(dgamma + c, dg, mask=cm)
+
+
+@triton.jit
+def _bn_dx_kernel(x, dy, dx, saved, gamma, sums, NC, C, HW, inv_n,
+                  ACC: tl.constexpr, R: tl.constexpr, COLS: tl.constexpr):
+    """dx (+)= gamma inv_std (dy - dbeta/n - (x - mean) inv_std dgamma/n)."""
+    rows = tl.program_id(0).to(tl.int64) * R + tl.arange(0, R)
+    cols = tl.program_id(1) * COLS + tl.arange(0, COLS)
+    rm = rows < NC
+    c = (rows % C).to(tl.int32)
+    mean = tl.load(saved + c, mask=rm, other=0.0)
+    inv = tl.load(saved + C + c, mask=rm, other=0.0)
+    a = inv * tl.load(gamma + c, mask=rm, other=0.0)
+    mb = tl.load(sums + c, mask=rm, other=0.0) * inv_n
+    kg = tl.load(sums + C + c, mask=rm, other=0.0) * inv * inv_n
+    m = rm[:, None] & (cols < HW)[None, :]
+    offs = (rows * HW)[:, None] + cols[None, :]
+    g = tl.load(dy + offs, mask=m, other=0.0)
+    v = tl.load(x + offs, mask=m, other=0.0)
+    out = a[:, None] * (g - mb[:, None] - (v - mean[:, None]) * kg[:, None])
+    if ACC:
+        out += tl.load(dx + offs, mask=m, other=0.0)
+    tl.store(dx + offs, out, mask=m)
+
+
+# ----------------------------------------------------------------------------- launchers
+
+
+def _float_ws(workspace, nbytes):
+    if not isinstance(workspace, torch.Tensor):
+        raise ValueError(f"workspace must be a torch tensor, got {type(workspace).__name__}")
+    if workspace.dim() != 1 or workspace.dtype not in (torch.uint8, torch.float32):
+        raise ValueError("workspace must be a 1-D uint8 or float32 tensor")
+    if not workspace.is_contiguous():
+        raise ValueError("workspace must be contiguous")
+    have = workspace.numel() * workspace.element_size()
+    if have < nbytes:
+        raise ValueError(f"workspace has {have} bytes, bn needs {nbytes}")
+    if workspace.dtype == torch.float32:
+        return workspace[: nbytes // 4]
+    if workspace.data_ptr() % 4:
+        raise ValueError("a uint8 workspace must start at a 4-byte aligned address")
+    return workspace[:nbytes].view(torch.float32)
+
+
+def _check_vec(name, t, c, device):
+    check_tensor(name, t, (c,))
+    if t.device != device:
+        raise ValueError(f"{name} is on {t.device} but x is on {device}")
+
+
+def _check_x(x):
+    check_tensor("x", x)
+    n, c, h, w = _shape4(x.shape)
+    if n * h * w < 2:
+        raise ValueError(f"batch norm in training mode needs more than 1 value per channel, "
+                         f"got input shape {tuple(x.shape)}")
+    return n, c, h, w
+
+
+def _finalize_shape(c, nch):
+    nchp = max(2, _next_pow2(nch))
+    cb = max(2, min(_next_pow2(c), _TILE // nchp))
+    return cb, nchp
+
+
+def _elementwise_grid(n, c, hw):
+    cols = min(_next_pow2(hw), _TILE)
+    r = max(1, _TILE // cols)
+    return (_cdiv(n * c, r), _cdiv(hw, cols)), r, cols
+
+
+def forward(x, gamma, beta, y, running_mean, running_var, saved, workspace, *,
+            eps=1e-5, momentum=0.1, update_running=True):
+    """Training-mode batch norm; see the module docstring."""
+    n, c, h, w = _check_x(x)
+    dev = x.device
+    check_tensor("y", y, x.shape)
+    if y.device != dev:
+        raise ValueError(f"y is on {y.device} but x is on {dev}")
+    _check_vec("gamma", gamma, c, dev)
+    _check_vec("beta", beta, c, dev)
+    check_tensor("saved", saved, (2, c))
+    if saved.device != dev:
+        raise ValueError(f"saved is on {saved.device} but x is on {dev}")
+    if not isinstance(update_running, bool):
+        raise ValueError(f"update_running must be a bool, got {update_running!r}")
+    if update_running:
+        _check_vec("running_mean", running_mean, c, dev)
+        _check_vec("running_var", running_var, c, dev)
+    if not (isinstance(eps, (int, float)) and eps > 0):
+        raise ValueError(f"eps must be a positive number, got {eps!r}")
+    if not (isinstance(momentum, (int, float)) and 0.0 <= momentum <= 1.0):
+        raise ValueError(f"momentum must be a number in [0, 1], got {momentum!r}")
+    ws = _float_ws(workspace, workspace_bytes(x.shape, "forward"))
+    if ws.device != dev:
+        raise ValueError(f"workspace is on {ws.device} but x is on {dev}")
+    hw = h * w
+    rpc, nr, cpc, nh = _chunks(n, c, hw)
+    nch = nr * nh
+    rows, cols = _tile_shape(rpc, min(cpc, hw))
+    _bn_stats_kernel[(c * nch,)](x, ws, n, c, hw, rpc, cpc, nch, nh,
+                                 ROWS=rows, COLS=cols, num_warps=_WARPS)
+    total = n * hw
+    cb, nchp = _finalize_shape(c, nch)
+    rm = running_mean if update_running else saved
+    rv = running_var if update_running else saved
+    _bn_finalize_kernel[(_cdiv(c, cb),)](ws, saved, rm, rv, c, nch, float(total),
+                                         total / (total - 1), float(eps), float(momentum),
+                                         UPDATE=update_running, CB=cb, NCHP=nchp)
+    grid, r, cols = _elementwise_grid(n, c, hw)
+    _bn_norm_kernel[grid](x, y, saved, gamma, beta, n * c, c, hw, R=r, COLS=cols,
+                          num_warps=_WARPS)
+
+
+def backward(x, gamma, dy, saved, dx, dgamma, dbeta, workspace, *, accumulate=False):
+    """Training-mode batch norm backward; see the module docstring."""
+    n, c, h, w = _check_x(x)
+    dev = x.device
+    check_tensor("dy", dy, x.shape)
+    check_tensor("saved", saved, (2, c))
+    for nm, t in (("dy", dy), ("saved", saved)):
+        if t.device != dev:
+            raise ValueError(f"{nm} is on {t.device} but x is on {dev}")
+    if dx is not None:
+        check_tensor("dx", dx, x.shape)
+        if dx.device != dev:
+            raise ValueError(f"dx is on {dx.device} but x is on {dev}")
+        _check_vec("gamma", gamma, c, dev)
+    if dgamma is not None:
+        _check_vec("dgamma", dgamma, c, dev)
+    if dbeta is not None:
+        _check_vec("dbeta", dbeta, c, dev)
+    if not isinstance(accumulate, bool):
+        raise ValueError(f"accumulate must be a bool, got {accumulate!r}")
+    ws = _float_ws(workspace, workspace_bytes(x.shape, "backward"))
+    if ws.device != dev:
+        raise ValueError(f"workspace is on {ws.device} but x is on {dev}")
+    if dx is None and dgamma is None and dbeta is None:
+        return
+    hw = h * w
+    rpc, nr, cpc, nh = _chunks(n, c, hw)
+    nch = nr * nh
+    rows, cols = _tile_shape(rpc, min(cpc, hw))
+    _bn_bwd_partial_kernel[(c * nch,)](x, dy, saved, ws, n, c, hw, rpc, cpc, nch, nh,
+                                       ROWS=rows, COLS=cols, num_warps=_WARPS)
+    sums = ws[c * nch * 2: c * nch * 2 + 2 * c]
+    cb, nchp = _finalize_shape(c, nch)
+    _bn_bwd_finalize_kernel[(_cdiv(c, cb),)](
+        ws, sums, saved, dgamma if dgamma is not None else sums,
+        dbeta if dbeta is not None else sums, c, nch,
+        HAS_DG=dgamma is not None, HAS_DB=dbeta is not None, CB=cb, NCHP=nchp)
+    if dx is None:
+        return
+    grid, r, cols = _elementwise_grid(n, c, hw)
+    _bn_dx_kernel[grid](x, dy, dx, saved, gamma, sums, n * c, c, hw, 1.0 / (n * hw),
+                        ACC=accumulate, R=r, COLS=cols, num_warps=_WARPS)

@@ -388,8 +388,9 @@ class Runtime:
             return lambda algos, ws: join_k.add_backward(v(dy), [opt(d) for d in dxs],
                                                          accumulate=acc)
         if op == "concat":
+            channels = [x.shape[1] for x in layer.inputs]
             return lambda algos, ws: join_k.concat_backward(v(dy), [opt(d) for d in dxs],
-                                                            accumulate=acc)
+                                                            accumulate=acc, channels=channels)
         if op == "softmax_loss":
             return lambda algos, ws: softmax_k.backward(v(ins[0]), v(p.labels), v(dxs[0]),
                                                         accumulate=acc[0])

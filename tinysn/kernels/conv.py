@@ -178,47 +178,41 @@ def backward_workspace_bytes(x_shape, w_shape, stride, padding, algo_data="impli
 # autotuning
 # --------------------------------------------------------------------------------------------
 
-def _cfg(bm, bn, bk, warps, stages, group_m=8):
-    return triton.Config({"BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": bk, "GROUP_M": group_m},
-                         num_warps=warps, num_stages=stages)
+def _cfg(bm, bn, bk, warps, stages, pix=True, group_m=8):
+    return triton.Config({"BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": bk, "GROUP_M": group_m,
+                          "PIX": pix}, num_warps=warps, num_stages=stages)
 
 
-# forward: M = output pixels (large), N = output channels (64..512). Chosen from the
-# compiler's resource report (sm_90): none of these spills registers.
-_FWD_CONFIGS = [
-    _cfg(128, 128, 32, 8, 3),
-    _cfg(128, 64, 32, 4, 4),
-    _cfg(64, 128, 32, 4, 4),
-    _cfg(256, 64, 32, 8, 3),
-    _cfg(64, 64, 32, 4, 4),
-    _cfg(128, 256, 32, 8, 3),
-]
-# backward_data: M = input pixels, N = input channels; more index registers than forward
-_DATA_CONFIGS = [
-    _cfg(128, 128, 32, 8, 3),
-    _cfg(128, 64, 32, 8, 4),
-    _cfg(64, 128, 32, 8, 4),
-    _cfg(256, 64, 32, 8, 3),
-    _cfg(64, 64, 32, 4, 4),
-]
+def _both(tiles):
+    """Every tile shape with the pixel-axis declaration on and off (see _pixel_axis)."""
+    return [_cfg(*t, pix=pix) for pix in (True, False) for t in tiles]
+
+
+# forward: M = output pixels (large), N = output channels (64..512). None of these spills
+# registers on sm_90 (compiler resource report, triton 3.6 and 3.9).
+_FWD_CONFIGS = _both([(128, 128, 32, 8, 3), (64, 128, 32, 4, 4), (128, 64, 32, 4, 4),
+                      (64, 64, 32, 4, 4)])
+# backward_data: M = input pixels, N = input channels
+_DATA_CONFIGS = _both([(128, 128, 32, 8, 3), (64, 128, 32, 8, 4), (128, 64, 32, 8, 4),
+                       (64, 64, 32, 4, 4)])
 # backward_weight: M = K, N = C*R*S, reduction over pixels
-_WGT_CONFIGS = [
-    _cfg(64, 64, 64, 4, 3),
-    _cfg(128, 128, 32, 8, 3),
-    _cfg(128, 64, 32, 4, 4),
-    _cfg(64, 64, 32, 4, 4),
-    _cfg(64, 128, 32, 8, 4),
-    _cfg(128, 64, 64, 8, 3),
-]
+_WGT_CONFIGS = _both([(64, 64, 64, 4, 3), (128, 128, 32, 8, 3), (128, 64, 32, 4, 4),
+                      (64, 64, 32, 4, 4)])
 _SMALL_CONFIG = _cfg(32, 16, 16, 1, 1, group_m=2)
 
 
-def _prune_small(macs_fn):
-    """Early config prune: a problem too small to be worth timing keeps the first config."""
+def _prune(macs_fn):
+    """Early config prune: a problem too small to be worth timing keeps the first config;
+    where the pixel axis is provably contiguous (1x1 stride-1 convs over a pixel count that
+    is a multiple of 4) the PIX flag changes nothing, so only PIX=True configs are timed."""
     def prune(configs, named_args, **kwargs):
         a = dict(named_args)
         a.update(kwargs)
-        return configs[:1] if macs_fn(a) < _TUNE_MIN_MACS else configs
+        if macs_fn(a) < _TUNE_MIN_MACS:
+            return configs[:1]
+        if a["IS_1X1"] and (a["P"] * a["Q"]) % 4 == 0:
+            return [c for c in configs if c.kwargs["PIX"]]
+        return configs
     return prune
 
 
@@ -231,7 +225,7 @@ def _autotune(configs, key, macs_fn, restore=None):
     if restore:
         kw["restore_value"] = restore
     if not INTERPRET:
-        kw["prune_configs_by"] = {"early_config_prune": _prune_small(macs_fn)}
+        kw["prune_configs_by"] = {"early_config_prune": _prune(macs_fn)}
         if "do_bench" in inspect.signature(triton.autotune).parameters:
             kw["do_bench"] = lambda fn, quantiles: triton.testing.do_bench(
                 fn, warmup=5, rep=20, quantiles=quantiles)
@@ -244,6 +238,17 @@ _KEY = ["N", "C", "H", "W", "K", "P", "Q", "SH", "SW", "PH", "PW", "R", "S"]
 # --------------------------------------------------------------------------------------------
 # kernels
 # --------------------------------------------------------------------------------------------
+#
+# Pixel axis. Every gathered tile is laid out with the pixel axis (contiguous in NCHW for
+# stride 1) second, and Triton's coalescing pass gives the lanes of a warp to the axis with the
+# larger provable contiguity. A gathered offset has contiguity 1 on both axes, and Triton
+# versions break that tie differently (3.6 gives the lanes to axis 0, 3.9 to the last axis).
+# With PIX, a pixel-offset vector is declared contiguous (tl.max_contiguous) AND of
+# divisibility 1 (tl.multiple_of): the lanes then go along the pixels under every version,
+# while every access stays 4 bytes wide (vector width = min(contiguity, alignment)), so the
+# declaration never merges two pixels that are not neighbours in memory (strided convs).
+# Where the pixel axis is provably contiguous (1x1 stride 1 over P*Q % 4 == 0) nothing is
+# declared and the loads and stores are 16 bytes wide.
 
 @triton.jit
 def _tile_ids(pid, M, N, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GROUP_M: tl.constexpr):
@@ -272,13 +277,13 @@ def _conv_fwd_kernel(x_ptr, w_ptr, b_ptr, y_ptr,
                      R: tl.constexpr, S: tl.constexpr, IS_1X1: tl.constexpr,
                      HAS_BIAS: tl.constexpr, PRECISION: tl.constexpr,
                      BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                     GROUP_M: tl.constexpr):
+                     GROUP_M: tl.constexpr, PIX: tl.constexpr):
     """Y[(n,p,q), k] = sum_(c,r,s) X[n, c, p*SH-PH+r, q*SW-PW+s] * W[k, c, r, s] (+ b[k]).
 
-    Gathered tiles are built as [BLOCK_K, BLOCK_M] so that the pixel axis, contiguous in NCHW,
-    is the fast axis of the loads; the weight tile is read along (c,r,s), its contiguous axis.
-    Addresses: one 64-bit base per program (its first image), 32-bit offsets inside the tile.
-    Spatial sizes are compile-time constants (divisions by them are multiplications).
+    The gathered x tile is [BLOCK_K, BLOCK_M] with the pixel axis fast; the weight tile is
+    [BLOCK_N, BLOCK_K], read along (c,r,s), its contiguous axis (16-byte loads). Addresses: one
+    64-bit base per program (its first image), 32-bit offsets inside the tile. Spatial sizes
+    are compile-time constants (divisions by them become multiplications).
     """
     pid = tl.program_id(0)
     PQ: tl.constexpr = P * Q
@@ -298,10 +303,14 @@ def _conv_fwd_kernel(x_ptr, w_ptr, b_ptr, y_ptr,
     x_base = x_ptr + img0.to(tl.int64) * (C * HW)
     if IS_1X1:
         x_m = dimg * (C * HW) + pq
+        if PIX and PQ % 4 != 0:
+            x_m = tl.max_contiguous(tl.multiple_of(x_m, 1), BLOCK_M)
     else:
         ih0 = tl.where(m_ok, (pq // Q) * SH - PH, -R)     # a dead row never lands inside
         iw0 = (pq % Q) * SW - PW
         x_m = dimg * (C * HW) + ih0 * W + iw0
+        if PIX:
+            x_m = tl.max_contiguous(tl.multiple_of(x_m, 1), BLOCK_M)
     w_n = offs_n * CRS
 
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
@@ -321,15 +330,17 @@ def _conv_fwd_kernel(x_ptr, w_ptr, b_ptr, y_ptr,
             a_ptrs = x_base + (x_m[None, :] + (c.to(tl.int32) * HW + r * W + s)[:, None])
             a_mask = _ult(ih0[None, :] + r[:, None], H) & _ult(iw0[None, :] + s[:, None], W)
         a = tl.load(a_ptrs, mask=a_mask, other=0.0)                          # [BK, BM]
-        b = tl.load(w_ptr + (w_n[None, :] + offs_k[:, None]),
-                    mask=k_ok[:, None] & n_ok[None, :], other=0.0)           # [BK, BN]
-        acc = tl.dot(tl.trans(a), b, acc, input_precision=PRECISION)
+        bt = tl.load(w_ptr + (w_n[:, None] + offs_k[None, :]),
+                     mask=n_ok[:, None] & k_ok[None, :], other=0.0)          # [BN, BK]
+        acc = tl.dot(tl.trans(a), tl.trans(bt), acc, input_precision=PRECISION)
 
     if HAS_BIAS:
         acc += tl.load(b_ptr + offs_n, mask=n_ok, other=0.0)[None, :]
-    y_base = y_ptr + img0.to(tl.int64) * (K * PQ)
-    y_ptrs = y_base + ((dimg * (K * PQ) + pq)[None, :] + (offs_n * PQ)[:, None])   # [BN, BM]
-    tl.store(y_ptrs, tl.trans(acc), mask=n_ok[:, None] & m_ok[None, :])
+    y_m = dimg * (K * PQ) + pq
+    if PQ % 4 != 0:
+        y_m = tl.max_contiguous(tl.multiple_of(y_m, 1), BLOCK_M)
+    y_ptrs = y_ptr + img0.to(tl.int64) * (K * PQ) + (y_m[None, :] + (offs_n * PQ)[:, None])
+    tl.store(y_ptrs, tl.trans(acc), mask=n_ok[:, None] & m_ok[None, :])              # [BN, BM]
 
 
 _conv_fwd = _autotune(_FWD_CONFIGS, _KEY, _fwd_macs)(_conv_fwd_kernel)
@@ -356,17 +367,21 @@ def _im2col_kernel(x_ptr, col_ptr, N, C, SH, SW, PH, PW,
     pq = offs_m % PQ
     ih0 = (pq // Q) * SH - PH
     iw0 = (pq % Q) * SW - PW
-    c = offs_k // RS
-    rs = offs_k % RS
-    r = rs // S
-    s = rs % S
+    x_m = tl.max_contiguous(tl.multiple_of(dimg * (C * HW) + ih0 * W + iw0, 1), BLOCK_M)
+    col_m = dimg * (CRS * PQ) + pq
+    if PQ % 4 != 0:
+        col_m = tl.max_contiguous(tl.multiple_of(col_m, 1), BLOCK_M)
+    ku = offs_k.to(tl.uint32)
+    c = ku // RS
+    rs = ku - c * RS
+    r = (rs // S).to(tl.int32)
+    s = (rs - (rs // S) * S).to(tl.int32)
     ok = k_ok[:, None] & m_ok[None, :]
     src = x_ptr + img0.to(tl.int64) * (C * HW) + \
-        ((dimg * (C * HW) + ih0 * W + iw0)[None, :] + (c * HW + r * W + s)[:, None])
-    v = tl.load(src, mask=ok & _ult(ih0[None, :] + r[:, None], H) & _ult(iw0[None, :] + s[:, None], W),
-                other=0.0)
-    dst = col_ptr + img0.to(tl.int64) * (CRS * PQ) + \
-        ((dimg * (CRS * PQ) + pq)[None, :] + (offs_k * PQ)[:, None])
+        (x_m[None, :] + (c.to(tl.int32) * HW + r * W + s)[:, None])
+    v = tl.load(src, mask=ok & _ult(ih0[None, :] + r[:, None], H) &
+                _ult(iw0[None, :] + s[:, None], W), other=0.0)
+    dst = col_ptr + img0.to(tl.int64) * (CRS * PQ) + (col_m[None, :] + (offs_k * PQ)[:, None])
     tl.store(dst, v, mask=ok)
 
 
@@ -378,7 +393,7 @@ def _conv_bwd_data_kernel(dy_ptr, w_ptr, dx_ptr,
                           STRIDE1: tl.constexpr, ACCUMULATE: tl.constexpr,
                           PRECISION: tl.constexpr,
                           BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                          GROUP_M: tl.constexpr):
+                          GROUP_M: tl.constexpr, PIX: tl.constexpr):
     """dX[(n,h,w), c] (+)= sum over contributing (k, r, s) of dY[n,k,p,q] * W[k,c,r,s].
 
     Grid axis 1 is the residue class (rho, sigma) = ((h+PH) % SH, (w+PW) % SW) of the dx pixels;
@@ -400,6 +415,8 @@ def _conv_bwd_data_kernel(dy_ptr, w_ptr, dx_ptr,
         WC: tl.constexpr = W
         TC: tl.constexpr = R
         UC: tl.constexpr = S
+        TUD: tl.constexpr = R * S               # divisors of the reduction index
+        UCD: tl.constexpr = S
         pb = PH
         qb = PW
         M_GRID = N * HW
@@ -413,6 +430,8 @@ def _conv_bwd_data_kernel(dy_ptr, w_ptr, dx_ptr,
         WC = (W - w0 + SW - 1) // SW
         TC = (R - rho + SH - 1) // SH           # taps of this class along r / s
         UC = (S - sig + SW - 1) // SW
+        TUD = (TC * UC).to(tl.uint32)
+        UCD = UC.to(tl.uint32)
         pb = (h0 + PH - rho) // SH
         qb = (w0 + PW - sig) // SW
         M_GRID = N * ((H + SH - 1) // SH) * ((W + SW - 1) // SW)
@@ -441,7 +460,14 @@ def _conv_bwd_data_kernel(dy_ptr, w_ptr, dx_ptr,
     p_m = tl.where(m_ok, pb + i, -1)        # p = p_m - t < 0 for a dead row
     q_m = qb + j
     dy_base = dy_ptr + img0.to(tl.int64) * (K * PQ)
-    dy_m = dimg * (K * PQ) + p_m * Q + q_m
+    if IS_1X1:
+        dy_m = dimg * (K * PQ) + ij
+        if PIX and HW % 4 != 0:
+            dy_m = tl.max_contiguous(tl.multiple_of(dy_m, 1), BLOCK_M)
+    else:
+        dy_m = dimg * (K * PQ) + p_m * Q + q_m
+        if PIX:
+            dy_m = tl.max_contiguous(tl.multiple_of(dy_m, 1), BLOCK_M)
     TU = TC * UC
     RED = K * TU
     w_n = offs_n * RS
@@ -455,10 +481,13 @@ def _conv_bwd_data_kernel(dy_ptr, w_ptr, dx_ptr,
             a_mask = k_ok[:, None] & m_ok[None, :]
             b_ptrs = w_ptr + (offs_k[:, None] * C + offs_n[None, :])
         else:
-            kc = offs_k // TU
-            tu = offs_k % TU
-            t = tl.where(k_ok, tu // UC, H + PH + 1)    # a dead tap never lands inside
-            u = tu % UC
+            ku = offs_k.to(tl.uint32)                   # unsigned: cheaper division
+            kc = ku // TUD
+            tu = ku - kc * TUD
+            t = tu // UCD
+            u = (tu - t * UCD).to(tl.int32)
+            kc = kc.to(tl.int32)
+            t = tl.where(k_ok, t.to(tl.int32), H + PH + 1)    # a dead tap never lands inside
             a_ptrs = dy_base + (dy_m[None, :] + (kc * PQ - t * Q - u)[:, None])
             a_mask = _ult(p_m[None, :] - t[:, None], P) & _ult(q_m[None, :] - u[:, None], Q)
             b_ptrs = w_ptr + ((kc * CRS + (rho + SH * t) * S + sig + SW * u)[:, None]
@@ -467,11 +496,16 @@ def _conv_bwd_data_kernel(dy_ptr, w_ptr, dx_ptr,
         b = tl.load(b_ptrs, mask=k_ok[:, None] & n_ok[None, :], other=0.0)   # [BK, BN]
         acc = tl.dot(tl.trans(a), b, acc, input_precision=PRECISION)
 
-    dx_base = dx_ptr + img0.to(tl.int64) * (C * HW)
-    dx_m = dimg * (C * HW) + (h0 + SH * i) * W + w0 + SW * j
-    dx_ptrs = dx_base + (dx_m[None, :] + (offs_n * HW)[:, None])           # [BN, BM]
+    if STRIDE1:
+        dx_m = dimg * (C * HW) + ij
+        if HW % 4 != 0:
+            dx_m = tl.max_contiguous(tl.multiple_of(dx_m, 1), BLOCK_M)
+    else:
+        dx_m = dimg * (C * HW) + (h0 + SH * i) * W + w0 + SW * j
+        dx_m = tl.max_contiguous(tl.multiple_of(dx_m, 1), BLOCK_M)
+    dx_ptrs = dx_ptr + img0.to(tl.int64) * (C * HW) + (dx_m[None, :] + (offs_n * HW)[:, None])
     mask = n_ok[:, None] & m_ok[None, :]
-    out = tl.trans(acc)
+    out = tl.trans(acc)                                                      # [BN, BM]
     if ACCUMULATE:
         out += tl.load(dx_ptrs, mask=mask, other=0.0)
     tl.store(dx_ptrs, out, mask=mask)
@@ -510,11 +544,12 @@ def _conv_bwd_weight_kernel(x_ptr, dy_ptr, dw_ptr,
                             R: tl.constexpr, S: tl.constexpr, IS_1X1: tl.constexpr,
                             PRECISION: tl.constexpr,
                             BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                            GROUP_M: tl.constexpr):
+                            GROUP_M: tl.constexpr, PIX: tl.constexpr):
     """dW[k, (c,r,s)] = sum over pixels j in chunk program_id(1) of dY[j, k] * Xcol[j, (c,r,s)].
 
-    Writes chunk `split` to dw_ptr + split*K*C*R*S (one chunk: dW itself; several: the split-K
-    workspace, summed by _splitk_reduce_kernel).
+    Both tiles are [rows, BLOCK_K pixels] with the pixel axis fast. Writes chunk `split` to
+    dw_ptr + split*K*C*R*S (one chunk: dW itself; several: the split-K workspace, summed by
+    _splitk_reduce_kernel).
     """
     pid = tl.program_id(0)
     split = tl.program_id(1)
@@ -531,11 +566,13 @@ def _conv_bwd_weight_kernel(x_ptr, dy_ptr, dw_ptr,
     if IS_1X1:
         x_n = offs_n * HW
     else:
-        c = offs_n // RS
-        rs = offs_n % RS
-        r = tl.where(n_ok, rs // S, H + R)                # a dead column never lands inside
-        s = rs % S
-        x_n = c * HW + r * W + s
+        nu = offs_n.to(tl.uint32)
+        c = nu // RS
+        rs = nu - c * RS
+        r = rs // S
+        s = (rs - r * S).to(tl.int32)
+        r = tl.where(n_ok, r.to(tl.int32), H + R)         # a dead column never lands inside
+        x_n = c.to(tl.int32) * HW + r * W + s
     dy_k = offs_m * PQ
     lo = split * SPLIT_LEN
     hi = tl.minimum(lo + SPLIT_LEN, NPQ)
@@ -545,22 +582,33 @@ def _conv_bwd_weight_kernel(x_ptr, dy_ptr, dw_ptr,
         img0 = j0 // PQ
         offs_j = j0 + tl.arange(0, BLOCK_K)
         j_ok = offs_j < hi
-        dimg = offs_j // PQ - img0
-        pq = offs_j % PQ
-        dy_base = dy_ptr + img0.to(tl.int64) * (K * PQ)
-        x_base = x_ptr + img0.to(tl.int64) * (C * HW)
-        a = tl.load(dy_base + ((dimg * (K * PQ) + pq)[None, :] + dy_k[:, None]),
+        ju = offs_j.to(tl.uint32)                       # unsigned: cheaper division
+        img = ju // PQ
+        pq = (ju - img * PQ).to(tl.int32)
+        dimg = img.to(tl.int32) - img0
+        dy_j = dimg * (K * PQ) + pq
+        if PIX and PQ % 4 != 0:
+            dy_j = tl.max_contiguous(tl.multiple_of(dy_j, 1), BLOCK_K)
+        a = tl.load(dy_ptr + img0.to(tl.int64) * (K * PQ) + (dy_j[None, :] + dy_k[:, None]),
                     mask=m_ok[:, None] & j_ok[None, :], other=0.0)            # [BM, BK]
+        x_base = x_ptr + img0.to(tl.int64) * (C * HW)
         if IS_1X1:
-            bt = tl.load(x_base + ((dimg * (C * HW) + pq)[None, :] + x_n[:, None]),
+            x_j = dimg * (C * HW) + pq
+            if PIX and PQ % 4 != 0:
+                x_j = tl.max_contiguous(tl.multiple_of(x_j, 1), BLOCK_K)
+            bt = tl.load(x_base + (x_j[None, :] + x_n[:, None]),
                          mask=n_ok[:, None] & j_ok[None, :], other=0.0)       # [BN, BK]
         else:
-            ih0 = tl.where(j_ok, (pq // Q) * SH - PH, -R)
-            iw0 = (pq % Q) * SW - PW
+            pqu = pq.to(tl.uint32)
+            oh = pqu // Q
+            ih0 = tl.where(j_ok, oh.to(tl.int32) * SH - PH, -R)
+            iw0 = (pqu - oh * Q).to(tl.int32) * SW - PW
             x_j = dimg * (C * HW) + ih0 * W + iw0
+            if PIX:
+                x_j = tl.max_contiguous(tl.multiple_of(x_j, 1), BLOCK_K)
             bt = tl.load(x_base + (x_j[None, :] + x_n[:, None]),
                          mask=_ult(ih0[None, :] + r[:, None], H) & _ult(iw0[None, :] + s[:, None], W),
-                         other=0.0)
+                         other=0.0)                                          # [BN, BK]
         acc = tl.dot(a, tl.trans(bt), acc, input_precision=PRECISION)
 
     out = dw_ptr + split.to(tl.int64) * (K * CRS) + (offs_m[:, None] * CRS + offs_n[None, :])

@@ -26,7 +26,13 @@ ALL_ALGOS = {"forward": ("implicit", "im2col"),
 # --------------------------------------------------------------------------------------------
 
 def _rand(shape, gen, device):
-    return torch.randn(shape, generator=gen, dtype=torch.float64).float().to(device)
+    """Random values in a contiguous view into the middle of a NaN-filled buffer: a kernel that
+    reads outside its input and lets that value reach a result produces a NaN there."""
+    t = torch.randn(shape, generator=gen, dtype=torch.float64).float()
+    pad = t.numel() + 64
+    buf = torch.full((t.numel() + 2 * pad,), float("nan"))
+    buf[pad:pad + t.numel()] = t.flatten()
+    return buf.to(device)[pad:pad + t.numel()].view(shape)
 
 
 def _nan(shape, device):

@@ -306,7 +306,9 @@ def _conv_fwd_kernel(x_ptr, w_ptr, b_ptr, y_ptr,
         if PIX and PQ % 4 != 0:
             x_m = tl.max_contiguous(tl.multiple_of(x_m, 1), BLOCK_M)
     else:
-        ih0 = tl.where(m_ok, (pq // Q) * SH - PH, -R)     # a dead row never lands inside
+        # dead rows / taps get offsets that can never land inside, together or alone:
+        # a dead row has ih0 = -(H+PH+R), a dead tap r = H+PH (live ih0 >= -PH, live r < R)
+        ih0 = tl.where(m_ok, (pq // Q) * SH - PH, -(H + PH + R))
         iw0 = (pq % Q) * SW - PW
         x_m = dimg * (C * HW) + ih0 * W + iw0
         if PIX:
@@ -326,7 +328,7 @@ def _conv_fwd_kernel(x_ptr, w_ptr, b_ptr, y_ptr,
             rs = ku - c * RS
             r = rs // S
             s = (rs - r * S).to(tl.int32)
-            r = tl.where(k_ok, r.to(tl.int32), H + R)      # a dead tap never lands inside
+            r = tl.where(k_ok, r.to(tl.int32), H + PH)
             a_ptrs = x_base + (x_m[None, :] + (c.to(tl.int32) * HW + r * W + s)[:, None])
             a_mask = _ult(ih0[None, :] + r[:, None], H) & _ult(iw0[None, :] + s[:, None], W)
         a = tl.load(a_ptrs, mask=a_mask, other=0.0)                          # [BK, BM]
@@ -571,7 +573,7 @@ def _conv_bwd_weight_kernel(x_ptr, dy_ptr, dw_ptr,
         rs = nu - c * RS
         r = rs // S
         s = (rs - r * S).to(tl.int32)
-        r = tl.where(n_ok, r.to(tl.int32), H + R)         # a dead column never lands inside
+        r = tl.where(n_ok, r.to(tl.int32), H + PH)        # dead column: see _conv_fwd_kernel
         x_n = c.to(tl.int32) * HW + r * W + s
     dy_k = offs_m * PQ
     lo = split * SPLIT_LEN
@@ -601,7 +603,7 @@ def _conv_bwd_weight_kernel(x_ptr, dy_ptr, dw_ptr,
         else:
             pqu = pq.to(tl.uint32)
             oh = pqu // Q
-            ih0 = tl.where(j_ok, oh.to(tl.int32) * SH - PH, -R)
+            ih0 = tl.where(j_ok, oh.to(tl.int32) * SH - PH, -(H + PH + R))
             iw0 = (pqu - oh * Q).to(tl.int32) * SW - PW
             x_j = dimg * (C * HW) + ih0 * W + iw0
             if PIX:

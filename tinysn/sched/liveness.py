@@ -65,6 +65,10 @@ class Program:
         self.net = net
         self.momentum_value = momentum
         self.order = route.forward_order(net)
+        self.requires_grad = set()   # layers whose output's gradient reaches a parameter
+        for layer in self.order:
+            if layer.params or any(x in self.requires_grad for x in layer.inputs):
+                self.requires_grad.add(layer)
         self.tensors: list[TensorInfo] = []
         self.act, self.grad, self.saved = {}, {}, {}
         self.param, self.pgrad, self.momentum, self.buffer = {}, {}, {}, {}
@@ -110,10 +114,9 @@ class Program:
             info = self.tensors[tid]
             self.pgrad[name] = self._new(name + ".grad", info.shape, "grad", info.layer, "pgrad")
 
-    @staticmethod
-    def _needs_grad(layer) -> bool:
-        """A layer's output needs a gradient unless nothing upstream of it learns."""
-        return layer.op != "data"
+    def _needs_grad(self, layer) -> bool:
+        """A layer's output needs a gradient only if a parameter lies upstream of it."""
+        return layer in self.requires_grad
 
     # -- steps ---------------------------------------------------------------------------
     def _layer_params(self, layer, table):
@@ -136,8 +139,8 @@ class Program:
             self.steps.append(step)
         written = set()
         for layer in reversed(self.order):
-            if layer.op == "data":
-                continue
+            if layer not in self.requires_grad:
+                continue                # nothing upstream learns: no backward step at all
             step = LogicalStep(len(self.steps), layer, "backward")
             if layer in self.grad:
                 step.reads.append(self.grad[layer])

@@ -104,13 +104,37 @@ def plan(net, memory, policy: str = "all", *, momentum: float = 0.0, conv_algos=
         raise ValueError(f"unknown policy {policy!r}; choose one of {POLICIES}")
     capacity = parse_bytes(memory)
     program = liveness.Program(net, momentum=momentum)
-    if policy != "all":
-        return _Planner(program, capacity, policy, conv_algos, checkpoints, block_bytes).run()
-    try:
-        return _Planner(program, capacity, "all", conv_algos, checkpoints, block_bytes).run()
-    except OutOfMemory:
-        return _Planner(program, capacity, "all", conv_algos, checkpoints, block_bytes,
-                        with_recompute=True).run()
+
+    def attempt(drops):
+        return _Planner(program, capacity, policy, conv_algos, checkpoints, block_bytes,
+                        drops).run()
+
+    if policy in ("baseline", "liveness", "offload"):
+        return attempt(None)
+    if policy == "all":          # move or recompute nothing unless the cap demands it
+        try:
+            return attempt(None)
+        except OutOfMemory as err:
+            return _best([lambda: attempt("from_checkpoints"), lambda: attempt("strict")], err)
+    # "recompute": cost-aware, recomputation only where it lowers the peak
+    return _best([lambda: attempt(None), lambda: attempt("from_checkpoints"),
+                  lambda: attempt("strict")])
+
+
+def _best(candidates, error=None) -> Plan:
+    """The feasible plan with the lowest peak (the earlier candidate on a tie)."""
+    best = None
+    for make in candidates:
+        try:
+            p = make()
+        except OutOfMemory as err:
+            error = err
+            continue
+        if best is None or p.peak_bytes < best.peak_bytes:
+            best = p
+    if best is None:
+        raise error
+    return best
 
 
 def max_batch(model_fn, memory, policy: str = "all", *, limit: int = 1 << 16, **kwargs) -> int:
@@ -138,7 +162,7 @@ class _Planner:
     """Simulates one iteration through a BlockAllocator and writes down every operation."""
 
     def __init__(self, program, capacity, policy, conv_algos, checkpoints, block_bytes,
-                 with_recompute=False):
+                 drops=None):
         self.program = program
         self.policy = policy
         self.tensors = list(program.tensors)
@@ -147,7 +171,8 @@ class _Planner:
         self.n_forward = len(program.order)
         self.cache = offload.LRUCache() if policy == "all" else None
         self.always_offload = policy in ("offload", "recompute")
-        self.recompute = policy == "recompute" or with_recompute
+        self.recompute = drops is not None
+        self.drops = drops
         self.chooser = workspace.AlgoChooser(dynamic=policy == "all", pinned=conv_algos)
         self.producer = {program.act[layer]: layer for layer in program.order}
         self.loc, self.dblock, self.hblock = {}, {}, {}
@@ -161,13 +186,15 @@ class _Planner:
     # -- which tensors get which treatment --------------------------------------------
     def _choose_roles(self, checkpoints):
         p = self.program
-        self.dropped = recompute.dropped_tensors(p) if self.recompute else set()
+        self.dropped = (recompute.dropped_tensors(p, self.drops == "from_checkpoints")
+                        if self.recompute else set())
         if self.recompute:
             l_peak = recompute.layer_peak(p, self._default_workspace)
             self.schedule = recompute.RecomputeSchedule(p, self.dropped,
                                                         recompute.strategies(p, l_peak))
             self.uses = self.schedule.uses
-            keep = offload.checkpoint_layers(p, checkpoints) | recompute.extra_checkpoints(p)
+            keep = offload.checkpoint_layers(p, checkpoints) | recompute.extra_checkpoints(
+                p, self.dropped)
         else:
             self.schedule = None
             self.uses = p.uses

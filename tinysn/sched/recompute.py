@@ -20,16 +20,33 @@ from __future__ import annotations
 RECOMPUTABLE = {"bn", "relu", "pool", "lrn", "dropout"}
 
 
-def dropped_tensors(program) -> set:
-    """Ids of the activations that the recompute policy drops after the forward pass."""
-    return {program.act[layer] for layer in program.order if layer.op in RECOMPUTABLE}
+def dropped_tensors(program, from_checkpoints: bool = True) -> set:
+    """Ids of the activations that the recompute policy drops and rebuilds when needed.
+
+    A cheap layer's output is rebuildable when each of its inputs is rebuildable itself, or
+    is the output of a non-cheap layer (which then becomes a checkpoint: kept in host memory
+    and brought back for the rebuild), or is read by the backward pass anyway. Rebuildable
+    outputs that the backward pass never reads are freed after the forward pass as usual and
+    rebuilt only as inputs of another rebuild. Whether dropping pays at all is decided per
+    plan: `plan()` keeps the recompute-free plan when it has the lower peak, and also tries
+    `from_checkpoints=False` (no new checkpoints: rebuild only from tensors the backward pass
+    reads anyway), which drops less but can peak lower when rebuilt segments are large.
+    """
+    n_forward = len(program.order)
+    dropped = set()
+    for layer in program.order:
+        if layer.op in RECOMPUTABLE and all(
+                program.act[x] in dropped or (from_checkpoints and x.op not in RECOMPUTABLE)
+                or program.uses[program.act[x]][-1] >= n_forward for x in layer.inputs):
+            dropped.add(program.act[layer])
+    return dropped
 
 
-def extra_checkpoints(program) -> set:
-    """Non-cheap layers whose outputs feed a cheap layer: recomputation starts from them."""
+def extra_checkpoints(program, dropped) -> set:
+    """Non-cheap layers whose outputs feed a dropped layer: recomputation starts from them."""
     keep = set()
     for layer in program.order:
-        if layer.op in RECOMPUTABLE:
+        if program.act[layer] in dropped:
             keep |= {x for x in layer.inputs if x.op not in RECOMPUTABLE}
     return keep
 

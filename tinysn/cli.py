@@ -35,7 +35,7 @@ def _parser():
     train.add_argument("--memory", default="512MiB")
     train.add_argument("--policy", choices=POLICIES, default="all")
     train.add_argument("--steps", type=int, default=None,
-                       help="iterations (default: 300 for digits, 20 otherwise)")
+                       help="iterations (default: 200 for digits, 20 otherwise)")
     train.add_argument("--device", choices=["cpu", "cuda"], default=None)
     train.add_argument("--lr", type=float, default=None)
     train.add_argument("--momentum", type=float, default=0.9)
@@ -68,7 +68,7 @@ def _train(args) -> int:
     if dataset == "digits" and args.model != "lenet":
         print("--data digits needs --model lenet (8x8 grayscale images)", file=sys.stderr)
         return 2
-    steps = args.steps or (300 if dataset == "digits" else 20)
+    steps = args.steps or (200 if dataset == "digits" else 20)
     lr = args.lr if args.lr is not None else (0.05 if dataset == "digits" else 0.01)
     if dataset == "digits":
         train_x, train_y, test_x, test_y = data.digits(seed=args.seed)

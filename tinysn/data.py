@@ -7,8 +7,9 @@ import torch
 
 
 def digits(test_fraction: float = 0.2, seed: int = 0):
-    """8x8 handwritten digits as float32 [N, 1, 8, 8] in [0, 1] and int64 labels, split into
-    (train_x, train_y, test_x, test_y) by a seeded shuffle."""
+    """8x8 handwritten digits as float32 [N, 1, 8, 8] and int64 labels, split into
+    (train_x, train_y, test_x, test_y) by a seeded shuffle and standardised with the
+    training split's mean and standard deviation."""
     from sklearn.datasets import load_digits
 
     bunch = load_digits()
@@ -17,7 +18,9 @@ def digits(test_fraction: float = 0.2, seed: int = 0):
     order = torch.from_numpy(np.random.default_rng(seed).permutation(len(y)))
     x, y = x[order], y[order]
     n_test = int(len(y) * test_fraction)
-    return x[n_test:], y[n_test:], x[:n_test], y[:n_test]
+    train_x, test_x = x[n_test:], x[:n_test]
+    mean, std = train_x.mean(), train_x.std()
+    return (train_x - mean) / std, y[n_test:], (test_x - mean) / std, y[:n_test]
 
 
 def batches(x, y, batch: int, seed: int = 0):

@@ -201,6 +201,7 @@ def test_splitk_really_splits_and_is_deterministic():
                              precision="ieee")
         outs.append((dw, db))
     assert torch.equal(outs[0][0], outs[1][0]) and torch.equal(outs[0][1], outs[1][1])
+    assert conv._TUNED      # the second launch took the direct path (autotuner's pick cached)
     _check(case, "cpu", "ieee", seed=5)
 
 
@@ -291,6 +292,10 @@ def test_bad_input_raises():
         conv.backward(x, w, dy, torch.empty(1, 3, 4, 5), None, None, **kw)
     with pytest.raises(ValueError, match="input channels"):
         conv.backward(x, torch.randn(4, 2, 3, 3), dy, None, torch.empty(4, 2, 3, 3), None, **kw)
+    with pytest.raises(ValueError, match="32-bit"):      # checked before any tensor is touched
+        conv._geometry((1, 2 ** 16, 1, 1), (2 ** 15, 2 ** 16, 1, 1), 1, 0)
+    with pytest.raises(ValueError, match="pair of ints"):
+        conv.out_shape(x.shape, w.shape, {1: 1}, 1)
 
 
 def test_backward_skips_missing_gradients():

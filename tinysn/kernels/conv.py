@@ -49,8 +49,18 @@ Precision: tl.dot input_precision = dot_precision(precision) ("tf32" by default 
 "ieee" exact float32). The autotuner picks tile sizes per shape on the GPU (the K-block size
 and so the rounding may differ between configs; a process keeps its choice) and collapses to
 one small config under the interpreter. Problems too small to be worth timing skip autotuning
-and take the first config.
+and take the first config. After a shape's first launch its pick is launched directly
+(`_launch`), and the shape arithmetic is cached, to keep host time per call low.
+
+Compile-time constants: kernel size (R, S) and the spatial sizes (H, W, P, Q), so every
+division in the index math is by a constant; a network has few distinct sizes. Strides and
+paddings are runtime values (Triton still specialises the value 1). In-tile offsets are
+32-bit, relative to a 64-bit base per program (its first image); the launchers reject shapes
+where a tile's span of images could overflow that (never for real layers).
+
+Performance notes, per version, with the measurements: notes/conv-perf.md.
 """
+import functools
 import inspect
 
 import torch
@@ -78,6 +88,20 @@ _TUNE_MIN_MACS = 1 << 24
 # shapes and workspaces
 # --------------------------------------------------------------------------------------------
 
+def _cdiv(a, b):
+    return -(-a // b)
+
+
+def _hashable(v):
+    """A cache key for a stride/padding argument (validation happens inside the cached call)."""
+    v = tuple(v) if isinstance(v, list) else v
+    try:
+        hash(v)
+    except TypeError:
+        raise ValueError(f"conv: expected an int or a pair of ints, got {v!r}") from None
+    return v
+
+
 def _pair(v, name, minimum):
     if isinstance(v, bool):
         raise ValueError(f"conv: {name} must be an int or a pair of ints, got {v!r}")
@@ -100,6 +124,11 @@ def _shape4(shape, name):
 def out_shape(x_shape, w_shape, stride, padding) -> tuple:
     """(N, K, P, Q) of the conv output; ValueError if the kernel is larger than the padded input
     or the channel counts of x [N, C, H, W] and w [K, C, R, S] differ."""
+    return _out_shape(tuple(x_shape), tuple(w_shape), _hashable(stride), _hashable(padding))
+
+
+@functools.lru_cache(maxsize=4096)
+def _out_shape(x_shape, w_shape, stride, padding) -> tuple:
     n, c, h, w = _shape4(tuple(x_shape), "x")
     k, c2, r, s = _shape4(tuple(w_shape), "w")
     sh, sw = _pair(stride, "stride", 1)
@@ -114,22 +143,33 @@ def out_shape(x_shape, w_shape, stride, padding) -> tuple:
 
 def splitk_splits(x_shape, w_shape, stride, padding) -> int:
     """How many chunks the "splitk" weight gradient cuts the N*P*Q reduction into."""
+    return _splitk_splits(tuple(x_shape), tuple(w_shape), _hashable(stride), _hashable(padding))
+
+
+@functools.lru_cache(maxsize=4096)
+def _splitk_splits(x_shape, w_shape, stride, padding) -> int:
     n, k, p, q = out_shape(x_shape, w_shape, stride, padding)
     _, c, r, s = w_shape
     npq = n * p * q
-    tiles = triton.cdiv(k, 64) * triton.cdiv(c * r * s, 64)
-    splits = max(1, min(_MAX_SPLITS, triton.cdiv(_TARGET_PROGRAMS, tiles),
-                        triton.cdiv(npq, _SPLIT_QUANTUM)))
-    chunk = triton.cdiv(triton.cdiv(npq, splits), _SPLIT_QUANTUM) * _SPLIT_QUANTUM
-    return triton.cdiv(npq, chunk)
+    tiles = _cdiv(k, 64) * _cdiv(c * r * s, 64)
+    splits = max(1, min(_MAX_SPLITS, _cdiv(_TARGET_PROGRAMS, tiles),
+                        _cdiv(npq, _SPLIT_QUANTUM)))
+    chunk = _cdiv(_cdiv(npq, splits), _SPLIT_QUANTUM) * _SPLIT_QUANTUM
+    return _cdiv(npq, chunk)
 
 
 def _split_len(npq, splits):
-    return triton.cdiv(triton.cdiv(npq, splits), _SPLIT_QUANTUM) * _SPLIT_QUANTUM
+    return _cdiv(_cdiv(npq, splits), _SPLIT_QUANTUM) * _SPLIT_QUANTUM
 
 
 def workspace_bytes(x_shape, w_shape, stride, padding, phase, algo) -> int:
     """Bytes of workspace one launch of `phase` with `algo` needs (0 for the implicit ones)."""
+    return _workspace_bytes(tuple(x_shape), tuple(w_shape), _hashable(stride),
+                            _hashable(padding), phase, algo)
+
+
+@functools.lru_cache(maxsize=4096)
+def _workspace_bytes(x_shape, w_shape, stride, padding, phase, algo) -> int:
     n, k, p, q = out_shape(x_shape, w_shape, stride, padding)
     _, c, h, w = x_shape
     _, _, r, s = w_shape
@@ -183,22 +223,39 @@ def _cfg(bm, bn, bk, warps, stages, pix=True, group_m=8):
                           "PIX": pix}, num_warps=warps, num_stages=stages)
 
 
-def _both(tiles):
-    """Every tile shape with the pixel-axis declaration on and off (see _pixel_axis)."""
-    return [_cfg(*t, pix=pix) for pix in (True, False) for t in tiles]
-
-
-# forward: M = output pixels (large), N = output channels (64..512). None of these spills
-# registers on sm_90 (compiler resource report, triton 3.6 and 3.9).
-_FWD_CONFIGS = _both([(128, 128, 32, 8, 3), (64, 128, 32, 4, 4), (128, 64, 32, 4, 4),
-                      (64, 64, 32, 4, 4)])
+# Configs: (BLOCK_M, BLOCK_N, BLOCK_K, warps, stages, PIX). Kept: the ones that won or came
+# within a few percent on the ResNet-50 shapes on the H200 (notes/conv-perf.md, v2). None
+# spills registers on sm_90 (compiler resource report, triton 3.6 and 3.9).
+# forward: M = output pixels (large), N = output channels (64..512)
+_FWD_CONFIGS = [
+    _cfg(128, 64, 32, 4, 4, False),
+    _cfg(64, 128, 32, 4, 4, True),
+    _cfg(128, 128, 32, 8, 3, False),
+    _cfg(64, 128, 32, 4, 4, False),
+    _cfg(64, 64, 32, 4, 4, True),
+    _cfg(128, 256, 32, 8, 3, True),
+    _cfg(64, 64, 32, 4, 4, False),
+    _cfg(128, 128, 32, 8, 3, True),
+]
 # backward_data: M = input pixels, N = input channels
-_DATA_CONFIGS = _both([(128, 128, 32, 8, 3), (64, 128, 32, 8, 4), (128, 64, 32, 8, 4),
-                       (64, 64, 32, 4, 4)])
-# backward_weight: M = K, N = C*R*S, reduction over pixels
-_WGT_CONFIGS = _both([(64, 64, 64, 4, 3), (128, 128, 32, 8, 3), (128, 64, 32, 4, 4),
-                      (64, 64, 32, 4, 4)])
-_SMALL_CONFIG = _cfg(32, 16, 16, 1, 1, group_m=2)
+_DATA_CONFIGS = [
+    _cfg(128, 64, 32, 8, 4, True),
+    _cfg(128, 128, 32, 8, 3, False),
+    _cfg(64, 128, 32, 8, 4, False),
+    _cfg(64, 64, 32, 4, 4, False),
+    _cfg(128, 128, 32, 8, 3, True),
+    _cfg(64, 128, 32, 8, 4, True),
+    _cfg(128, 64, 32, 8, 4, False),
+    _cfg(64, 64, 32, 4, 4, True),
+]
+# backward_weight: M = K, N = C*R*S, reduction over pixels (PIX=False never won here)
+_WGT_CONFIGS = [
+    _cfg(64, 64, 64, 4, 3, True),
+    _cfg(64, 64, 32, 4, 4, True),
+    _cfg(128, 64, 32, 4, 4, True),
+    _cfg(128, 128, 32, 8, 3, True),
+]
+_SMALL_CONFIG = _cfg(128, 32, 32, 1, 1, group_m=2)
 
 
 def _prune(macs_fn):
@@ -220,8 +277,8 @@ def _fwd_macs(a):
     return a["N"] * a["P"] * a["Q"] * a["K"] * a["C"] * a["R"] * a["S"]
 
 
-def _autotune(configs, key, macs_fn, restore=None):
-    kw = dict(configs=autotune_configs(configs, _SMALL_CONFIG), key=key)
+def _autotune(configs, key, macs_fn, restore=None, small=None):
+    kw = dict(configs=autotune_configs(configs, small or _SMALL_CONFIG), key=key)
     if restore:
         kw["restore_value"] = restore
     if not INTERPRET:
@@ -621,8 +678,9 @@ def _bwd_weight_macs(a):
     return a["N"] * a["P"] * a["Q"] * a["K"] * a["C"] * a["R"] * a["S"]
 
 
-_conv_bwd_weight = _autotune(_WGT_CONFIGS, _KEY + ["SPLIT_LEN"],
-                             _bwd_weight_macs)(_conv_bwd_weight_kernel)
+# under the interpreter few, long reduction steps are cheapest (M = K is small on the CPU)
+_conv_bwd_weight = _autotune(_WGT_CONFIGS, _KEY + ["SPLIT_LEN"], _bwd_weight_macs,
+                             small=_cfg(16, 32, 128, 1, 1, group_m=2))(_conv_bwd_weight_kernel)
 
 
 @triton.jit
@@ -704,9 +762,26 @@ def _workspace(workspace, need, device):
 
 
 def _geometry(x_shape, w_shape, stride, padding):
+    """(sh, sw, ph, pw, P, Q), validated; cached per shape (launch overhead matters)."""
+    return _geometry_cached(tuple(x_shape), tuple(w_shape), _hashable(stride),
+                            _hashable(padding))
+
+
+@functools.lru_cache(maxsize=4096)
+def _geometry_cached(x_shape, w_shape, stride, padding):
     sh, sw = _pair(stride, "stride", 1)
     ph, pw = _pair(padding, "padding", 0)
     n, k, p, q = out_shape(x_shape, w_shape, (sh, sw), (ph, pw))
+    _, c, h, w = x_shape
+    _, _, r, s = w_shape
+    # in-tile offsets are 32-bit relative to a tile's first image: a tile of up to 256 pixels
+    # spans at most 256 // (pixels per image, or per stride class) + 2 images
+    per_image = max(c * h * w, k * p * q, c * r * s * p * q, k * (h + r - 1) * (w + s - 1))
+    span = 256 // max(1, min(p * q, (h // sh) * (w // sw))) + 2
+    if span * per_image >= 2 ** 31 or n * max(p * q, h * w) >= 2 ** 31 or \
+            _MAX_SPLITS * k * c * r * s >= 2 ** 31:
+        raise ValueError(f"conv: shapes x {tuple(x_shape)}, w {tuple(w_shape)} exceed the "
+                         "kernels' 32-bit in-tile offsets")
     return sh, sw, ph, pw, p, q
 
 
@@ -716,15 +791,35 @@ def _algo(phase, algo):
     return algo
 
 
+_TUNED = {}   # (autotuner, scalar arguments, keyword arguments) -> the config it picked
+
+
+def _launch(tuner, grid, args, kwargs):
+    """Launch an autotuned kernel. The first launch of a shape goes through the autotuner;
+    later ones launch its pick directly, skipping the autotuner's per-call bookkeeping (host
+    time per launch matters: the runtime launches hundreds of kernels per step)."""
+    key = (id(tuner), tuple(a for a in args if not isinstance(a, torch.Tensor)),
+           tuple(kwargs.items()))
+    cfg = _TUNED.get(key)
+    if cfg is None:
+        tuner[grid](*args, **kwargs)
+        cfg = getattr(tuner, "best_config", None)
+        if cfg is not None:
+            _TUNED[key] = cfg
+        return
+    tuner.fn[grid(cfg.kwargs)](*args, **kwargs, **cfg.all_kwargs())
+
+
 def _pix_grid(m, n):
-    return lambda meta: (triton.cdiv(m, meta["BLOCK_M"]) * triton.cdiv(n, meta["BLOCK_N"]),)
+    return lambda meta: (_cdiv(m, meta["BLOCK_M"]) * _cdiv(n, meta["BLOCK_N"]),)
 
 
 def _launch_fwd(x, w, b, y, n, c, h, wd, k, p, q, sh, sw, ph, pw, r, s, prec):
     is_1x1 = r == 1 and s == 1 and sh == 1 and sw == 1 and ph == 0 and pw == 0
-    _conv_fwd[_pix_grid(n * p * q, k)](
-        x, w, b if b is not None else y, y, n, c, k, sh, sw, ph, pw, H=h, W=wd, P=p, Q=q,
-        R=r, S=s, IS_1X1=is_1x1, HAS_BIAS=b is not None, PRECISION=prec)
+    _launch(_conv_fwd, _pix_grid(n * p * q, k),
+            (x, w, b if b is not None else y, y, n, c, k, sh, sw, ph, pw),
+            dict(H=h, W=wd, P=p, Q=q, R=r, S=s, IS_1X1=is_1x1, HAS_BIAS=b is not None,
+                 PRECISION=prec))
 
 
 def forward(x, w, b, y, *, stride, padding, algo="implicit", workspace=None, precision=None):
@@ -750,7 +845,7 @@ def forward(x, w, b, y, *, stride, padding, algo="implicit", workspace=None, pre
     # im2col: col [N, C*R*S, P, Q], then a 1x1 conv of col with w as [K, C*R*S, 1, 1]
     crs = c * r * s
     bm, bk = (16, 16) if INTERPRET else (128, 32)
-    _im2col_kernel[(triton.cdiv(n * p * q, bm), triton.cdiv(crs, bk))](
+    _im2col_kernel[(_cdiv(n * p * q, bm), _cdiv(crs, bk))](
         x, ws, n, c, sh, sw, ph, pw, H=h, W=wd, P=p, Q=q, R=r, S=s, BLOCK_M=bm, BLOCK_K=bk,
         num_warps=4)
     _launch_fwd(ws, w, b, y, n, crs, p, q, k, p, q, 1, 1, 0, 0, 1, 1, prec)
@@ -759,12 +854,12 @@ def forward(x, w, b, y, *, stride, padding, algo="implicit", workspace=None, pre
 def _launch_bwd_data(dy, w, dx, n, c, h, wd, k, p, q, sh, sw, ph, pw, r, s, accumulate, prec):
     is_1x1 = r == 1 and s == 1 and sh == 1 and sw == 1 and ph == 0 and pw == 0
     kern = _conv_bwd_data_acc if accumulate else _conv_bwd_data
-    m_grid = n * triton.cdiv(h, sh) * triton.cdiv(wd, sw)
-    grid = lambda meta: (triton.cdiv(m_grid, meta["BLOCK_M"]) * triton.cdiv(c, meta["BLOCK_N"]),  # noqa: E731
+    m_grid = n * _cdiv(h, sh) * _cdiv(wd, sw)
+    grid = lambda meta: (_cdiv(m_grid, meta["BLOCK_M"]) * _cdiv(c, meta["BLOCK_N"]),  # noqa: E731
                          sh * sw)
-    kern[grid](dy, w, dx, n, c, k, sh, sw, ph, pw, H=h, W=wd, P=p, Q=q,
-               R=r, S=s, IS_1X1=is_1x1, STRIDE1=sh == 1 and sw == 1, ACCUMULATE=accumulate,
-               PRECISION=prec)
+    _launch(kern, grid, (dy, w, dx, n, c, k, sh, sw, ph, pw),
+            dict(H=h, W=wd, P=p, Q=q, R=r, S=s, IS_1X1=is_1x1, STRIDE1=sh == 1 and sw == 1,
+                 ACCUMULATE=accumulate, PRECISION=prec))
 
 
 def _run_bwd_data(dy, w, dx, x_shape, geo, algo, ws, accumulate, prec):
@@ -777,7 +872,7 @@ def _run_bwd_data(dy, w, dx, x_shape, geo, algo, ws, accumulate, prec):
     # zero_insert: z [N, K, H+R-1, W+S-1], then a stride-1 conv of z with the flipped weight,
     # which is the implicit stride-1 kernel with padding (R-1, S-1) over z
     hz, wz = h + r - 1, wd + s - 1
-    _zero_insert_kernel[(n * k, triton.cdiv(hz * wz, _ELEM_BLOCK))](
+    _zero_insert_kernel[(n * k, _cdiv(hz * wz, _ELEM_BLOCK))](
         dy, ws, p, q, hz, wz, sh, sw, r - 1 - ph, s - 1 - pw, BLOCK=_ELEM_BLOCK, num_warps=4)
     _launch_bwd_data(ws, w, dx, n, c, h, wd, k, hz, wz, 1, 1, r - 1, s - 1, r, s, accumulate,
                      prec)
@@ -825,13 +920,13 @@ def _run_bwd_weight(x, dy, dw, db, geo, algo, ws, prec):
         splits, out = splitk_splits(x.shape, dw.shape, (sh, sw), (ph, pw)), ws
     split_len = _split_len(npq, splits)
     crs = c * r * s
-    grid = lambda meta: (triton.cdiv(k, meta["BLOCK_M"]) * triton.cdiv(crs, meta["BLOCK_N"]),  # noqa: E731
+    grid = lambda meta: (_cdiv(k, meta["BLOCK_M"]) * _cdiv(crs, meta["BLOCK_N"]),  # noqa: E731
                          splits)
-    _conv_bwd_weight[grid](x, dy, out, n, c, k, sh, sw, ph, pw, split_len, H=h, W=wd, P=p, Q=q,
-                           R=r, S=s, IS_1X1=is_1x1, PRECISION=prec)
+    _launch(_conv_bwd_weight, grid, (x, dy, out, n, c, k, sh, sw, ph, pw, split_len),
+            dict(H=h, W=wd, P=p, Q=q, R=r, S=s, IS_1X1=is_1x1, PRECISION=prec))
     if algo == "splitk":
         total = k * crs
-        _splitk_reduce_kernel[(triton.cdiv(total, _ELEM_BLOCK),)](
+        _splitk_reduce_kernel[(_cdiv(total, _ELEM_BLOCK),)](
             ws, dw, total, splits, BLOCK=_ELEM_BLOCK, num_warps=4)
 
 

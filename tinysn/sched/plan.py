@@ -229,6 +229,8 @@ class _Planner:
         if self.policy == "baseline":
             persistent = [t.id for t in p.tensors]
         for tid in persistent:
+            owner = self.tensors[tid].layer
+            self.where = f"setup of layer {owner.name if owner else '(input)'}"
             self._alloc(tid, setup)
         if self.policy == "baseline":
             self.baseline_ws = {}

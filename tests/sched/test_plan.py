@@ -1,0 +1,77 @@
+"""The dry-run planner: liveness sets, errors, figures, speed."""
+import time
+
+import pytest
+
+import tinysn as sn
+from tinysn.sched import liveness
+from tests.nets import every_layer_net
+
+
+def test_liveness_frees_each_tensor_after_its_last_use():
+    net = every_layer_net()
+    prog = liveness.Program(net)
+    for step, (live_in, live_out) in zip(prog.steps, prog.live_sets()):
+        for tid in live_out:
+            assert prog.last_use(tid) > step.index      # nothing dead is kept
+        for tid in set(step.reads) - live_out:
+            assert prog.last_use(tid) == step.index or prog.tensors[tid].persistent
+
+
+def test_plan_rejects_bad_arguments():
+    net = every_layer_net()
+    with pytest.raises(ValueError, match="policy"):
+        sn.plan(net, "64MiB", "greedy")
+    with pytest.raises(ValueError):
+        sn.plan(net, "-3MiB", "all")
+    with pytest.raises(ValueError):
+        sn.plan(net, "twelve gigs", "all")
+
+
+def test_out_of_memory_names_step_layer_and_bytes():
+    net = every_layer_net()
+    with pytest.raises(sn.OutOfMemory) as err:
+        sn.plan(net, 4096, "liveness")
+    text = str(err.value)
+    assert "step" in text and "layer" in text and "needs" in text and "4,096" in text
+
+
+def test_momentum_zero_allocates_no_optimizer_state():
+    net = every_layer_net()
+    plain = sn.plan(net, "64MiB", "liveness", momentum=0.0)
+    heavy = sn.plan(net, "64MiB", "liveness", momentum=0.9)
+    params = sum(t.nbytes for t in plain.tensors if t.role == "param")
+    assert not any(t.role == "momentum" for t in plain.tensors)
+    assert heavy.setup_bytes - plain.setup_bytes >= params
+
+
+def test_alexnet_ablation_ladder_and_recompute_counts():
+    net = sn.models.alexnet(batch=200)
+    peaks = {p: sn.plan(net, "12GiB", p).peak_bytes for p in
+             ("baseline", "liveness", "offload", "recompute")}
+    assert peaks["baseline"] > peaks["liveness"] > peaks["offload"] > peaks["recompute"]
+    assert sn.plan(net, "12GiB", "recompute").recomputed_steps > 0
+
+
+def test_resnet152_batch256_plans_in_under_5_seconds():
+    start = time.perf_counter()
+    p = sn.plan(sn.models.resnet152(batch=256), "12GiB", "all")
+    assert time.perf_counter() - start < 5.0
+    assert p.peak_bytes <= 12 * 2**30
+
+
+def test_max_batch_is_the_largest_that_plans():
+    fn = lambda batch: every_layer_net(batch=batch)  # noqa: E731
+    cap = 2 * 2**20
+    best = sn.max_batch(fn, cap, "liveness")
+    assert best >= 1
+    sn.plan(fn(best), cap, "liveness")
+    with pytest.raises(sn.OutOfMemory):
+        sn.plan(fn(best + 1), cap, "liveness")
+
+
+def test_out_of_memory_during_an_iteration_names_that_step():
+    net = every_layer_net()
+    live = sn.plan(net, "64MiB", "liveness")
+    with pytest.raises(sn.OutOfMemory, match=r"step \d+ \((forward|backward) of layer \w+\)"):
+        sn.plan(net, live.setup_bytes + 2048, "liveness")

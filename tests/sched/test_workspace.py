@@ -1,0 +1,54 @@
+"""Dynamic conv workspaces: the fastest algorithm whose workspace fits in the free memory."""
+import pytest
+
+import tinysn as sn
+from tinysn.kernels import conv
+from tinysn.sched import workspace
+
+
+def conv_net():
+    net = sn.Net(input_shape=(3, 12, 12), classes=4, batch=2)
+    h = net.relu(net.conv(net.data(), 8, kernel=3, padding=1, name="c1"))
+    h = net.conv(h, 8, kernel=3, stride=2, padding=1, name="c2")
+    net.softmax_loss(net.fc(h, 4, name="fc"))
+    return net
+
+
+@pytest.fixture
+def im2col_fastest():
+    """Pretend timings said im2col beats implicit GEMM for c2's forward."""
+    net = conv_net()
+    geometry = workspace.conv_geometry(net["c2"])
+    saved = dict(workspace._RANKINGS)
+    workspace.record_ranking(geometry, "forward", ["im2col", "implicit"])
+    yield net, conv.algos(*geometry, "forward")["im2col"]
+    workspace._RANKINGS.clear()
+    workspace._RANKINGS.update(saved)
+
+
+def test_roomy_cap_takes_the_faster_workspace_algorithm(im2col_fastest):
+    net, ws = im2col_fastest
+    assert ws > 0
+    p = sn.plan(net, "64MiB", "all")
+    assert p.conv_algos["c2"]["forward"] == "im2col"
+
+
+def test_tight_cap_falls_back_to_what_fits(im2col_fastest):
+    net, ws = im2col_fastest
+    pinned = sn.plan(net, "64MiB", "all", conv_algos={})
+    assert pinned.conv_algos["c2"]["forward"] == "implicit"
+    tight = sn.plan(net, pinned.required_bytes, "all")
+    step = next(s for s in tight.steps if s.layer == "c2" and s.phase == "forward")
+    assert step.algos["forward"] == "implicit"       # no room for im2col's workspace there
+
+
+def test_pinned_algorithms_hold_under_every_policy():
+    net = conv_net()
+    for policy in sn.POLICIES:
+        p = sn.plan(net, "64MiB", policy, conv_algos={"forward": "im2col"})
+        assert p.conv_algos["c1"]["forward"] == "im2col", policy
+
+
+def test_unknown_phase_in_pinned_algorithms_is_an_error():
+    with pytest.raises(ValueError, match="phases"):
+        sn.plan(conv_net(), "64MiB", "all", conv_algos={"sideways": "im2col"})

@@ -1,0 +1,31 @@
+"""Real training: LeNet on scikit-learn's digits through the train command, on the CPU."""
+import json
+
+import pytest
+
+from tinysn import cli
+
+
+def test_lenet_learns_digits_to_95_percent(tmp_path, capsys):
+    trace = tmp_path / "trace.json"
+    assert cli.main(["train", "--model", "lenet", "--data", "digits", "--device", "cpu",
+                     "--trace", str(trace)]) == 0
+    out = capsys.readouterr().out
+    accuracy = float(out.split("held-out accuracy ")[1].split("%")[0]) / 100
+    assert accuracy >= 0.95, out[-2000:]
+    records = json.loads(trace.read_text())
+    assert records and {"layer", "phase", "bytes_in_use", "live_tensors"} <= set(records[0])
+
+
+def test_plan_command_prints_every_policy_and_plots(tmp_path, capsys):
+    pytest.importorskip("matplotlib")
+    png = tmp_path / "timeline.png"
+    assert cli.main(["plan", "--model", "alexnet", "--batch", "8", "--plot", str(png)]) == 0
+    out = capsys.readouterr().out
+    for policy in ("baseline", "liveness", "offload", "recompute", "all"):
+        assert policy in out
+    assert png.stat().st_size > 10_000
+
+
+def test_train_rejects_digits_for_other_models(capsys):
+    assert cli.main(["train", "--model", "alexnet", "--data", "digits"]) == 2

@@ -82,31 +82,30 @@ def bench(device="cuda", batch=32, shapes=None, phases=PHASES, precision="tf32",
         dw = torch.empty_like(wt)
         flops = 2 * n * k * p * q * c * r * s
         for phase in phases:
-            if phase == "forward":
-                torch_fn = lambda: F.conv2d(x, wt, b, st, pd)  # noqa: E731
-                out = y
-            elif phase == "backward_data":
-                torch_fn = lambda: torch.nn.grad.conv2d_input(x.shape, wt, dy, st, pd)  # noqa: E731
-                out = dx
-            else:
-                torch_fn = lambda: torch.nn.grad.conv2d_weight(x, wt.shape, dy, st, pd)  # noqa: E731
-                out = dw
+            def torch_fn():
+                if phase == "forward":
+                    return F.conv2d(x, wt, b, st, pd)
+                if phase == "backward_data":
+                    return torch.nn.grad.conv2d_input(x.shape, wt, dy, st, pd)
+                return torch.nn.grad.conv2d_weight(x, wt.shape, dy, st, pd)
+
+            out = {"forward": y, "backward_data": dx, "backward_weight": dw}[phase]
             ref = torch_fn()
             torch_ms = None if warm else _do_bench(torch_fn)
             for algo in conv._ALGOS[phase]:
                 need = conv.workspace_bytes(x.shape, wt.shape, st, pd, phase, algo)
                 ws = torch.empty(max(need, 4), dtype=torch.uint8, device=device)
-                if phase == "forward":
-                    fn = lambda: conv.forward(x, wt, b, y, stride=st, padding=pd, algo=algo,  # noqa: E731
-                                              workspace=ws, precision=precision)
-                elif phase == "backward_data":
-                    fn = lambda: conv.backward_data(dy, wt, dx, stride=st, padding=pd,  # noqa: E731
-                                                    algo=algo, workspace=ws,
-                                                    precision=precision)
-                else:
-                    fn = lambda: conv.backward_weight(x, dy, dw, None, stride=st, padding=pd,  # noqa: E731
-                                                      algo=algo, workspace=ws,
-                                                      precision=precision)
+
+                kw = dict(stride=st, padding=pd, algo=algo, workspace=ws, precision=precision)
+
+                def fn():   # tinysn's backward_weight without db: the same work as torch's
+                    if phase == "forward":
+                        conv.forward(x, wt, b, y, **kw)
+                    elif phase == "backward_data":
+                        conv.backward_data(dy, wt, dx, **kw)
+                    else:
+                        conv.backward_weight(x, dy, dw, None, **kw)
+
                 row = {"kernel": f"conv.{phase}", "algo": algo, "shape": f"{name} b{n}",
                        "workspace_bytes": need, "flops": flops}
                 try:
@@ -138,7 +137,8 @@ def _fmt(row):
                f"{row['first_call_s']}s err {row['rel_err']:.1e} {row['config']}"
     return (f"{row['kernel']:<21}{row['algo']:<12}{row['shape']:<24}"
             f"{row['tinysn_ms']:9.3f}{row['torch_ms']:9.3f}{row['ratio']:7.2f}"
-            f"{row['tflops']:8.1f}{row['torch_tflops']:8.1f}  {row['rel_err']:.1e}  {row['config']}")
+            f"{row['tflops']:8.1f}{row['torch_tflops']:8.1f}  {row['rel_err']:.1e}  "
+            f"{row['config']}")
 
 
 def main():

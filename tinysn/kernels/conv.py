@@ -206,7 +206,7 @@ def algos(x_shape, w_shape, stride, padding, phase) -> dict:
 
 def backward_workspace_bytes(x_shape, w_shape, stride, padding, algo_data="implicit",
                              algo_weight="onepass", need_data=True, need_weight=True) -> int:
-    """Workspace bytes backward() needs (its two phases share one workspace, one after the other)."""
+    """Workspace bytes backward() needs (its two phases share one workspace, in turn)."""
     a = workspace_bytes(x_shape, w_shape, stride, padding, "backward_data", algo_data) \
         if need_data else 0
     b = workspace_bytes(x_shape, w_shape, stride, padding, "backward_weight", algo_weight) \
@@ -666,7 +666,8 @@ def _conv_bwd_weight_kernel(x_ptr, dy_ptr, dw_ptr,
             if PIX:
                 x_j = tl.max_contiguous(tl.multiple_of(x_j, 1), BLOCK_K)
             bt = tl.load(x_base + (x_j[None, :] + x_n[:, None]),
-                         mask=_ult(ih0[None, :] + r[:, None], H) & _ult(iw0[None, :] + s[:, None], W),
+                         mask=_ult(ih0[None, :] + r[:, None], H)
+                         & _ult(iw0[None, :] + s[:, None], W),
                          other=0.0)                                          # [BN, BK]
         acc = tl.dot(a, tl.trans(bt), acc, input_precision=PRECISION)
 

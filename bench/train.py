@@ -86,8 +86,9 @@ def main():
     parser.add_argument("--steps", type=int, default=10)
     parser.add_argument("--lr", type=float, default=0.01)
     parser.add_argument("--momentum", type=float, default=0.9)
-    parser.add_argument("--pin-algos", action="store_true",
-                        help="zero-workspace conv algorithms instead of timing them")
+    parser.add_argument("--pin-algos", default=None,
+                        help='pin conv algorithms instead of timing them: "default" '
+                             '(zero-workspace) or e.g. "backward_weight=splitk"')
     args = parser.parse_args()
     torch.backends.cudnn.allow_tf32 = True
     torch.backends.cuda.matmul.allow_tf32 = True
@@ -99,14 +100,16 @@ def main():
           f"({ref['ms_per_step']:.2f} ms/step)")
     rows = []
     for policy in args.policies.split(","):
-        row = tinysn_run(net, policy, args.memory, args.steps, args.lr, args.momentum,
-                         {} if args.pin_algos else None)
+        pinned = None if args.pin_algos is None else dict(
+            kv.split("=") for kv in args.pin_algos.split(",") if "=" in kv)
+        row = tinysn_run(net, policy, args.memory, args.steps, args.lr, args.momentum, pinned)
         row["ratio_to_pytorch"] = row["images_per_s"] / ref["images_per_s"]
         rows.append(row)
         print(f"tinysn {policy:>9}: {row['images_per_s']:.1f} images/s ({row['ms_per_step']:.2f} "
               f"ms/step, {row['ratio_to_pytorch']:.2f}x PyTorch); peak {row['peak_bytes']:,} "
               f"== plan {row['planned_peak_bytes']:,}: {row['peak_equals_plan']}; loss "
               f"{row['losses'][0]:.3f} -> {row['losses'][-1]:.3f}")
+    ref["autotune"] = os.environ.get("TINYSN_AUTOTUNE", "1") != "0"
     path = common.write(f"train-{args.model}-b{args.batch}-{common.gpu_tag()}",
                         {"model": args.model, "batch": args.batch, "pytorch": ref, "tinysn": rows})
     print(f"wrote {path}")

@@ -34,9 +34,16 @@ def dot_precision(precision=None) -> str:
     return precision
 
 
+# TINYSN_AUTOTUNE=0 keeps only each kernel's first (hand-picked) GPU config: no tuning, one
+# compilation per shape, for quick runs where compile time matters more than the last 20%.
+TUNE = os.environ.get("TINYSN_AUTOTUNE", "1") != "0"
+
+
 def autotune_configs(configs, interpreted_config):
     """Autotuning collapses to one small config under the interpreter (it is slow there)."""
-    return [interpreted_config] if INTERPRET else configs
+    if INTERPRET:
+        return [interpreted_config]
+    return list(configs) if TUNE else list(configs[:1])
 
 
 def check_tensor(name: str, t: torch.Tensor, shape=None, dtype=torch.float32) -> None:

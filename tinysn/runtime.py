@@ -83,6 +83,7 @@ class Runtime:
                           pinned=device.type == "cuda")
         self.copy_stream = torch.cuda.Stream(device) if device.type == "cuda" else None
         self.tensors = [Tensor(t.name, t.shape, t.dtype, t.kind, t.id) for t in self.plan.tensors]
+        self._views = [{} for _ in self.tensors]      # tensor id -> {offset: torch view}
         for op in self.plan.setup:
             self._alloc(op[1], op[2])
         self._predicting = False
@@ -196,7 +197,7 @@ class Runtime:
     # -- memory operations ------------------------------------------------------------
     def _alloc(self, tid, offset):
         t = self.tensors[tid]
-        t.allocate(self.arena)
+        t.allocate(self.arena, views=self._views[tid])
         if t.block.offset != offset:
             raise RuntimeError(f"allocator diverged from the plan: {t.name} at {t.block.offset}, "
                                f"planned {offset}")
@@ -227,7 +228,7 @@ class Runtime:
 
     def _prefetch(self, tid, offset):
         t = self.tensors[tid]
-        t.prefetch(self.arena, self.copy_stream)
+        t.prefetch(self.arena, self.copy_stream, views=self._views[tid])
         self.stats.bytes_to_device += t.nbytes
         if t.block.offset != offset:
             raise RuntimeError(f"allocator diverged from the plan: {t.name} prefetched to "

@@ -62,13 +62,17 @@ class Tensor:
         return f"Tensor({self.name!r}, {self.shape}, {self.kind}, {self.state})"
 
     # -- placement -----------------------------------------------------------------------
-    def allocate(self, arena, block=None) -> None:
-        """Give the tensor a device block (allocated here unless one is passed)."""
+    def allocate(self, arena, block=None, views=None) -> None:
+        """Give the tensor a device block (allocated here unless one is passed).
+
+        `views`, a dict, caches the torch view per offset: a plan puts a tensor at the same
+        few offsets every iteration, and making a view costs more host time than the alloc.
+        """
         if self.state not in ("unallocated", "dropped", "freed"):
             raise RuntimeError(f"cannot allocate {self.name}: it is {self.state}")
         self._device_arena = arena
         self.block = arena.alloc(self.nbytes) if block is None else block
-        self._view = arena.view(self.block, self.shape, self.dtype)
+        self._view = _cached_view(arena, self.block, self.shape, self.dtype, views)
         self.state = "gpu"
 
     def view(self) -> torch.Tensor:
@@ -137,13 +141,13 @@ class Tensor:
         self.block = self._view = None
         self.state = "host"
 
-    def prefetch(self, arena, copy_stream=None, block=None) -> None:
+    def prefetch(self, arena, copy_stream=None, block=None, views=None) -> None:
         """Start copying the host data back into a new device block."""
         if self.state != "host":
             raise RuntimeError(f"cannot prefetch {self.name}: it is {self.state}")
         self._device_arena = arena
         self.block = arena.alloc(self.nbytes) if block is None else block
-        device = arena.view(self.block, self.shape, self.dtype)
+        device = _cached_view(arena, self.block, self.shape, self.dtype, views)
         host = self._host_arena.view(self.host_block, self.shape, self.dtype)
         self.event = _copy(device, host, copy_stream)
         self._view = device
@@ -156,6 +160,15 @@ class Tensor:
         if stream is not None:
             stream.wait_event(self.event)
         self.state = "gpu"
+
+
+def _cached_view(arena, block, shape, dtype, views):
+    if views is None:
+        return arena.view(block, shape, dtype)
+    view = views.get(block.offset)
+    if view is None:
+        view = views[block.offset] = arena.view(block, shape, dtype)
+    return view
 
 
 def _copy(dst: torch.Tensor, src: torch.Tensor, copy_stream):

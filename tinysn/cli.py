@@ -152,10 +152,12 @@ def plot_timeline(plans: dict, path: str, title: str = "") -> None:
     import matplotlib.pyplot as plt
 
     fig, (top, bottom) = plt.subplots(2, 1, figsize=(10, 7), sharex=True)
-    for policy, p in plans.items():
+    styles = ["-", "--", "-.", ":", (0, (6, 2, 1, 2))]   # policies that coincide stay visible
+    for i, (policy, p) in enumerate(plans.items()):
+        style = dict(linestyle=styles[i % len(styles)], linewidth=2.2 - 0.3 * i)
         top.plot([s.bytes_in_use / 2**20 for s in p.steps],
-                 label=f"{policy} (peak {p.peak_bytes / 2**20:,.0f} MiB)")
-        bottom.plot([s.live_tensors for s in p.steps], label=policy)
+                 label=f"{policy} (peak {p.peak_bytes / 2**20:,.0f} MiB)", **style)
+        bottom.plot([s.live_tensors for s in p.steps], label=policy, **style)
     top.set_ylabel("device memory in use (MiB)")
     bottom.set_ylabel("live tensors")
     bottom.set_xlabel("step (forward, then backward; recomputations add steps)")

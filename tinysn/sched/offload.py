@@ -19,8 +19,16 @@ DEFAULT_CHECKPOINTS = ("data", "conv")
 
 
 def checkpoint_layers(program, ops=DEFAULT_CHECKPOINTS) -> set:
-    """Layers whose outputs the always-offload policies copy to the host."""
-    return {layer for layer in program.order if layer.op in ops}
+    """Layers whose outputs the always-offload policies copy to the host.
+
+    A ReLU right after a checkpoint conv counts as part of it: Caffe (the paper's base) runs
+    that ReLU in place, so the tensor the paper offloads is the ReLU's output; here the ReLU
+    writes a new tensor, and that is the one the backward pass reads.
+    """
+    chosen = {layer for layer in program.order if layer.op in ops}
+    chosen |= {layer for layer in program.order
+               if layer.op == "relu" and layer.inputs[0] in chosen and layer.inputs[0].op == "conv"}
+    return chosen
 
 
 class LRUCache:

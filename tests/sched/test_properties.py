@@ -71,7 +71,7 @@ def train_one_step(net, policy, memory, seed=0):
     return rt, loss
 
 
-@settings(max_examples=10, deadline=None, suppress_health_check=list(HealthCheck))
+@settings(max_examples=25, deadline=None, suppress_health_check=list(HealthCheck))
 @given(net=random_nets(), slack=st.integers(0, 64), data=st.data())
 def test_policies_agree_bitwise_peak_equals_plan_and_ladder(net, slack, data):
     base_rt, base_loss = train_one_step(net, "baseline", "64MiB")

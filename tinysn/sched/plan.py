@@ -186,23 +186,24 @@ class _Planner:
     # -- which tensors get which treatment --------------------------------------------
     def _choose_roles(self, checkpoints):
         p = self.program
-        self.dropped = (recompute.dropped_tensors(p, self.drops == "from_checkpoints")
+        ckpt = offload.checkpoint_layers(p, checkpoints) if self.always_offload else set()
+        self.dropped = (recompute.dropped_tensors(p, self.drops == "from_checkpoints", ckpt)
                         if self.recompute else set())
         if self.recompute:
             l_peak = recompute.layer_peak(p, self._default_workspace)
             self.schedule = recompute.RecomputeSchedule(p, self.dropped,
                                                         recompute.strategies(p, l_peak))
             self.uses = self.schedule.uses
-            keep = offload.checkpoint_layers(p, checkpoints) | recompute.extra_checkpoints(
-                p, self.dropped)
+            keep = ckpt | recompute.extra_checkpoints(p, self.dropped)
         else:
             self.schedule = None
             self.uses = p.uses
-            keep = offload.checkpoint_layers(p, checkpoints)
+            keep = ckpt
         self.offloaded = set()
         if self.always_offload:
             self.offloaded = {p.act[layer] for layer in keep
                               if self.uses[p.act[layer]][-1] >= self.n_forward}
+        assert not (self.offloaded & self.dropped), "a tensor is either moved or rebuilt"
         self.last_forward_use = {}
         for tid, uses in self.uses.items():
             fwd = [u for u in uses if u < self.n_forward]

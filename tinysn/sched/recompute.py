@@ -20,7 +20,7 @@ from __future__ import annotations
 RECOMPUTABLE = {"bn", "relu", "pool", "lrn", "dropout"}
 
 
-def dropped_tensors(program, from_checkpoints: bool = True) -> set:
+def dropped_tensors(program, from_checkpoints: bool = True, keep=frozenset()) -> set:
     """Ids of the activations that the recompute policy drops and rebuilds when needed.
 
     A cheap layer's output is rebuildable when each of its inputs is rebuildable itself, or
@@ -31,12 +31,15 @@ def dropped_tensors(program, from_checkpoints: bool = True) -> set:
     plan: `plan()` keeps the recompute-free plan when it has the lower peak, and also tries
     `from_checkpoints=False` (no new checkpoints: rebuild only from tensors the backward pass
     reads anyway), which drops less but can peak lower when rebuilt segments are large.
+    Layers in `keep` (the offload policies' checkpoints) are never dropped: they are
+    sources for rebuilds, like non-cheap layers.
     """
     n_forward = len(program.order)
     dropped = set()
     for layer in program.order:
-        if layer.op in RECOMPUTABLE and all(
-                program.act[x] in dropped or (from_checkpoints and x.op not in RECOMPUTABLE)
+        if layer.op in RECOMPUTABLE and layer not in keep and all(
+                program.act[x] in dropped
+                or (from_checkpoints and (x.op not in RECOMPUTABLE or x in keep))
                 or program.uses[program.act[x]][-1] >= n_forward for x in layer.inputs):
             dropped.add(program.act[layer])
     return dropped

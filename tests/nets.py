@@ -18,3 +18,17 @@ def every_layer_net(batch=2, p=0.0, classes=5):
     h = net.relu(net.fc(h, 8, name="fc1"))
     net.softmax_loss(net.fc(h, classes, name="fc2"), name="loss")
     return net
+
+
+def block_net(batch=2, p=0.3):
+    """Residual conv-bn-relu blocks, max pool and dropout: the recompute policy rebuilds
+    batch norms, ReLUs, the pool and the dropout here (its plan beats the one without)."""
+    net = sn.Net(input_shape=(3, 8, 8), classes=4, batch=batch)
+    h = net.relu(net.bn(net.conv(net.data(), 8, kernel=3, padding=1, bias=False)))
+    for _ in range(2):
+        y = net.relu(net.bn(net.conv(h, 8, kernel=3, padding=1, bias=False)))
+        y = net.bn(net.conv(y, 8, kernel=3, padding=1, bias=False))
+        h = net.relu(net.add(h, y))
+    h = net.dropout(net.pool(h, "max", kernel=2, stride=2), p=p)
+    net.softmax_loss(net.fc(h, 4))
+    return net

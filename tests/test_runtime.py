@@ -3,7 +3,7 @@ import pytest
 import torch
 
 import tinysn as sn
-from tests.nets import every_layer_net
+from tests.nets import block_net, every_layer_net
 
 
 def batch_for(net, seed=1):
@@ -13,9 +13,11 @@ def batch_for(net, seed=1):
     return images, labels
 
 
-@pytest.mark.parametrize("policy", ["baseline", "recompute"])
-def test_three_sgd_steps_match_torch_float64(policy):
-    net = every_layer_net(batch=3)
+@pytest.mark.parametrize("make,policy", [(every_layer_net, "baseline"),
+                                         (every_layer_net, "offload"),
+                                         (lambda batch: block_net(batch, p=0.0), "recompute")])
+def test_three_sgd_steps_match_torch_float64(make, policy):
+    net = make(batch=3)
     lr, momentum, wd = 0.05, 0.9, 1e-3
     rt = sn.Runtime(net, "64MiB", policy, device="cpu", lr=lr, momentum=momentum,
                     weight_decay=wd, seed=3, precision="ieee")
@@ -29,6 +31,8 @@ def test_three_sgd_steps_match_torch_float64(policy):
         ref_loss.backward()
         opt.step()
         assert loss == pytest.approx(ref_loss.item(), rel=1e-4, abs=1e-5), f"step {i}"
+    if policy == "recompute":
+        assert rt.plan.recomputed_steps > 0       # batch norms were rebuilt, not re-updated
     ours, theirs = rt.params(), ref.state_dict()
     assert set(ours) == set(theirs)
     for name, value in ours.items():
@@ -101,3 +105,20 @@ def test_predict_leaves_pool_as_it_was_and_training_continues():
     assert rt.arena.allocator.in_use == in_use
     rt.step(images, labels)             # the plan's offsets still hold after predict
     assert rt.stats.peak_bytes == rt.plan.peak_bytes
+
+
+def test_recomputation_with_dropout_and_bn_is_bitwise_equal_to_baseline():
+    net = block_net(batch=2, p=0.3)
+    gen = torch.Generator().manual_seed(5)
+    images = torch.randn((net.batch, *net.input_shape), generator=gen)
+    labels = torch.randint(0, net.classes, (net.batch,), generator=gen)
+    results = {}
+    for policy in ("baseline", "recompute"):
+        rt = sn.Runtime(net, "64MiB", policy, device="cpu", lr=0.1, momentum=0.9, seed=7,
+                        conv_algos={})
+        losses = [rt.step(images, labels) for _ in range(2)]
+        results[policy] = (losses, rt.params(), rt.plan.recomputed_steps)
+    assert results["recompute"][2] > 0
+    assert results["recompute"][0] == results["baseline"][0]
+    for name, value in results["baseline"][1].items():
+        assert torch.equal(value, results["recompute"][1][name]), name

@@ -57,7 +57,7 @@ class Runtime:
 
     def __init__(self, net, memory, policy: str = "baseline", device=None, lr: float = 0.01,
                  momentum: float = 0.0, weight_decay: float = 0.0, seed: int = 0,
-                 conv_algos=None, precision=None):
+                 conv_algos=None, precision=None, layout="auto"):
         device = _pick_device(device)
         if policy not in plan_mod.POLICIES:
             raise ValueError(f"unknown policy {policy!r}; choose one of {plan_mod.POLICIES}")
@@ -71,13 +71,14 @@ class Runtime:
         if device.type == "cuda" and policy == "all" and conv_algos is None:
             from .sched.workspace import measure_rankings
             measure_rankings(net, device)
-        self.plan = plan_mod.plan(net, memory, policy, momentum=momentum, conv_algos=conv_algos)
+        self.plan = plan_mod.plan(net, memory, policy, momentum=momentum, conv_algos=conv_algos,
+                                  layout=layout)
         self.net, self.policy, self.device = net, policy, device
         self.lr, self.momentum, self.weight_decay, self.seed = lr, momentum, weight_decay, seed
         self.precision = precision
         self.program = self.plan.program
         self.stats = Stats(conv_algos=self.plan.conv_algos)
-        self.arena = Arena(self.plan.capacity, device)
+        self.arena = Arena(self.plan.capacity, device, small_bytes=self.plan.small_bytes)
         moves = self.plan.bytes_to_host + self.plan.bytes_to_device
         self.host = Arena(self.plan.host_bytes if moves else 1024, "cpu",
                           pinned=device.type == "cuda")

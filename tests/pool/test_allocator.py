@@ -323,3 +323,22 @@ def test_speed_smoke():
             a.free(live.pop(i % len(live)))
     elapsed = time.perf_counter() - t0
     assert elapsed < 2.0, f"20k allocations took {elapsed:.2f} s"
+
+
+def test_small_requests_fill_from_the_top_first_fit():
+    from tinysn.pool import BlockAllocator
+
+    a = BlockAllocator(64 * 1024, 1024, small_bytes=2048)
+    big = a.alloc(8 * 1024)
+    small = a.alloc(100)
+    assert big.offset == 0 and small.offset == 63 * 1024       # the top end
+    small2 = a.alloc(2048)
+    assert small2.offset == 61 * 1024
+    a.free(small)
+    again = a.alloc(1000)
+    assert again.offset == 63 * 1024                            # highest run that fits
+    big2 = a.alloc(4096)
+    assert big2.offset == 8 * 1024                              # large ones: lowest fit
+    assert a.in_use == (8 + 1 + 2 + 4) * 1024
+    a.free(big), a.free(small2), a.free(again), a.free(big2)
+    assert a.free_runs() == [(0, 64 * 1024)]

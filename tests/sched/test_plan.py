@@ -88,3 +88,26 @@ def test_out_of_memory_during_an_iteration_names_that_step():
     live = sn.plan(net, "64MiB", "liveness")
     with pytest.raises(sn.OutOfMemory, match=r"step \d+ \((forward|backward) of layer \w+\)"):
         sn.plan(net, live.setup_bytes + 2048, "liveness")
+
+
+def test_two_ended_layout_rescues_a_fragmented_first_fit():
+    net = sn.models.resnet50(batch=900)
+    with pytest.raises(sn.OutOfMemory):
+        sn.plan(net, "12GiB", "all", layout="first_fit")
+    p = sn.plan(net, "12GiB", "all")
+    assert p.small_bytes > 0 and p.peak_bytes <= 12 * 2**30
+
+
+def test_runtime_executes_a_two_ended_layout_to_the_byte():
+    import torch
+
+    net = every_layer_net()
+    rt = sn.Runtime(net, "1MiB", "recompute", device="cpu", layout="two_ended")
+    assert rt.plan.small_bytes > 0
+    gen = torch.Generator().manual_seed(0)
+    images = torch.randn((net.batch, *net.input_shape), generator=gen)
+    labels = torch.randint(0, net.classes, (net.batch,), generator=gen)
+    rt.step(images, labels)
+    assert rt.stats.peak_bytes == rt.plan.peak_bytes
+    tops = [b.offset for b in rt.arena.allocator.used_blocks()]
+    assert max(tops) >= 2**20 - 64 * 1024       # small tensors sit at the top of the pool

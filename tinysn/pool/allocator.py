@@ -71,10 +71,17 @@ def _request(nbytes) -> int:
 class BlockAllocator:
     """First-fit allocator over `capacity_bytes` (rounded down) in units of `block_bytes`."""
 
-    __slots__ = ("_bb", "_nblocks", "_starts", "_lens", "_used", "_used_blocks", "_peak_blocks",
+    __slots__ = ("_small", "_bb", "_nblocks", "_starts", "_lens", "_used", "_used_blocks", "_peak_blocks",
                  "_next_id", "_pending", "_pending_blocks", "__weakref__")
 
-    def __init__(self, capacity_bytes, block_bytes: int = 1024):
+    def __init__(self, capacity_bytes, block_bytes: int = 1024, small_bytes: int = 0):
+        """`small_bytes` > 0 places requests of at most that many bytes by first fit from
+        the top of the pool (the end of the highest run that fits): small long-lived tensors
+        (statistics, biases, scratch) then gather at one end instead of splitting the large
+        runs that big activations need. 0 (the default) is plain first fit."""
+        if isinstance(small_bytes, bool) or not isinstance(small_bytes, int) or small_bytes < 0:
+            raise ValueError(f"small_bytes must be a non-negative int, got {small_bytes!r}")
+        self._small = small_bytes
         if isinstance(block_bytes, bool) or not isinstance(block_bytes, int) or block_bytes <= 0:
             raise ValueError(f"block_bytes must be a positive int, got {block_bytes!r}")
         if isinstance(capacity_bytes, str):
@@ -115,6 +122,8 @@ class BlockAllocator:
         lens = self._lens
         # First fit: the first run with length >= need. Usually the first run fits; else
         # the scan over the lengths runs in C (compress/map), O(#free runs).
+        if nbytes <= self._small:
+            return self._alloc_top(nbytes, need)
         if lens and lens[0] >= need:
             i = 0
         else:
@@ -141,6 +150,34 @@ class BlockAllocator:
         bid = self._next_id
         self._next_id = bid + 1
         block = _new_block(Block, (bid, start * bb, need * bb, self))
+        self._used[bid] = block
+        return block
+
+    def _alloc_top(self, nbytes: int, need: int) -> Block:
+        """First fit from the top: the end of the highest free run that is long enough."""
+        lens = self._lens
+        i = next((j for j in range(len(lens) - 1, -1, -1) if lens[j] >= need), -1)
+        if i < 0 and self._pending and self.reclaim():
+            lens = self._lens
+            i = next((j for j in range(len(lens) - 1, -1, -1) if lens[j] >= need), -1)
+        if i < 0:
+            raise self._oom(nbytes, need)
+        start = self._starts[i] + lens[i] - need
+        if lens[i] == need:
+            del self._starts[i]
+            del lens[i]
+        else:
+            lens[i] -= need
+        return self._record(start, need)
+
+    def _record(self, start: int, need: int) -> Block:
+        used = self._used_blocks + need
+        self._used_blocks = used
+        if used > self._peak_blocks:
+            self._peak_blocks = used
+        bid = self._next_id
+        self._next_id = bid + 1
+        block = _new_block(Block, (bid, start * self._bb, need * self._bb, self))
         self._used[bid] = block
         return block
 

@@ -24,10 +24,11 @@ class Arena:
     available, and `.pinned` says whether the buffer really is pinned.
     """
 
-    def __init__(self, capacity, device="cpu", pinned: bool = False, block_bytes: int = 1024):
+    def __init__(self, capacity, device="cpu", pinned: bool = False, block_bytes: int = 1024,
+                 small_bytes: int = 0):
         if isinstance(capacity, str):
             capacity = parse_bytes(capacity)
-        self.allocator = BlockAllocator(capacity, block_bytes)
+        self.allocator = BlockAllocator(capacity, block_bytes, small_bytes)
         self.device = torch.device(device)
         if pinned and self.device.type != "cpu":
             raise ValueError(f"pinned memory is host memory; got device={str(self.device)!r}")

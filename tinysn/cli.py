@@ -38,6 +38,8 @@ def _parser():
                        help="iterations (default: 200 for digits, 20 otherwise)")
     train.add_argument("--device", choices=["cpu", "cuda"], default=None)
     train.add_argument("--lr", type=float, default=None)
+    train.add_argument("--schedule", choices=["linear", "constant"], default="linear",
+                       help="learning rate: decays linearly to 0 over the steps, or stays")
     train.add_argument("--momentum", type=float, default=0.9)
     train.add_argument("--weight-decay", type=float, default=0.0)
     train.add_argument("--seed", type=int, default=0)
@@ -84,7 +86,9 @@ def _train(args) -> int:
           f"{format_bytes(rt.plan.capacity)}: planned peak {format_bytes(rt.plan.peak_bytes)}")
     bar = tqdm(range(steps), unit="step", file=sys.stdout)
     start, done = time.perf_counter(), 0
-    for _ in bar:
+    for i in bar:
+        if args.schedule == "linear":
+            rt.lr = lr * (1 - i / steps)
         images, labels = next(stream)
         loss = rt.step(images, labels)
         done += args.batch

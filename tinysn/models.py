@@ -22,12 +22,12 @@ def _global_avgpool(net, x, name):
 
 # ------------------------------------------------------------------------------ LeNet
 def lenet(batch=32, classes=10, input_shape=(1, 8, 8)) -> Net:
-    """A small LeNet for scikit-learn's 8x8 digits: [conv3x3(8) pad1, relu, maxpool2,
-    conv3x3(16) pad1, relu, maxpool2], fc 64, relu, fc classes, loss. Input >= 4x4."""
+    """A small LeNet for scikit-learn's 8x8 digits: [conv3x3(16) pad1, relu, maxpool2,
+    conv3x3(32) pad1, relu, maxpool2], fc 64, relu, fc classes, loss. Input >= 4x4."""
     net = Net(input_shape, classes, batch)
     x = net.data()
-    x = net.pool(net.relu(net.conv(x, 8, 3, padding=1, name="conv1")), "max", 2, name="pool1")
-    x = net.pool(net.relu(net.conv(x, 16, 3, padding=1, name="conv2")), "max", 2, name="pool2")
+    x = net.pool(net.relu(net.conv(x, 16, 3, padding=1, name="conv1")), "max", 2, name="pool1")
+    x = net.pool(net.relu(net.conv(x, 32, 3, padding=1, name="conv2")), "max", 2, name="pool2")
     x = net.relu(net.fc(x, 64, name="fc1"))
     net.softmax_loss(net.fc(x, classes, name="fc2"), name="loss")
     return net

@@ -60,7 +60,6 @@ def main(argv=None) -> int:
 
 
 def _train(args) -> int:
-    import torch
     from tqdm import tqdm
 
     from . import data

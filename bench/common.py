@@ -45,3 +45,17 @@ def cuda_median_ms(fn, iters: int = 10, warmup: int = 3) -> float:
         times.append(start.elapsed_time(end))
     times.sort()
     return times[len(times) // 2]
+
+
+def do_bench(fn) -> float:
+    """Median milliseconds of fn() by triton's event timer (warm-up 25 ms, 100 ms of repeats)."""
+    return triton.testing.do_bench(fn, warmup=25, rep=100, return_mode="median")
+
+
+def rel_err(a, b) -> float:
+    """||a - b|| / ||b|| in float64."""
+    return ((a.double() - b.double()).norm() / b.double().norm().clamp_min(1e-30)).item()
+
+
+def shape_str(s) -> str:
+    return "x".join(str(d) for d in s)

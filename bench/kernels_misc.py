@@ -26,7 +26,8 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import tinysn  # noqa: E402,F401  (before triton: interpreter switch when there is no GPU)
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
-import triton  # noqa: E402
+import triton  # noqa: E402,F401
+from bench import common  # noqa: E402
 from tinysn.kernels import act, dropout, linear, sgd, softmax  # noqa: E402
 
 GROUPS = ("relu", "linear", "softmax", "dropout", "sgd")
@@ -34,16 +35,7 @@ LINEAR_SHAPES = (("resnet50 fc", 2048, 1000), ("vgg16 fc6", 25088, 4096))   # (n
 SGD_NUMEL = 25_557_032   # ResNet-50's parameter count
 
 
-def _do_bench(fn):
-    return triton.testing.do_bench(fn, warmup=25, rep=100, return_mode="median")
-
-
-def _rel(a, b):
-    return ((a.double() - b.double()).norm() / b.double().norm().clamp_min(1e-30)).item()
-
-
-def _shape(s):
-    return "x".join(str(d) for d in s)
+_do_bench, _rel, _shape = common.do_bench, common.rel_err, common.shape_str
 
 
 class _Runner:

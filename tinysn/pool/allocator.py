@@ -143,15 +143,7 @@ class BlockAllocator:
         else:
             del starts[i]
             del lens[i]
-        used = self._used_blocks + need
-        self._used_blocks = used
-        if used > self._peak_blocks:
-            self._peak_blocks = used
-        bid = self._next_id
-        self._next_id = bid + 1
-        block = _new_block(Block, (bid, start * bb, need * bb, self))
-        self._used[bid] = block
-        return block
+        return self._record(start, need)
 
     def _alloc_top(self, nbytes: int, need: int) -> Block:
         """First fit from the top: the end of the highest free run that is long enough."""

@@ -82,7 +82,11 @@ class Runtime:
         moves = self.plan.bytes_to_host + self.plan.bytes_to_device
         self.host = Arena(self.plan.host_bytes if moves else 1024, "cpu",
                           pinned=device.type == "cuda")
-        self.copy_stream = torch.cuda.Stream(device) if device.type == "cuda" else None
+        cuda = device.type == "cuda"      # copies each way on their own stream (both DMA engines)
+        self.to_host_stream = torch.cuda.Stream(device) if cuda else None
+        self.to_device_stream = torch.cuda.Stream(device) if cuda else None
+        self.copy_stream = self.to_device_stream       # the stream _wait checks for
+        self._events = [None] * self.plan.event_slots
         self.tensors = [Tensor(t.name, t.shape, t.dtype, t.kind, t.id) for t in self.plan.tensors]
         self._views = [{} for _ in self.tensors]      # tensor id -> {offset: torch view}
         for op in self.plan.setup:
@@ -91,7 +95,8 @@ class Runtime:
         self._launch = self._build_launchers()
         self._ops = {"alloc": self._alloc, "free": self._free, "drop": self._drop,
                      "offload": self._offload, "release": self._release, "evict": self._evict,
-                     "prefetch": self._prefetch, "wait": self._wait}
+                     "prefetch": self._prefetch, "wait": self._wait, "sync": self._sync,
+                     "mark": self._mark}
         self.load_params(net.init_params(seed))
         for tid in self.program.momentum.values():
             self.tensors[tid].view().zero_()
@@ -113,6 +118,7 @@ class Runtime:
                 else:
                     self._ops[op[0]](*op[1:])
         self._images = None
+        self._join_copies()
         loss = float(self.tensors[self.program.act[self.net.loss]].view()[0])
         self.stats.trace = trace
         self.stats.peak_bytes = self.arena.allocator.peak
@@ -143,6 +149,8 @@ class Runtime:
             logits = logits.detach().to("cpu", copy=True)
         finally:
             self._images, self._predicting = None, False
+            if self.copy_stream is not None:     # copies of a cut-short iteration: done
+                torch.cuda.synchronize(self.device)
             persistent = {t.id for t in self.program.tensors if t.persistent}
             if self.policy != "baseline":
                 for t in self.tensors:
@@ -203,33 +211,38 @@ class Runtime:
             raise RuntimeError(f"allocator diverged from the plan: {t.name} at {t.block.offset}, "
                                f"planned {offset}")
 
+    # Nothing here waits on the host: the plan names the events each block's next writer
+    # waits for (sched/plan.py), and the streams are joined once at the end of a step.
     def _free(self, tid):
-        self.tensors[tid].free()
+        self.tensors[tid].free(sync=False)
 
     def _drop(self, tid):
         self.tensors[tid].drop()
 
-    def _offload(self, tid, host_offset):
+    def _offload(self, tid, host_offset, slot, waits):
         t = self.tensors[tid]
-        t.offload(self.host, self.copy_stream)
+        t.offload(self.host, self.to_host_stream, waits=[self._events[w] for w in waits])
+        self._events[slot] = t.event
         self.stats.bytes_to_host += t.nbytes
         if t.host_block.offset != host_offset:
             raise RuntimeError(f"host allocator diverged from the plan for {t.name}")
 
     def _release(self, tid):
-        self.tensors[tid].release()
+        self.tensors[tid].release(sync=False)
 
-    def _evict(self, tid, host_offset):
+    def _evict(self, tid, host_offset, slot, waits):
         t = self.tensors[tid]
         if host_offset is None:
             t.discard()
             return
-        self._offload(tid, host_offset)
-        t.release()
+        self._offload(tid, host_offset, slot, waits)
+        t.release(sync=False)
 
-    def _prefetch(self, tid, offset):
+    def _prefetch(self, tid, offset, slot, waits):
         t = self.tensors[tid]
-        t.prefetch(self.arena, self.copy_stream, views=self._views[tid])
+        t.prefetch(self.arena, self.to_device_stream, views=self._views[tid],
+                   waits=[self._events[w] for w in waits])
+        self._events[slot] = t.event
         self.stats.bytes_to_device += t.nbytes
         if t.block.offset != offset:
             raise RuntimeError(f"allocator diverged from the plan: {t.name} prefetched to "
@@ -238,6 +251,25 @@ class Runtime:
     def _wait(self, tid):
         stream = torch.cuda.current_stream(self.device) if self.copy_stream is not None else None
         self.tensors[tid].wait(stream)
+
+    def _sync(self, slots):
+        if self.copy_stream is not None:
+            stream = torch.cuda.current_stream(self.device)
+            for slot in slots:
+                stream.wait_event(self._events[slot])
+
+    def _mark(self, slot):
+        if self.copy_stream is not None:
+            event = torch.cuda.Event()
+            event.record(torch.cuda.current_stream(self.device))
+            self._events[slot] = event
+
+    def _join_copies(self):
+        """The compute stream waits for both copy streams (end of a step or a prediction)."""
+        if self.copy_stream is not None:
+            stream = torch.cuda.current_stream(self.device)
+            stream.wait_stream(self.to_host_stream)
+            stream.wait_stream(self.to_device_stream)
 
     # -- kernel launchers -------------------------------------------------------------
     def _build_launchers(self) -> dict:

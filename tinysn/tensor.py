@@ -10,8 +10,11 @@ device block, so the data there stays valid until the block is released). Readin
 that is dropped, on the host only, still arriving (prefetching), freed or never allocated
 raises, so a schedule bug shows up as an error instead of silently wrong numbers.
 
-Moves run on a dedicated copy stream with one CUDA event per move; on the CPU they are
-plain synchronous copies. A lock count marks tensors the running layer uses: the LRU tensor
+Moves run on copy streams with one CUDA event per move; on the CPU they are plain
+synchronous copies. By default a move waits for the work queued on the compute stream and
+freeing a block waits on the host for a copy still touching it (safe on its own); the
+Runtime passes exact event lists and `sync=False` instead, because its plan knows which
+events each block's next writer needs (sched/plan.py). A lock count marks tensors the running layer uses: the LRU tensor
 cache may not evict a locked tensor.
 """
 from __future__ import annotations
@@ -81,13 +84,14 @@ class Tensor:
             raise RuntimeError(f"kernel read of {self.name} while it is {self.state}")
         return self._view
 
-    def free(self) -> None:
-        """Return the device block (and any host block) to their pools."""
+    def free(self, sync: bool = True) -> None:
+        """Return the device block (and any host block) to their pools; with `sync` first
+        wait for a copy still touching them (without it, the caller orders the next use)."""
         if self.state in ("unallocated", "freed"):
             raise RuntimeError(f"cannot free {self.name}: it is {self.state}")
         if self.locks:
             raise RuntimeError(f"cannot free {self.name}: it is locked by the running layer")
-        if self.state in ("offloading", "prefetching"):
+        if sync and self.state in ("offloading", "prefetching"):
             self.event.synchronize()    # never hand out a block a copy still touches
         if self.block is not None:
             self._device_arena.free(self.block)
@@ -113,22 +117,25 @@ class Tensor:
         self.locks -= 1
 
     # -- moves ---------------------------------------------------------------------------
-    def offload(self, host_arena, copy_stream=None, host_block=None) -> None:
-        """Start copying the device data to a pinned host block (asynchronous on a GPU)."""
+    def offload(self, host_arena, copy_stream=None, host_block=None, waits=()) -> None:
+        """Start copying the device data to a pinned host block (asynchronous on a GPU),
+        after the compute queued so far and the events in `waits`."""
         if self.state != "gpu":
             raise RuntimeError(f"cannot offload {self.name}: it is {self.state}")
         self._host_arena = host_arena
         if self.host_block is None:
             self.host_block = host_arena.alloc(self.nbytes) if host_block is None else host_block
         host = host_arena.view(self.host_block, self.shape, self.dtype)
-        self.event = _copy(host, self._view, copy_stream)
+        self.event = _copy(host, self._view, copy_stream, waits, after_compute=True)
         self.state = "offloading"
 
-    def release(self) -> None:
-        """Free the device block once the offload copy has finished (waits for it)."""
+    def release(self, sync: bool = True) -> None:
+        """Free the device block of an offloaded tensor; with `sync` once the copy has
+        finished (without it, the caller makes the block's next writer wait)."""
         if self.state != "offloading":
             raise RuntimeError(f"cannot release {self.name}: it is {self.state}")
-        self.event.synchronize()
+        if sync:
+            self.event.synchronize()
         self._device_arena.free(self.block)
         self.block = self._view = None
         self.state = "host"
@@ -141,15 +148,16 @@ class Tensor:
         self.block = self._view = None
         self.state = "host"
 
-    def prefetch(self, arena, copy_stream=None, block=None, views=None) -> None:
-        """Start copying the host data back into a new device block."""
+    def prefetch(self, arena, copy_stream=None, block=None, views=None, waits=None) -> None:
+        """Start copying the host data back into a new device block: after the events in
+        `waits`, or (None) after everything queued on the compute stream."""
         if self.state != "host":
             raise RuntimeError(f"cannot prefetch {self.name}: it is {self.state}")
         self._device_arena = arena
         self.block = arena.alloc(self.nbytes) if block is None else block
         device = _cached_view(arena, self.block, self.shape, self.dtype, views)
         host = self._host_arena.view(self.host_block, self.shape, self.dtype)
-        self.event = _copy(device, host, copy_stream)
+        self.event = _copy(device, host, copy_stream, waits or (), after_compute=waits is None)
         self._view = device
         self.state = "prefetching"
 
@@ -171,12 +179,16 @@ def _cached_view(arena, block, shape, dtype, views):
     return view
 
 
-def _copy(dst: torch.Tensor, src: torch.Tensor, copy_stream):
-    """Copy src into dst on `copy_stream` after the work queued so far; return its event."""
+def _copy(dst: torch.Tensor, src: torch.Tensor, copy_stream, waits=(), after_compute=True):
+    """Copy src into dst on `copy_stream` after the events `waits` (and, with
+    `after_compute`, the work queued on the compute stream so far); return its event."""
     if copy_stream is None:
         dst.copy_(src)
         return _DoneEvent()
-    copy_stream.wait_stream(torch.cuda.current_stream())
+    if after_compute:
+        copy_stream.wait_stream(torch.cuda.current_stream())
+    for event in waits:
+        copy_stream.wait_event(event)
     with torch.cuda.stream(copy_stream):
         dst.copy_(src, non_blocking=True)
         event = torch.cuda.Event()

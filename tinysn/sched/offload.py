@@ -13,6 +13,7 @@ Two ways to use host memory, chosen by the policy:
 """
 from __future__ import annotations
 
+import bisect
 from collections import OrderedDict
 
 DEFAULT_CHECKPOINTS = ("data", "conv")
@@ -58,3 +59,60 @@ class LRUCache:
         for tid in list(self._order):
             if tid not in exclude:
                 yield tid
+
+
+class FreedRanges:
+    """What may still touch each freed byte range of a pool, so its next writer waits for that.
+
+    The runtime runs kernels on the compute stream and copies on two copy streams (device to
+    host, host to device), and frees blocks without waiting on the host. A freed range can
+    still be read by a kernel queued earlier on the compute stream or by a copy in flight;
+    the next writer of any of its bytes must wait for exactly those, no more (waiting for
+    everything queued would serialise copies and compute again). Each entry records, for a
+    disjoint [start, end): `pos`, the number of kernels launched when it was freed (a copy
+    stream waits for the compute event marked after that kernel), and `slots`, the event
+    slots of copies still reading it. `take` hands back what overlaps a new block and keeps
+    the parts outside it.
+    """
+
+    def __init__(self):
+        self._starts: list = []
+        self._rest: dict = {}          # start -> (end, pos, slots)
+
+    def __len__(self) -> int:
+        return len(self._starts)
+
+    def add(self, start: int, end: int, pos: int, slots=()) -> None:
+        """Record that [start, end) was freed after `pos` kernels, still read by `slots`."""
+        if pos == 0 and not slots:
+            return                     # nothing of this iteration touched it yet
+        i = bisect.bisect_left(self._starts, start)
+        if i > 0 and self._rest[self._starts[i - 1]][0] > start or \
+                i < len(self._starts) and self._starts[i] < end:
+            raise AssertionError(f"planner bug: freed range [{start}, {end}) overlaps another")
+        self._starts.insert(i, start)
+        self._rest[start] = (end, pos, frozenset(slots))
+
+    def take(self, start: int, end: int):
+        """(largest pos, union of slots) over the entries overlapping [start, end), which are
+        removed there (their parts outside the range stay)."""
+        pos, slots = 0, set()
+        i = max(bisect.bisect_right(self._starts, start) - 1, 0)
+        while i < len(self._starts) and self._starts[i] < end:
+            s = self._starts[i]
+            e, p, sl = self._rest[s]
+            if e <= start:
+                i += 1
+                continue
+            pos, slots = max(pos, p), slots | sl
+            del self._starts[i]
+            del self._rest[s]
+            if s < start:
+                self._starts.insert(i, s)
+                self._rest[s] = (start, p, sl)
+                i += 1
+            if e > end:
+                self._starts.insert(i, end)
+                self._rest[end] = (e, p, sl)
+                i += 1
+        return pos, slots

@@ -8,13 +8,26 @@ records them as steps of simple operations:
     ("alloc", tid, offset)      give tensor tid a device block at offset
     ("free", tid)               return its device (and host) blocks
     ("drop", tid)               free the device block of a tensor that will be recomputed
-    ("offload", tid, hoffset)   start copying it to the pinned host arena (copy stream)
-    ("release", tid)            wait for that copy, then free the device block
-    ("evict", tid, hoffset)     LRU eviction: copy out unless the host copy is valid, free
-    ("prefetch", tid, offset)   allocate a device block and start copying back (copy stream)
-    ("wait", tid)               the compute stream waits for that copy
+    ("offload", tid, hoffset, slot, waits)
+                                start copying it to the pinned host arena (device-to-host
+                                stream) once the events in `waits` are done; its event goes
+                                to `slot`
+    ("release", tid)            free the device block (the copy may still be reading it)
+    ("evict", tid, hoffset, slot, waits)
+                                LRU eviction: copy out (as offload) unless hoffset is None
+                                (the host copy is valid), then free the device block
+    ("prefetch", tid, offset, slot, waits)
+                                allocate a device block and copy back (host-to-device stream)
+    ("wait", tid)               the compute stream waits for that tensor's prefetch
+    ("sync", slots)             the compute stream waits for those copies' events
+    ("mark", slot)              record an event on the compute stream (after a kernel)
     ("kernel", key, algos, ws)  launch the layer's kernels; key is a logical step index or
                                 ("recompute", layer index); ws a workspace tensor id or None
+
+Nothing waits on the host: a freed block can still be read by a queued kernel or a copy in
+flight, so the planner remembers that per freed byte range (offload.FreedRanges) and makes
+the block's next writer wait for exactly those events ("sync" before a kernel writes it,
+`waits` of a prefetch or offload), which lets copies overlap compute in both directions.
 
 The runtime executes that list; `plan()` (the dry run) is the same list without kernels. So
 the pool's measured peak equals the plan's peak by construction, and a cap that is too small
@@ -78,6 +91,7 @@ class Plan:
     uses_recompute: bool
     program: object = None
     small_bytes: int = 0      # the device allocator's small_bytes this layout was made with
+    event_slots: int = 0      # copy and compute events the steps refer to (by slot)
 
     def table(self) -> str:
         """Per-step bytes in use and live tensors, as text."""
@@ -203,6 +217,15 @@ class _Planner:
         self.steps, self.conv_algos = [], {}
         self.to_host = self.to_device = self.extent = 0
         self.where = "setup"
+        # stream ordering (see the module docstring)
+        self.kernels = 0                 # kernel ops so far in the iteration
+        self.n_slots = 0                 # event slots handed out
+        self.marks = {}                  # kernel position -> slot of the compute event after it
+        self.d2h = {}                    # tid -> slot of the copy that made its host copy
+        self.h2d = {}                    # tid -> slot of its last prefetch
+        self.reading = {}                # tid -> slot of a copy reading its device block
+        self.dev_freed = offload.FreedRanges()
+        self.host_freed = offload.FreedRanges()
         self._choose_roles(checkpoints)
 
     # -- which tensors get which treatment --------------------------------------------
@@ -270,11 +293,12 @@ class _Planner:
             self._run_step(step)
         leaked = self.dev.in_use - setup_bytes
         assert leaked == 0, f"planner bug: {leaked} bytes still allocated after the iteration"
+        self._insert_marks()
         return Plan(p.net, self.policy, self.dev.capacity, p.momentum_value, self.tensors, setup, self.steps,
                     self.dev.peak, self.extent, setup_bytes, max(self.host.peak, 1),
                     self.to_host, self.to_device,
                     sum(1 for s in self.steps if s.phase == "recompute"),
-                    self.conv_algos, self.recompute, p, self.small_bytes)
+                    self.conv_algos, self.recompute, p, self.small_bytes, self.n_slots)
 
     def _run_step(self, step):
         ops = []
@@ -287,6 +311,7 @@ class _Planner:
                 self._alloc(tid, ops)
         algos, ws = self._workspace(step, ops)
         ops.append(("kernel", step.index, algos, ws))
+        self.kernels += 1
         record = Step(len(self.steps), step.layer.name, step.phase, ops, self.dev.in_use,
                       len(self.dblock), algos)
         self.steps.append(record)
@@ -315,6 +340,7 @@ class _Planner:
         size = workspace.fixed_workspace(layer, "forward")
         ws = self._new_workspace(layer, size, ops) if size else None
         ops.append(("kernel", ("recompute", layer.index), None, ws))
+        self.kernels += 1
         self.steps.append(Step(len(self.steps), layer.name, "recompute", ops, self.dev.in_use,
                                len(self.dblock)))
         if ws is not None:
@@ -398,6 +424,9 @@ class _Planner:
         self.dblock[tid] = block
         self.loc[tid] = "gpu"
         ops.append(("alloc", tid, block.offset))
+        _, slots = self.dev_freed.take(block.offset, block.end)
+        if slots:       # copies may still be reading these bytes: the kernel waits for them
+            ops.append(("sync", tuple(sorted(slots))))
         if (self.cache is not None and info.role == "act" and not info.persistent
                 and tid not in self.dropped):
             self.cache.touch(tid)
@@ -423,27 +452,51 @@ class _Planner:
                 continue
             ops = self._current_ops
             if tid in self.hblock:
-                ops.append(("evict", tid, None))
+                ops.append(("evict", tid, None, None, ()))
             else:
-                hoff = self._host_alloc(tid)
-                ops.append(("evict", tid, hoff))
+                hoff, slot, waits = self._copy_out(tid)
+                ops.append(("evict", tid, hoff, slot, waits))
                 self.to_host += self.tensors[tid].nbytes
             self._release_device(tid, "host")
             return True
         return False
 
-    def _host_alloc(self, tid) -> int:
+    def _copy_out(self, tid):
+        """Host block, event slot and waits of a device-to-host copy of `tid`: the copy must
+        not overwrite host bytes that a prefetch in flight still reads."""
         block = self.host.alloc(self.tensors[tid].nbytes)
         self.hblock[tid] = block
-        return block.offset
+        _, waits = self.host_freed.take(block.offset, block.end)
+        slot = self._slot()
+        self.d2h[tid] = self.reading[tid] = slot
+        return block.offset, slot, tuple(sorted(waits))
+
+    def _slot(self) -> int:
+        self.n_slots += 1
+        return self.n_slots - 1
+
+    def _mark(self, pos: int) -> int:
+        """Slot of the compute-stream event recorded right after kernel number `pos`."""
+        if pos not in self.marks:
+            self.marks[pos] = self._slot()
+        return self.marks[pos]
 
     def _offload(self, tid, ops):
-        ops.append(("offload", tid, self._host_alloc(tid)))
+        hoff, slot, waits = self._copy_out(tid)
+        ops.append(("offload", tid, hoff, slot, waits))
         self.loc[tid] = "offloading"
         self.to_host += self.tensors[tid].nbytes
 
+    def _free_device_block(self, tid):
+        """Free tid's device block, remembering what may still read it."""
+        block = self.dblock.pop(tid)
+        assert self.loc.get(tid) != "prefetching", "planner bug: freeing a block still arriving"
+        self.dev.free(block)
+        copy = self.reading.pop(tid, None)
+        self.dev_freed.add(block.offset, block.end, self.kernels, () if copy is None else (copy,))
+
     def _release_device(self, tid, state):
-        self.dev.free(self.dblock.pop(tid))
+        self._free_device_block(tid)
         self.loc[tid] = state
         if self.cache is not None:
             self.cache.remove(tid)
@@ -453,7 +506,12 @@ class _Planner:
         block = self._dev_alloc(self.tensors[tid].nbytes, self.tensors[tid].name)
         self.dblock[tid] = block
         self.loc[tid] = "prefetching"
-        ops.append(("prefetch", tid, block.offset))
+        pos, waits = self.dev_freed.take(block.offset, block.end)
+        waits.add(self.d2h[tid])                  # the host copy must be complete
+        if pos:
+            waits.add(self._mark(pos))            # kernels that read the old contents
+        slot = self.h2d[tid] = self._slot()
+        ops.append(("prefetch", tid, block.offset, slot, tuple(sorted(waits))))
         self.to_device += self.tensors[tid].nbytes
         if self.cache is not None:
             self.cache.touch(tid)
@@ -465,12 +523,31 @@ class _Planner:
     def _free(self, tid, ops):
         ops.append(("free", tid))
         if tid in self.dblock:
-            self.dev.free(self.dblock.pop(tid))
+            self._free_device_block(tid)
         if tid in self.hblock:
-            self.host.free(self.hblock.pop(tid))
+            block = self.hblock.pop(tid)
+            self.host.free(block)
+            if tid in self.h2d:           # a prefetch may still be reading it
+                self.host_freed.add(block.offset, block.end, 0, (self.h2d.pop(tid),))
+            self.d2h.pop(tid, None)
         self.loc[tid] = "freed"
         if self.cache is not None:
             self.cache.remove(tid)
+
+    def _insert_marks(self):
+        """Put each ("mark", slot) right after the kernel whose position a copy waits for."""
+        if not self.marks:
+            return
+        pos = 0
+        for step in self.steps:
+            ops = []
+            for op in step.ops:
+                ops.append(op)
+                if op[0] == "kernel":
+                    pos += 1
+                    if pos in self.marks:
+                        ops.append(("mark", self.marks[pos]))
+            step.ops[:] = ops
 
     def _new_workspace(self, layer, size, ops) -> int:
         info = TensorInfo(len(self.tensors), f"{layer.name}.workspace", (size,),

@@ -1,0 +1,183 @@
+"""The plan's stream ordering: no byte is written while another stream may still touch it.
+
+On a GPU the runtime runs kernels on the compute stream and copies on a device-to-host and a
+host-to-device stream, and frees blocks without waiting on the host; the plan's "sync",
+"mark" and `waits` entries are all that orders them. This test replays plans on three
+simulated streams with vector clocks (one clock per stream, joined at every wait) and checks
+every pair of conflicting accesses (same bytes, different streams, at least one a write):
+the earlier one must happen before the later. Random nets and caps that force evictions.
+"""
+import copy
+
+from hypothesis import HealthCheck, given, settings, strategies as st
+
+import tinysn as sn
+from tests.nets import block_net, every_layer_net
+from tests.sched.test_properties import random_nets
+
+COMPUTE, TO_HOST, TO_DEVICE = 0, 1, 2
+
+
+class StreamReplay:
+    """Replays a plan's ops on three vector-clocked streams and checks every access."""
+
+    def __init__(self, plan):
+        self.plan, self.program = plan, plan.program
+        self.clock = [[0, 0, 0] for _ in range(3)]
+        self.events = {}
+        self.dev, self.host = {}, {}         # tid -> offset of its current block
+        self.accesses = {"dev": [], "host": []}
+        self.kernels_checked = 0
+
+    # -- clocks ------------------------------------------------------------------------
+    def _tick(self, stream):
+        self.clock[stream][stream] += 1
+        return list(self.clock[stream])
+
+    def _join(self, stream, other_clock):
+        self.clock[stream] = [max(a, b) for a, b in zip(self.clock[stream], other_clock)]
+
+    def _access(self, space, offset, nbytes, stream, stamp, write):
+        for (s0, s1, st_, stamp0, w0) in self.accesses[space]:
+            if st_ == stream or not (write or w0) or s1 <= offset or s0 >= offset + nbytes:
+                continue
+            assert stamp0[st_] <= stamp[st_], (
+                f"{space} bytes [{offset}, {offset + nbytes}) touched by stream {stream} while "
+                f"stream {st_} may still {'write' if w0 else 'read'} them")
+        self.accesses[space].append((offset, offset + nbytes, stream, stamp, write))
+
+    def _nbytes(self, tid):
+        return self.plan.tensors[tid].nbytes
+
+    # -- ops ---------------------------------------------------------------------------
+    def run_iteration(self):
+        for op in self.plan.setup:
+            self.dev[op[1]] = op[2]
+        for step in self.plan.steps:
+            for op in step.ops:
+                getattr(self, "_" + op[0])(*op[1:])
+        for s in range(3):                       # the runtime joins the streams at the end
+            for o in range(3):
+                self._join(s, self.clock[o])
+
+    def _alloc(self, tid, offset):
+        self.dev[tid] = offset
+
+    def _free(self, tid):
+        self.dev.pop(tid, None)
+        self.host.pop(tid, None)
+
+    def _drop(self, tid):
+        self.dev.pop(tid)
+
+    def _release(self, tid):
+        self.dev.pop(tid)
+
+    def _offload(self, tid, hoff, slot, waits):
+        self._join(TO_HOST, self.clock[COMPUTE])  # after the work queued on compute
+        for w in waits:
+            self._join(TO_HOST, self.events[w])
+        stamp = self._tick(TO_HOST)
+        self.host[tid] = hoff
+        self._access("dev", self.dev[tid], self._nbytes(tid), TO_HOST, stamp, False)
+        self._access("host", hoff, self._nbytes(tid), TO_HOST, stamp, True)
+        self.events[slot] = stamp
+
+    def _evict(self, tid, hoff, slot, waits):
+        if hoff is not None:
+            self._offload(tid, hoff, slot, waits)
+        self.dev.pop(tid)
+
+    def _prefetch(self, tid, offset, slot, waits):
+        for w in waits:
+            self._join(TO_DEVICE, self.events[w])
+        stamp = self._tick(TO_DEVICE)
+        self.dev[tid] = offset
+        self._access("host", self.host[tid], self._nbytes(tid), TO_DEVICE, stamp, False)
+        self._access("dev", offset, self._nbytes(tid), TO_DEVICE, stamp, True)
+        self.events[slot] = stamp
+        self.prefetch_event = getattr(self, "prefetch_event", {})
+        self.prefetch_event[tid] = slot
+
+    def _wait(self, tid):
+        self._join(COMPUTE, self.events[self.prefetch_event[tid]])
+
+    def _sync(self, slots):
+        for w in slots:
+            self._join(COMPUTE, self.events[w])
+
+    def _mark(self, slot):
+        self.events[slot] = list(self.clock[COMPUTE])
+
+    def _kernel(self, key, algos, ws):
+        if isinstance(key, tuple):               # a recomputation: the layer's forward
+            layer = self.program.order[key[1]]
+            reads = [self.program.act[x] for x in layer.inputs]
+            writes = [self.program.act[layer]]
+        else:
+            step = self.program.steps[key]
+            reads, writes = step.reads, step.writes
+        stamp = self._tick(COMPUTE)
+        for tid in reads:
+            self._access("dev", self.dev[tid], self._nbytes(tid), COMPUTE, stamp, False)
+        for tid in list(writes) + ([ws] if ws is not None else []):
+            self._access("dev", self.dev[tid], self._nbytes(tid), COMPUTE, stamp, True)
+        self.kernels_checked += 1
+
+
+def replay(plan, iterations=2):
+    r = StreamReplay(plan)
+    for _ in range(iterations):
+        r.run_iteration()
+    return r
+
+
+def moving_plan(net, policy):
+    """A plan of `net` under `policy` at the smallest cap that plans (so the cache evicts)."""
+    lo, hi = 1 << 10, 1 << 30
+    while hi - lo > 1024:
+        mid = (lo + hi) // 2
+        try:
+            sn.plan(net, mid, policy, conv_algos={})
+            hi = mid
+        except sn.OutOfMemory:
+            lo = mid
+    return sn.plan(net, hi, policy, conv_algos={})
+
+
+def test_offload_and_cache_plans_order_every_copy():
+    for net in (every_layer_net(batch=2), block_net(batch=2)):
+        for policy in ("offload", "recompute", "all"):
+            plan = moving_plan(net, policy)
+            assert plan.bytes_to_host > 0, (policy, "the cap should force copies")
+            r = replay(plan)
+            assert r.kernels_checked == 2 * len(plan.steps)
+
+
+@settings(max_examples=30, deadline=None, suppress_health_check=list(HealthCheck))
+@given(net=random_nets(), policy=st.sampled_from(["offload", "recompute", "all"]))
+def test_random_nets_order_every_copy(net, policy):
+    replay(moving_plan(net, policy))
+
+
+def test_replay_catches_a_missing_wait():
+    """The checker itself: without one of the plan's syncs (or a prefetch's waits) it must
+    complain for some of them (others are covered by another wait, transitively)."""
+    plan = moving_plan(block_net(batch=2), "all")
+    sites = [(si, i) for si, step in enumerate(plan.steps) for i, op in enumerate(step.ops)
+             if op[0] == "sync" or op[0] == "prefetch" and op[4]]
+    assert sites, "the plan should need syncs"
+    caught = 0
+    for si, i in sites:
+        broken = copy.deepcopy(plan)
+        op = broken.steps[si].ops[i]
+        if op[0] == "sync":
+            del broken.steps[si].ops[i]
+        else:
+            broken.steps[si].ops[i] = (*op[:4], ())
+        try:
+            replay(broken)
+        except AssertionError as err:
+            assert "may still" in str(err)
+            caught += 1
+    assert caught >= len(sites) // 4, (caught, len(sites))

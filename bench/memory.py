@@ -1,15 +1,21 @@
 """Largest trainable batch under a memory cap, planned and then trained for real.
 
     PYTHONPATH=. python bench/memory.py [--memory 12GiB] [--models resnet50,...] [--plan-only]
+                                        [--deep] [--deep-n N] [--reference 120GiB]
 
 For each model: the largest batch that policy "all" plans under the cap (sn.max_batch, plain
 SGD without a momentum buffer, as the PyTorch reference figures were measured), then real
 training steps at that batch on the GPU: the pool's measured peak against the plan's, images/s
 and the host<->device bandwidth achieved. Also the deepest ResNet [6, 32, n, 6] at batch 16,
 and the layer-wise bound (the batch at which the largest single layer's memory plus the
-parameter state fills the cap). Writes bench/results/memory-<gpu or cpu>.json.
+parameter state fills the cap). With --reference, the same batch also trains under a cap so
+large that nothing moves: the difference is what offload and eviction cost beyond compute.
+The pinned-copy bandwidth of the machine (each way and both at once) is measured for context.
+Conv algorithms are chosen per step from rankings timed on the GPU (measure_rankings).
+Writes bench/results/memory-<gpu or cpu>.json after every model.
 """
 import argparse
+import json
 import os
 import sys
 import time
@@ -49,11 +55,11 @@ def deep_resnet(n):
     return lambda batch: sn.models.resnet(blocks=[6, 32, n, 6], batch=batch)
 
 
-def deepest_resnet(memory, batch=16, policy="all"):
+def deepest_resnet(memory, batch=16, policy="all", host_memory=None):
     """Largest n such that resnet([6, 32, n, 6]) at `batch` plans; returns (n, layers)."""
     def fits(n):
         try:
-            sn.plan(deep_resnet(n)(batch), memory, policy)
+            sn.plan(deep_resnet(n)(batch), memory, policy, host_memory=host_memory)
             return True
         except sn.OutOfMemory:
             return False
@@ -68,26 +74,71 @@ def deepest_resnet(memory, batch=16, policy="all"):
     return lo, convs_fcs
 
 
-def train_for_real(net, memory, steps=2):
-    rt = sn.Runtime(net, memory, "all", device="cuda", lr=0.01, momentum=0.0, conv_algos={})
+def copy_bandwidth(nbytes=1 << 30) -> dict:
+    """GB/s of pinned host <-> device copies: each way alone, and both at once."""
+    host_a = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
+    host_b = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
+    dev_a = torch.empty(nbytes, dtype=torch.uint8, device="cuda")
+    dev_b = torch.empty(nbytes, dtype=torch.uint8, device="cuda")
+    s1, s2 = torch.cuda.Stream(), torch.cuda.Stream()
+
+    def timed(fn):
+        fn()
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        fn()
+        torch.cuda.synchronize()
+        return time.perf_counter() - t0
+
+    def both():
+        with torch.cuda.stream(s1):
+            host_a.copy_(dev_a, non_blocking=True)
+        with torch.cuda.stream(s2):
+            dev_b.copy_(host_b, non_blocking=True)
+    to_host = nbytes / timed(lambda: host_a.copy_(dev_a, non_blocking=True)) / 1e9
+    to_device = nbytes / timed(lambda: dev_b.copy_(host_b, non_blocking=True)) / 1e9
+    both_ways = 2 * nbytes / timed(both) / 1e9
+    del host_a, host_b, dev_a, dev_b
+    torch.cuda.empty_cache()
+    return {"to_host_gb_per_s": to_host, "to_device_gb_per_s": to_device,
+            "both_ways_gb_per_s": both_ways}
+
+
+def train_for_real(net, memory, host_memory=None, steps=2):
+    """Plan (conv rankings timed on the GPU first), train `steps` + 1 iterations, report."""
+    t0 = time.perf_counter()
+    rt = sn.Runtime(net, memory, "all", device="cuda", lr=0.01, momentum=0.0,
+                    host_memory=host_memory)
+    setup_s = time.perf_counter() - t0
     images, labels = sn.data.synthetic(net, seed=0, device="cuda")
-    rt.step(images, labels)
+    losses = [rt.step(images, labels)]
     torch.cuda.synchronize()
     times = []
     for _ in range(steps):
         t0 = time.perf_counter()
-        loss = rt.step(images, labels)
+        losses.append(rt.step(images, labels))
         torch.cuda.synchronize()
         times.append(time.perf_counter() - t0)
     s = min(times)
     moved = rt.plan.bytes_to_host + rt.plan.bytes_to_device
-    out = {"peak_bytes": rt.stats.peak_bytes, "planned_peak_bytes": rt.plan.peak_bytes,
+    algos = {}
+    for phases in rt.plan.conv_algos.values():
+        for phase, algo in phases.items():
+            key = f"{phase}:{algo}"
+            algos[key] = algos.get(key, 0) + 1
+    out = {"memory": memory, "peak_bytes": rt.stats.peak_bytes,
+           "planned_peak_bytes": rt.plan.peak_bytes,
            "peak_equals_plan": rt.stats.peak_bytes == rt.plan.peak_bytes,
-           "seconds_per_step": s, "images_per_s": net.batch / s, "loss": loss,
+           "setup_seconds_incl_rankings": setup_s,
+           "seconds_per_step": s, "images_per_s": net.batch / s, "losses": losses,
            "bytes_moved_per_step": moved, "transfer_gb_per_s": moved / s / 1e9,
-           "recomputed_steps": rt.plan.recomputed_steps}
+           "recomputed_steps": rt.plan.recomputed_steps, "conv_algos_chosen": algos}
     del rt
     torch.cuda.empty_cache()
+    for name in ("_host_emptyCache", "_accelerator_emptyHostCache"):   # torch's pinned cache
+        if hasattr(torch._C, name):
+            getattr(torch._C, name)()
+            break
     return out
 
 
@@ -97,45 +148,79 @@ def main():
     parser.add_argument("--models", default="resnet50,resnet101,resnet152,vgg16,inception_v4")
     parser.add_argument("--plan-only", action="store_true")
     parser.add_argument("--deep", action="store_true", help="also the deepest ResNet")
+    parser.add_argument("--deep-n", type=int, default=None,
+                        help="train ResNet [6, 32, N, 6] (skip the search; N from a plan run)")
+    parser.add_argument("--reference", default=None,
+                        help="also train each batch under this larger cap (nothing moves)")
+    parser.add_argument("--host-memory", default=None,
+                        help="cap on the pinned host arena (the GPU machine's RAM bounds it)")
+    parser.add_argument("--reference-models", default=None,
+                        help="models that get the --reference run (default: all)")
+    parser.add_argument("--out", default=None, help="results name (default memory-<gpu>)")
+    parser.add_argument("--merge", action="store_true",
+                        help="keep the other models' rows already in the results file")
     args = parser.parse_args()
     cap = sn.parse_bytes(args.memory)
     real = torch.cuda.is_available() and not args.plan_only
     rows = {}
+    out_name = args.out or f"memory-{common.gpu_tag()}"
+    if args.merge and os.path.exists(os.path.join(common.RESULTS, out_name + ".json")):
+        with open(os.path.join(common.RESULTS, out_name + ".json")) as f:
+            rows.update(json.load(f).get("models", {}))
+    ref_models = args.reference_models.split(",") if args.reference_models else None
+
+    def save():
+        return common.write(out_name, {"memory": args.memory, "models": rows})
+    if real:
+        rows["copy_bandwidth"] = copy_bandwidth()
+        print("pinned copies:", {k: round(v, 1) for k, v in rows["copy_bandwidth"].items()},
+              flush=True)
     for name in [m for m in args.models.split(",") if m]:
         fn = MODELS[name]
         t0 = time.perf_counter()
-        best = sn.max_batch(fn, cap, "all")
+        best = sn.max_batch(fn, cap, "all", host_memory=args.host_memory)
         row = {"max_batch_all": best, "plan_seconds": time.perf_counter() - t0,
                "layerwise_bound": layerwise_bound(fn, cap),
                "pytorch_12gib_reference": PYTORCH_12GIB.get(name)}
-        p = sn.plan(fn(batch=best), cap, "all")
+        p = sn.plan(fn(batch=best), cap, "all", host_memory=args.host_memory)
         row.update(planned_peak_bytes=p.peak_bytes, uses_recompute=p.uses_recompute,
-                   planned_bytes_to_host=p.bytes_to_host)
+                   planned_bytes_to_host=p.bytes_to_host, host_memory=args.host_memory,
+                   planned_host_bytes=p.host_bytes, recomputed_steps=p.recomputed_steps)
         print(f"{name}: max batch {best} (layer-wise bound {row['layerwise_bound']}, PyTorch "
               f"reference {row['pytorch_12gib_reference']})", flush=True)
-        if real:
-            try:
-                row["real"] = train_for_real(fn(batch=best), cap)
-                r = row["real"]
-                print(f"  trained: peak {r['peak_bytes']:,} == plan: {r['peak_equals_plan']}, "
-                      f"{r['images_per_s']:.1f} images/s, {r['transfer_gb_per_s']:.1f} GB/s moved",
-                      flush=True)
-            except Exception as err:
-                row["real_error"] = f"{type(err).__name__}: {err}"[:500]
-                print("  training failed:", row["real_error"], flush=True)
         rows[name] = row
-    if args.deep:
-        n, layers = deepest_resnet(cap)
+        if real:
+            reference = args.reference if ref_models is None or name in ref_models else None
+            train_and_record(row, fn(batch=best), cap, reference, args.host_memory)
+            save()
+    if args.deep or args.deep_n:
+        n, layers = ((args.deep_n, None) if args.deep_n else
+                     deepest_resnet(cap, host_memory=args.host_memory))
+        if layers is None:
+            layers = sum(1 for layer in deep_resnet(n)(16).layers if layer.op in ("conv", "fc"))
         rows["deep_resnet"] = {"blocks": [6, 32, n, 6], "batch": 16, "conv_fc_layers": layers,
                                "pytorch_12gib_reference_layers": PYTORCH_12GIB["deep_resnet_layers"]}
         print(f"deepest ResNet [6, 32, {n}, 6] at batch 16: {layers} conv/fc layers", flush=True)
         if real:
-            try:
-                rows["deep_resnet"]["real"] = train_for_real(deep_resnet(n)(16), cap, steps=1)
-            except Exception as err:
-                rows["deep_resnet"]["real_error"] = f"{type(err).__name__}: {err}"[:500]
-    path = common.write(f"memory-{common.gpu_tag()}", {"memory": args.memory, "models": rows})
-    print(f"wrote {path}")
+            train_and_record(rows["deep_resnet"], deep_resnet(n)(16), cap, None,
+                             args.host_memory, steps=1)
+    print(f"wrote {save()}")
+
+
+def train_and_record(row, net, cap, reference, host_memory, steps=2):
+    """Train under the cap (and, with `reference`, under a cap where nothing moves) into row."""
+    for key, memory in (("real", cap), ("reference", reference)):
+        if memory is None:
+            continue
+        try:
+            row[key] = r = train_for_real(net, memory, host_memory, steps)
+            print(f"  {key} ({memory}): peak {r['peak_bytes']:,} == plan: "
+                  f"{r['peak_equals_plan']}, {r['images_per_s']:.1f} images/s, "
+                  f"{r['transfer_gb_per_s']:.1f} GB/s moved, losses "
+                  f"{[round(x, 3) for x in r['losses']]}", flush=True)
+        except Exception as err:
+            row[key + "_error"] = f"{type(err).__name__}: {err}"[:500]
+            print(f"  {key} training failed:", row[key + "_error"], flush=True)
 
 
 if __name__ == "__main__":

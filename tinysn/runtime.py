@@ -57,7 +57,7 @@ class Runtime:
 
     def __init__(self, net, memory, policy: str = "baseline", device=None, lr: float = 0.01,
                  momentum: float = 0.0, weight_decay: float = 0.0, seed: int = 0,
-                 conv_algos=None, precision=None, layout="auto"):
+                 conv_algos=None, precision=None, layout="auto", host_memory=None):
         device = _pick_device(device)
         if policy not in plan_mod.POLICIES:
             raise ValueError(f"unknown policy {policy!r}; choose one of {plan_mod.POLICIES}")
@@ -72,7 +72,7 @@ class Runtime:
             from .sched.workspace import measure_rankings
             measure_rankings(net, device)
         self.plan = plan_mod.plan(net, memory, policy, momentum=momentum, conv_algos=conv_algos,
-                                  layout=layout)
+                                  layout=layout, host_memory=host_memory)
         self.net, self.policy, self.device = net, policy, device
         self.lr, self.momentum, self.weight_decay, self.seed = lr, momentum, weight_decay, seed
         self.precision = precision

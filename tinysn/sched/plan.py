@@ -118,26 +118,29 @@ def small_bytes_for(capacity: int) -> int:
 
 def plan(net, memory, policy: str = "all", *, momentum: float = 0.0, conv_algos=None,
          checkpoints=offload.DEFAULT_CHECKPOINTS, block_bytes: int = 1024,
-         layout: str = "auto") -> Plan:
+         layout: str = "auto", host_memory=None) -> Plan:
     """Dry-run one training iteration of `net` under a `memory` cap and `policy`.
 
     Raises OutOfMemory naming the first step that does not fit. `conv_algos` pins conv
     algorithms ({"forward": "im2col", ...}, or {} for the zero-workspace defaults).
     `layout` is "auto" (plain first fit, then small requests from the top if that
-    fragments too much), "first_fit" or "two_ended" (force one).
+    fragments too much), "first_fit" or "two_ended" (force one). `host_memory` caps the
+    pinned host arena (default: unbounded); when copies would overflow it, policy "all"
+    turns to recomputation and the others raise OutOfMemory.
     """
     if layout not in ("auto", "first_fit", "two_ended"):
         raise ValueError(f"layout must be 'auto', 'first_fit' or 'two_ended', got {layout!r}")
     if policy not in POLICIES:
         raise ValueError(f"unknown policy {policy!r}; choose one of {POLICIES}")
     capacity = parse_bytes(memory)
+    host_capacity = HOST_CAPACITY if host_memory is None else parse_bytes(host_memory)
     program = liveness.Program(net, momentum=momentum)
 
     def fit(drops):
         """Plain first fit; if that fragments too much, small requests from the top."""
         def run(small):
             return _Planner(program, capacity, policy, conv_algos, checkpoints, block_bytes,
-                            drops, small).run()
+                            drops, small, host_capacity).run()
         if layout != "auto":
             return run(small_bytes_for(capacity) if layout == "two_ended" else 0)
         try:
@@ -197,13 +200,13 @@ class _Planner:
     """Simulates one iteration through a BlockAllocator and writes down every operation."""
 
     def __init__(self, program, capacity, policy, conv_algos, checkpoints, block_bytes,
-                 drops=None, small_bytes=0):
+                 drops=None, small_bytes=0, host_capacity=HOST_CAPACITY):
         self.program = program
         self.policy = policy
         self.tensors = list(program.tensors)
         self.small_bytes = small_bytes
         self.dev = BlockAllocator(capacity, block_bytes, small_bytes)
-        self.host = BlockAllocator(HOST_CAPACITY, block_bytes)
+        self.host = BlockAllocator(host_capacity, block_bytes)
         self.n_forward = len(program.order)
         self.cache = offload.LRUCache() if policy == "all" else None
         self.always_offload = policy in ("offload", "recompute")
@@ -464,7 +467,13 @@ class _Planner:
     def _copy_out(self, tid):
         """Host block, event slot and waits of a device-to-host copy of `tid`: the copy must
         not overwrite host bytes that a prefetch in flight still reads."""
-        block = self.host.alloc(self.tensors[tid].nbytes)
+        try:
+            block = self.host.alloc(self.tensors[tid].nbytes)
+        except OutOfMemory as err:
+            raise OutOfMemory(f"plan does not fit ({self.policy}): step {len(self.steps)} "
+                              f"({self.where}) copies {self.tensors[tid].name} to the host, "
+                              f"whose cap of {self.host.capacity:,} bytes leaves "
+                              f"{self.host.free_bytes:,} free. {err}") from None
         self.hblock[tid] = block
         _, waits = self.host_freed.take(block.offset, block.end)
         slot = self._slot()

@@ -134,8 +134,8 @@ def replay(plan, iterations=2):
     return r
 
 
-def moving_plan(net, policy):
-    """A plan of `net` under `policy` at the smallest cap that plans (so the cache evicts)."""
+def moving_cap(net, policy) -> int:
+    """About the smallest cap (bytes) at which `net` plans under `policy`, so the cache evicts."""
     lo, hi = 1 << 10, 1 << 30
     while hi - lo > 1024:
         mid = (lo + hi) // 2
@@ -144,7 +144,11 @@ def moving_plan(net, policy):
             hi = mid
         except sn.OutOfMemory:
             lo = mid
-    return sn.plan(net, hi, policy, conv_algos={})
+    return hi
+
+
+def moving_plan(net, policy):
+    return sn.plan(net, moving_cap(net, policy), policy, conv_algos={})
 
 
 def test_offload_and_cache_plans_order_every_copy():
@@ -205,7 +209,7 @@ def test_gpu_copies_in_flight_leave_results_bitwise_equal():
 
     ref, ref_losses = train("baseline", "4GiB")
     for policy in ("offload", "all"):
-        cap = moving_plan(net(), policy).capacity
+        cap = moving_cap(net(), policy)      # the plan's own capacity is rounded to blocks
         rt, losses = train(policy, cap)
         assert rt.plan.bytes_to_host > 0 and rt.stats.bytes_to_device > 0
         assert losses == ref_losses, policy

@@ -42,6 +42,7 @@ SHAPES = [
 PHASES = ("forward", "backward_data", "backward_weight")
 _TUNED = {"forward": "_conv_fwd", "backward_data": "_conv_bwd_data",
           "backward_weight": "_conv_bwd_weight"}
+_TUNED_ALGO = {"transposed": "_conv_bwd_data_t"}   # algorithms with their own GEMM autotuner
 
 
 def _do_bench(fn):
@@ -52,9 +53,9 @@ def _rel(a, b):
     return ((a.double() - b.double()).norm() / b.double().norm().clamp_min(1e-30)).item()
 
 
-def _tuning(phase):
+def _tuning(phase, algo):
     """The autotuner's pick and the timings of every config it tried (if it benchmarked)."""
-    kern = getattr(conv, _TUNED[phase])
+    kern = getattr(conv, _TUNED_ALGO.get(algo, _TUNED[phase]))
     best = getattr(kern, "best_config", None)
     timings = getattr(kern, "configs_timings", None) or {}
     tried = {str(c.kwargs) + f" w{c.num_warps} s{c.num_stages}":
@@ -115,7 +116,7 @@ def bench(device="cuda", batch=32, shapes=None, phases=PHASES, precision="tf32",
                     if x.is_cuda:
                         torch.cuda.synchronize()
                     row["first_call_s"] = round(time.time() - t0, 2)
-                    row["config"], row["tune_ms"] = _tuning(phase)
+                    row["config"], row["tune_ms"] = _tuning(phase, algo)
                     row["rel_err"] = _rel(out, ref)
                     if not warm:
                         ms = _do_bench(fn)

@@ -17,7 +17,7 @@ GPU = torch.cuda.is_available()
 gpu = pytest.mark.skipif(not GPU, reason="needs a CUDA GPU")
 
 ALL_ALGOS = {"forward": ("implicit", "im2col"),
-             "backward_data": ("implicit", "zero_insert"),
+             "backward_data": ("implicit", "transposed", "zero_insert"),
              "backward_weight": ("onepass", "splitk")}
 
 
@@ -117,8 +117,8 @@ def _check(case, device="cpu", precision="ieee", seed=0, bias=True, accumulate=F
             _close(db, db_ref, red_wgt, precision, "db")
 
     # backward (both phases through one workspace); the algorithm pair rotates with the seed
-    algo_data = ALL_ALGOS["backward_data"][seed % 2]
-    algo_weight = ALL_ALGOS["backward_weight"][(seed // 2) % 2]
+    algo_data = ALL_ALGOS["backward_data"][seed % 3]
+    algo_weight = ALL_ALGOS["backward_weight"][(seed // 3) % 2]
     need = conv.backward_workspace_bytes(x.shape, wt.shape, stride, padding, algo_data,
                                          algo_weight, not dx_none, True)
     dx = None if dx_none else (before.clone() if accumulate else _nan(x.shape, device))
@@ -212,10 +212,12 @@ def test_algos_and_workspaces():
     assert conv.out_shape((1, 3, 17, 17), (4, 3, 1, 7), 1, (0, 3)) == (1, 4, 17, 17)
     f = conv.algos(xs, ws, 1, 1, "forward")
     assert f == {"implicit": 0, "im2col": 4 * 32 * 64 * 9 * 56 * 56}
-    assert conv.algos(xs, ws, 1, 1, "backward_data") == {"implicit": 0}
+    assert conv.algos(xs, ws, 1, 1, "backward_data") == {"implicit": 0,
+                                                         "transposed": 4 * 64 * 64 * 9}
     d2 = conv.algos(xs, ws, 2, 1, "backward_data")
-    assert list(d2) == ["implicit", "zero_insert"]
+    assert list(d2) == ["implicit", "transposed", "zero_insert"]
     assert d2["zero_insert"] == 4 * 32 * 64 * 58 * 58
+    assert d2["transposed"] == 4 * 64 * 64 * 9
     wg = conv.algos(xs, ws, 1, 1, "backward_weight")
     assert list(wg)[0] == "splitk" and wg["onepass"] == 0
     assert wg["splitk"] == 4 * conv.splitk_splits(xs, ws, 1, 1) * 64 * 64 * 9
@@ -224,6 +226,36 @@ def test_algos_and_workspaces():
                            "backward_weight"))[0] == "onepass"
     assert conv.backward_workspace_bytes(xs, ws, 2, 1, "zero_insert", "splitk") == max(
         d2["zero_insert"], conv.workspace_bytes(xs, ws, 2, 1, "backward_weight", "splitk"))
+
+
+def test_transposed_matches_implicit():
+    """"transposed": workspace = one float per weight, wT's layout is [R, S, C, K], and dx
+    agrees with "implicit" (strided and padded; plain and accumulate, which under the
+    interpreter run the nested and the flat loop; K = 20 runs two k-chunks, the second
+    masked, under the interpreter's BLOCK_K = 16)."""
+    gen = torch.Generator().manual_seed(7)
+    for xs, ws, stride, padding, acc in [((2, 5, 9, 8), (20, 5, 3, 3), (2, 1), 1, False),
+                                         ((2, 5, 9, 8), (20, 5, 3, 3), (2, 1), 1, True),
+                                         ((1, 3, 7, 7), (4, 3, 5, 3), 1, (2, 3), True),
+                                         ((1, 3, 7, 7), (20, 3, 5, 3), 1, (2, 3), False)]:
+        need = conv.workspace_bytes(xs, ws, stride, padding, "backward_data", "transposed")
+        assert need == 4 * math.prod(ws)
+        assert conv.backward_workspace_bytes(xs, ws, stride, padding, "transposed", "onepass") \
+            == need
+        w, before = _rand(ws, gen, "cpu"), _rand(xs, gen, "cpu")
+        dy = _rand(conv.out_shape(xs, ws, stride, padding), gen, "cpu")
+        outs = {}
+        for algo in ("implicit", "transposed"):
+            dx = before.clone() if acc else _nan(xs, "cpu")
+            wsp = _workspace(need, "cpu")
+            conv.backward_data(dy, w, dx, stride=stride, padding=padding, algo=algo,
+                               workspace=wsp, accumulate=acc, precision="ieee")
+            outs[algo] = dx
+        _close(outs["transposed"], outs["implicit"], ws[0] * ws[2] * ws[3], "ieee",
+               f"transposed vs implicit {xs} {ws} {stride} {padding}")
+        # the workspace now holds wT[r, s, c, k] = w[k, c, r, s]
+        wt = wsp[:need].view(torch.float32).view(ws[2], ws[3], ws[1], ws[0])
+        assert torch.equal(wt, w.permute(2, 3, 1, 0))
 
 
 def test_bad_input_raises():
@@ -282,6 +314,8 @@ def test_bad_input_raises():
         conv.backward_data(torch.randn(1, 4, 4, 4), w, torch.empty(1, 3, 5, 5), **kw)
     with pytest.raises(ValueError, match="accumulate"):
         conv.backward_data(dy, w, torch.empty(1, 3, 5, 5), accumulate=1, **kw)
+    with pytest.raises(ValueError, match="needs a workspace"):
+        conv.backward_data(dy, w, torch.empty(1, 3, 5, 5), algo="transposed", **kw)
     need = conv.workspace_bytes(x.shape, w.shape, 1, 1, "backward_weight", "splitk")
     with pytest.raises(ValueError, match="workspace too small"):
         conv.backward_weight(x, dy, torch.empty(4, 3, 3, 3), None, algo="splitk",

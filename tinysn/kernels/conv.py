@@ -26,6 +26,15 @@ workspace bytes, fastest-expected first:
                  classes ((h+ph) % sh, (w+pw) % sw); each class has its own fixed set of
                  contributing taps (r = rho + sh*t, s = sigma + sw*u), so a strided conv does
                  no work on taps that do not touch a pixel (grid axis 1 = class).
+    "transposed" first copy w into the workspace as wT [R, S, C, K] (k fastest; one small
+                 transpose kernel, 4*K*C*R*S bytes), then an implicit GEMM whose reduction is
+                 ordered tap-major: an outer loop over the contributing taps (r, s) (the same
+                 residue classes as "implicit"), an inner loop over k (or both as one flat
+                 loop, an autotuner choice). The tap is a scalar in the inner loop, so the dY
+                 gather's offsets and bounds masks are computed per tap and row, not per
+                 element, and the weight tile is read along k, its contiguous axis (the
+                 K-major operand layout the GPU's MMA wants; the dY tile stays pixel-major).
+                 Any stride.
     "zero_insert" build dY with (sh-1) zeros inserted between pixels and R-1-ph / S-1-pw
                  zeros around it in the workspace ([N, K, H+R-1, W+S-1]), then run the
                  stride-1 implicit kernel on it (a stride-1 conv with the flipped weight). It
@@ -71,7 +80,7 @@ from ._common import INTERPRET, autotune_configs, check_tensor, dot_precision
 
 PHASES = ("forward", "backward_data", "backward_weight")
 _ALGOS = {"forward": ("implicit", "im2col"),
-          "backward_data": ("implicit", "zero_insert"),
+          "backward_data": ("implicit", "transposed", "zero_insert"),
           "backward_weight": ("onepass", "splitk")}
 
 # split-K sizing: aim for about this many programs (two waves on a 132-SM H200; a constant so
@@ -183,6 +192,8 @@ def _workspace_bytes(x_shape, w_shape, stride, padding, phase, algo) -> int:
         return 4 * n * c * r * s * p * q
     if algo == "zero_insert":
         return 4 * n * k * (h + r - 1) * (w + s - 1)
+    if algo == "transposed":
+        return 4 * k * c * r * s
     # splitk
     return 4 * splitk_splits(x_shape, w_shape, stride, padding) * k * c * r * s
 
@@ -196,9 +207,10 @@ def algos(x_shape, w_shape, stride, padding, phase) -> dict:
     if phase == "forward":
         return {"implicit": 0, "im2col": ws("im2col")}
     if phase == "backward_data":
+        # "transposed" after "implicit" until the GPU has measured them
         if sh == 1 and sw == 1:
-            return {"implicit": 0}
-        return {"implicit": 0, "zero_insert": ws("zero_insert")}
+            return {"implicit": 0, "transposed": ws("transposed")}
+        return {"implicit": 0, "transposed": ws("transposed"), "zero_insert": ws("zero_insert")}
     if splitk_splits(x_shape, w_shape, stride, padding) > 1:
         return {"splitk": ws("splitk"), "onepass": 0}
     return {"onepass": 0, "splitk": ws("splitk")}
@@ -581,6 +593,189 @@ _conv_bwd_data_acc = _autotune(_DATA_CONFIGS, _KEY, _bwd_data_macs,
 
 
 @triton.jit
+def _weight_rsck_kernel(w_ptr, wt_ptr, K, C, RS: tl.constexpr,
+                        BLOCK_K: tl.constexpr, BLOCK_J: tl.constexpr):
+    """wT[r, s, c, k] = W[k, c, r, s]: the "transposed" data gradient's K-major weight copy.
+
+    A [BLOCK_K, BLOCK_J] tile, j = (c, r, s) flat: read along j (contiguous in W), written
+    along k (contiguous in wT); on the GPU Triton transposes the tile through shared memory.
+    """
+    offs_k = tl.program_id(0) * BLOCK_K + tl.arange(0, BLOCK_K)
+    offs_j = tl.program_id(1) * BLOCK_J + tl.arange(0, BLOCK_J)
+    CRS = C * RS
+    ok = (offs_k < K)[:, None] & (offs_j < CRS)[None, :]
+    c = offs_j // RS
+    rs = offs_j - c * RS
+    v = tl.load(w_ptr + (offs_k[:, None] * CRS + offs_j[None, :]), mask=ok)
+    tl.store(wt_ptr + ((rs * C + c)[None, :] * K + offs_k[:, None]), v, mask=ok)
+
+
+@triton.jit
+def _tap_rows(tu, dy_m, p_m, q_m, m_ok, wt_ptr, rho, sig, SH, SW, UC, CK,
+              P: tl.constexpr, Q: tl.constexpr, S: tl.constexpr, IS_1X1: tl.constexpr,
+              PIX: tl.constexpr, BLOCK_M: tl.constexpr):
+    """For tap number tu of the class: the dY row offsets [BLOCK_M], the rows whose tap lands
+    inside [0,P)x[0,Q) and the tap's wT slice (r = rho + SH*t, s = sig + SW*u)."""
+    t = tu // UC
+    u = tu - t * UC
+    if IS_1X1:
+        a_m = dy_m
+        row_ok = m_ok
+    else:
+        a_m = dy_m - (t * Q + u)
+        if PIX:
+            a_m = tl.max_contiguous(tl.multiple_of(a_m, 1), BLOCK_M)
+        row_ok = _ult(p_m - t, P) & _ult(q_m - u, Q)
+    return a_m, row_ok, wt_ptr + ((rho + SH * t) * S + sig + SW * u) * CK
+
+
+@triton.jit
+def _tap_chunk(acc, dy_base, a_m, row_ok, b_base, wt_n, n_ok, k0, K, PQ: tl.constexpr,
+               PRECISION: tl.constexpr, BLOCK_K: tl.constexpr):
+    """acc += dY[rows, k0:k0+BLOCK_K] @ wT[tap, cols, k0:k0+BLOCK_K]^T (k >= K masked)."""
+    offs_k = k0 + tl.arange(0, BLOCK_K)
+    k_ok = offs_k < K
+    a = tl.load(dy_base + (a_m[None, :] + (offs_k * PQ)[:, None]),
+                mask=k_ok[:, None] & row_ok[None, :], other=0.0)            # [BK, BM]
+    b = tl.load(b_base + (wt_n[None, :] + offs_k[:, None]),
+                mask=k_ok[:, None] & n_ok[None, :], other=0.0)              # [BK, BN]
+    return tl.dot(tl.trans(a), b, acc, input_precision=PRECISION)
+
+
+@triton.jit
+def _conv_bwd_data_t_kernel(dy_ptr, wt_ptr, dx_ptr,
+                            N, C, K, SH, SW, PH, PW,
+                            H: tl.constexpr, W: tl.constexpr, P: tl.constexpr, Q: tl.constexpr,
+                            R: tl.constexpr, S: tl.constexpr, IS_1X1: tl.constexpr,
+                            STRIDE1: tl.constexpr, ACCUMULATE: tl.constexpr,
+                            PRECISION: tl.constexpr,
+                            BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                            GROUP_M: tl.constexpr, PIX: tl.constexpr, FLAT: tl.constexpr):
+    """dX[(n,h,w), c] (+)= sum_(t,u) sum_k dY[n, k, p_m - t, q_m - u] * wT[r, s, c, k].
+
+    The residue classes, rows and the dx store are those of _conv_bwd_data_kernel (grid axis 1
+    = class; taps r = rho + SH*t, s = sigma + SW*u). The reduction is tap-major: the outer loop
+    runs over the class's taps, the inner one over k in BLOCK_K chunks. Per tap the dY row
+    offsets and the bounds mask of the rows are computed once ([BLOCK_M] vectors); the inner
+    loop only adds k*P*Q. The weight tile [BLOCK_K, BLOCK_N] is read from wT along k.
+    FLAT runs the same (tap, k-chunk) steps in the same order as one loop (the tap is derived
+    from the step index; the row offsets are then recomputed per step, still per row only):
+    Triton software-pipelines only innermost loops, and with few channels (K = 64: two
+    chunks) the nested form would drain the pipeline at every tap.
+    """
+    pid = tl.program_id(0)
+    PQ: tl.constexpr = P * Q
+    HW: tl.constexpr = H * W
+    if STRIDE1:
+        rho = 0
+        sig = 0
+        h0 = 0
+        w0 = 0
+        HC: tl.constexpr = H
+        WC: tl.constexpr = W
+        UC: tl.constexpr = S
+        TU: tl.constexpr = R * S
+        pb = PH
+        qb = PW
+        M_GRID = N * HW
+    else:
+        cls = tl.program_id(1)
+        rho = cls // SW
+        sig = cls % SW
+        h0 = ((rho - PH) % SH + SH) % SH
+        w0 = ((sig - PW) % SW + SW) % SW
+        HC = (H - h0 + SH - 1) // SH            # rows / columns of dx in this class
+        WC = (W - w0 + SW - 1) // SW
+        UC = (S - sig + SW - 1) // SW           # taps of this class along s
+        TU = ((R - rho + SH - 1) // SH) * UC    # taps of this class
+        pb = (h0 + PH - rho) // SH
+        qb = (w0 + PW - sig) // SW
+        M_GRID = N * ((H + SH - 1) // SH) * ((W + SW - 1) // SW)
+    HWC = HC * WC
+    pid_m, pid_n = _tile_ids(pid, M_GRID, C, BLOCK_M, BLOCK_N, GROUP_M)
+    m0 = pid_m * BLOCK_M
+    offs_m = m0 + tl.arange(0, BLOCK_M)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    m_ok = offs_m < N * HWC
+    n_ok = offs_n < C
+    if STRIDE1:
+        img0 = m0 // HW
+        dimg = offs_m // HW - img0
+        ij = offs_m % HW
+        i = ij // W
+        j = ij % W
+    else:
+        hwc = tl.maximum(HWC, 1)
+        wc = tl.maximum(WC, 1)
+        img0 = m0 // hwc
+        dimg = offs_m // hwc - img0
+        ij = offs_m % hwc
+        i = ij // wc
+        j = ij % wc
+    p_m = tl.where(m_ok, pb + i, -1)        # p = p_m - t < 0 for a dead row
+    q_m = qb + j
+    dy_base = dy_ptr + img0.to(tl.int64) * (K * PQ)
+    if IS_1X1:
+        dy_m = dimg * (K * PQ) + ij
+        if PIX and HW % 4 != 0:
+            dy_m = tl.max_contiguous(tl.multiple_of(dy_m, 1), BLOCK_M)
+    else:
+        dy_m = dimg * (K * PQ) + p_m * Q + q_m
+    wt_n = offs_n * K
+    CK = C * K
+
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    if FLAT:
+        KCH = tl.cdiv(K, BLOCK_K)
+        for step in range(0, TU * KCH):
+            tu = step // KCH
+            a_m, row_ok, b_base = _tap_rows(tu, dy_m, p_m, q_m, m_ok, wt_ptr, rho, sig, SH, SW,
+                                            UC, CK, P, Q, S, IS_1X1, PIX, BLOCK_M)
+            acc = _tap_chunk(acc, dy_base, a_m, row_ok, b_base, wt_n, n_ok,
+                             (step - tu * KCH) * BLOCK_K, K, PQ, PRECISION, BLOCK_K)
+    else:
+        for tu in range(0, TU):
+            a_m, row_ok, b_base = _tap_rows(tu, dy_m, p_m, q_m, m_ok, wt_ptr, rho, sig, SH, SW,
+                                            UC, CK, P, Q, S, IS_1X1, PIX, BLOCK_M)
+            for k0 in range(0, K, BLOCK_K):
+                acc = _tap_chunk(acc, dy_base, a_m, row_ok, b_base, wt_n, n_ok, k0, K, PQ,
+                                 PRECISION, BLOCK_K)
+
+    if STRIDE1:
+        dx_m = dimg * (C * HW) + ij
+        if HW % 4 != 0:
+            dx_m = tl.max_contiguous(tl.multiple_of(dx_m, 1), BLOCK_M)
+    else:
+        dx_m = dimg * (C * HW) + (h0 + SH * i) * W + w0 + SW * j
+        dx_m = tl.max_contiguous(tl.multiple_of(dx_m, 1), BLOCK_M)
+    dx_ptrs = dx_ptr + img0.to(tl.int64) * (C * HW) + (dx_m[None, :] + (offs_n * HW)[:, None])
+    mask = n_ok[:, None] & m_ok[None, :]
+    out = tl.trans(acc)                                                      # [BN, BM]
+    if ACCUMULATE:
+        out += tl.load(dx_ptrs, mask=mask, other=0.0)
+    tl.store(dx_ptrs, out, mask=mask)
+
+
+def _flat(cfg, flat):
+    """`cfg` with the "transposed" kernel's loop form (FLAT) added."""
+    return triton.Config({**cfg.kwargs, "FLAT": flat}, num_warps=cfg.num_warps,
+                         num_stages=cfg.num_stages)
+
+
+# "transposed": the first four implicit-GEMM data configs, each as nested and as flat loop
+# (not measured yet; the first one is what TINYSN_AUTOTUNE=0 and small problems get)
+_T_CONFIGS = [_flat(c, f) for c in _DATA_CONFIGS[:4] for f in (False, True)]
+# under the interpreter BLOCK_K = 16 lets the CPU tests reach the k-chunk tail with small K,
+# and the plain launch runs the nested loop, the accumulating one the flat loop, so the CPU
+# tests cover both forms
+_T_SMALL = _cfg(128, 32, 16, 1, 1, group_m=2)
+_conv_bwd_data_t = _autotune(_T_CONFIGS, _KEY, _bwd_data_macs,
+                             small=_flat(_T_SMALL, False))(_conv_bwd_data_t_kernel)
+_conv_bwd_data_t_acc = _autotune(_T_CONFIGS, _KEY, _bwd_data_macs, restore=["dx_ptr"],
+                                 small=_flat(_T_SMALL, True))(_conv_bwd_data_t_kernel)
+
+
+@triton.jit
 def _zero_insert_kernel(dy_ptr, z_ptr, P, Q, HZ, WZ, SH, SW, OFFH, OFFW, BLOCK: tl.constexpr):
     """z[n, k, a, b] = dY[n, k, (a-OFFH)/SH, (b-OFFW)/SW] where the division is exact and in
     range, else 0 (dY with zeros inserted between pixels and a zero border)."""
@@ -863,12 +1058,35 @@ def _launch_bwd_data(dy, w, dx, n, c, h, wd, k, p, q, sh, sw, ph, pw, r, s, accu
                  ACCUMULATE=accumulate, PRECISION=prec))
 
 
+def _launch_bwd_data_t(dy, w, wt, dx, n, c, h, wd, k, p, q, sh, sw, ph, pw, r, s, accumulate,
+                       prec):
+    """"transposed": w -> wT [R, S, C, K] in the workspace `wt`, then the tap-major GEMM."""
+    if INTERPRET:   # few programs: the interpreter pays per program, not per element
+        bk, bj = min(64, triton.next_power_of_2(k)), min(1024, triton.next_power_of_2(c * r * s))
+    else:
+        bk, bj = 64, 64
+    _weight_rsck_kernel[(_cdiv(k, bk), _cdiv(c * r * s, bj))](
+        w, wt, k, c, RS=r * s, BLOCK_K=bk, BLOCK_J=bj, num_warps=4)
+    is_1x1 = r == 1 and s == 1 and sh == 1 and sw == 1 and ph == 0 and pw == 0
+    kern = _conv_bwd_data_t_acc if accumulate else _conv_bwd_data_t
+    m_grid = n * _cdiv(h, sh) * _cdiv(wd, sw)
+    grid = lambda meta: (_cdiv(m_grid, meta["BLOCK_M"]) * _cdiv(c, meta["BLOCK_N"]),  # noqa: E731
+                         sh * sw)
+    _launch(kern, grid, (dy, wt, dx, n, c, k, sh, sw, ph, pw),
+            dict(H=h, W=wd, P=p, Q=q, R=r, S=s, IS_1X1=is_1x1, STRIDE1=sh == 1 and sw == 1,
+                 ACCUMULATE=accumulate, PRECISION=prec))
+
+
 def _run_bwd_data(dy, w, dx, x_shape, geo, algo, ws, accumulate, prec):
     sh, sw, ph, pw, p, q = geo
     n, c, h, wd = x_shape
     k, _, r, s = w.shape
     if algo == "implicit":
         _launch_bwd_data(dy, w, dx, n, c, h, wd, k, p, q, sh, sw, ph, pw, r, s, accumulate, prec)
+        return
+    if algo == "transposed":
+        _launch_bwd_data_t(dy, w, ws, dx, n, c, h, wd, k, p, q, sh, sw, ph, pw, r, s,
+                           accumulate, prec)
         return
     # zero_insert: z [N, K, H+R-1, W+S-1], then a stride-1 conv of z with the flipped weight,
     # which is the implicit stride-1 kernel with padding (R-1, S-1) over z
@@ -888,7 +1106,7 @@ def _check_dy(dy, x_shape, w_shape, stride, padding):
 def backward_data(dy, w, dx, *, stride, padding, algo="implicit", workspace=None,
                   accumulate=False, precision=None):
     """dx (+)= conv2d_input(dx.shape, w, dy). dy [N,K,P,Q], w [K,C,R,S], dx [N,C,H,W].
-    algo "implicit" (no workspace) or "zero_insert" (workspace)."""
+    algo "implicit" (no workspace), "transposed" or "zero_insert" (workspace)."""
     prec = dot_precision(precision)
     _algo("backward_data", algo)
     if not isinstance(accumulate, bool):

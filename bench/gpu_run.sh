@@ -8,19 +8,20 @@ export PYTHONPATH=${PYTHONPATH:-.}
 export PYTHONUNBUFFERED=1
 OUT=${OUT:-/tmp/tinysn-gpu}
 mkdir -p "$OUT" bench/results
-save() { cp bench/results/*.json "$OUT"/ 2>/dev/null || true; }
-nvidia-smi --query-gpu=name,memory.total,clocks.sm --format=csv,noheader | tee -a "$OUT/stages.log"
+touch /tmp/tinysn-gpu-start      # only results written by this call go back (8 files at most)
+save() { find bench/results -name '*.json' -newer /tmp/tinysn-gpu-start -exec cp {} "$OUT"/ \; ; }
+nvidia-smi --query-gpu=name,memory.total,clocks.sm --format=csv,noheader | tee -a "$OUT/gpu.log"
 MEM="--memory 12GiB --host-memory 60GiB --merge"
 for stage in "$@"; do
   start=$(date +%s)
   case $stage in
     streams)  TINYSN_AUTOTUNE=0 timeout 150 python3 -m pytest -q -m gpu -p no:cacheprovider tests/sched/test_streams.py 2>&1 | tail -5 ;;
-    tests)    timeout 300 python3 -m pytest -q -m gpu $(python3 -c "import xdist" 2>/dev/null && printf -- '-n 4') -p no:cacheprovider tests/kernels tests/pool 2>&1 | tail -25 ;;
-    kernels)  timeout 330 python3 bench/kernels.py 2>&1 | tail -70 ;;
+    tests)    timeout ${TESTS_S:-300} python3 -m pytest -q -m gpu $(python3 -c "import xdist" 2>/dev/null && printf -- '-n 4') -p no:cacheprovider tests/kernels tests/pool 2>&1 | tail -25 ;;
+    kernels)  timeout ${KERNELS_S:-330} python3 bench/kernels.py 2>&1 | tail -70 ;;
     train)    timeout 150 python3 bench/train.py --model resnet50 --batch 32 --policies baseline,all --pin-algos --steps 10 2>&1 | tail -8 ;;
     memory-a) TINYSN_AUTOTUNE=0 timeout 420 python3 bench/memory.py $MEM --models resnet50,vgg16,inception_v4 --reference 120GiB --reference-models resnet50 2>&1 | tail -20 ;;
     memory-b) TINYSN_AUTOTUNE=0 timeout 480 python3 bench/memory.py $MEM --models resnet101,resnet152 --deep-n "${DEEP_N:-0}" 2>&1 | tail -20 ;;
-  esac 2>&1 | tee -a "$OUT/$stage.log"
-  echo "stage $stage took $(( $(date +%s) - start )) s" | tee -a "$OUT/stages.log"
+  esac 2>&1 | tee -a "$OUT/gpu.log"
+  echo "stage $stage took $(( $(date +%s) - start )) s" | tee -a "$OUT/gpu.log"
   save
 done

@@ -4,7 +4,8 @@
 
 Runs bench/kernels_conv.py, bench/kernels_norm.py and bench/kernels_misc.py in one process,
 prints one table (ratio = torch time / tinysn time: above 1 means tinysn is faster) and
-writes all rows with the GPU, torch and triton versions.
+writes all rows with the GPU, torch and triton versions (after each group, so a time limit
+that cuts the run short keeps the groups done; "complete" says whether all ran).
 """
 import os
 import sys
@@ -29,6 +30,7 @@ def main():
         except Exception as err:   # one group failing must not lose the others' figures
             print(f"{name} benchmark failed: {type(err).__name__}: {err}")
             rows.append({"kernel": name, "error": f"{type(err).__name__}: {err}"})
+        common.write(f"kernels-{common.gpu_tag()}", {"rows": rows, "complete": False})
     print(f"\n{'kernel':<26} {'algo':<12} {'shape':<34} {'tinysn ms':>10} {'torch ms':>9} "
           f"{'ratio':>6} {'rate':>12}")
     for r in rows:
@@ -39,7 +41,7 @@ def main():
         print(f"{r['kernel']:<26} {str(r.get('algo', '')):<12} {str(r.get('shape', ''))[:34]:<34} "
               f"{r.get('tinysn_ms', float('nan')):>10.4f} {r.get('torch_ms', float('nan')):>9.4f} "
               f"{r.get('ratio', float('nan')):>6.2f} {rate:>12}")
-    path = common.write(f"kernels-{common.gpu_tag()}", {"rows": rows})
+    path = common.write(f"kernels-{common.gpu_tag()}", {"rows": rows, "complete": True})
     print(f"wrote {path}")
     return 0
 

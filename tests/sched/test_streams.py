@@ -189,6 +189,25 @@ def test_replay_catches_a_missing_wait():
     assert caught >= len(sites) // 4, (caught, len(sites))
 
 
+def test_tensor_evicted_after_a_rebuild_read_it_last_is_freed(monkeypatch):
+    """Regression (found on the GPU): with the GPU's batch-norm workspaces this ResNet's "all"
+    plan rebuilds a ReLU from a residual sum, then evicts the sum before the step ends; the sum
+    was never freed, so the next iteration found it still on the host. Every plan now ends
+    with nothing held on the device or the host, and the runtime runs two iterations."""
+    from tinysn.kernels import bn
+    monkeypatch.setattr(bn, "_TILE", 2048)          # the GPU's tile: other workspace sizes
+    net = sn.models.resnet(blocks=[1, 2, 2, 1], batch=16, classes=10, input_shape=(3, 64, 64))
+    cap = moving_cap(net, "all", momentum=0.9)
+    rt = sn.Runtime(net, cap, "all", device="cpu", momentum=0.9, conv_algos={})
+    assert rt.plan.uses_recompute
+    for key in list(rt._launch):                    # the schedule only: no kernels
+        rt._launch[key] = lambda algos, ws: None
+    images, labels = torch.randn(16, 3, 64, 64), torch.randint(0, 10, (16,))
+    for _ in range(2):
+        rt.step(images, labels)
+    replay(rt.plan)
+
+
 @pytest.mark.gpu
 def test_gpu_copies_in_flight_leave_results_bitwise_equal():
     """On a GPU, with real streams: a ResNet under caps that force offloads, evictions and

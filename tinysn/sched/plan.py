@@ -220,6 +220,7 @@ class _Planner:
         self.steps, self.conv_algos = [], {}
         self.to_host = self.to_device = self.extent = 0
         self.where = "setup"
+        self.index = -1                  # logical step being planned
         # stream ordering (see the module docstring)
         self.kernels = 0                 # kernel ops so far in the iteration
         self.n_slots = 0                 # event slots handed out
@@ -296,6 +297,8 @@ class _Planner:
             self._run_step(step)
         leaked = self.dev.in_use - setup_bytes
         assert leaked == 0, f"planner bug: {leaked} bytes still allocated after the iteration"
+        assert self.host.in_use == 0, (f"planner bug: {self.host.in_use} host bytes still "
+                                       f"allocated after the iteration")
         self._insert_marks()
         return Plan(p.net, self.policy, self.dev.capacity, p.momentum_value, self.tensors, setup, self.steps,
                     self.dev.peak, self.extent, setup_bytes, max(self.host.peak, 1),
@@ -304,6 +307,7 @@ class _Planner:
                     self.conv_algos, self.recompute, p, self.small_bytes, self.n_slots)
 
     def _run_step(self, step):
+        self.index = step.index
         ops = []
         touched = list(dict.fromkeys(step.reads + step.writes))
         for tid in dict.fromkeys(step.reads):
@@ -334,6 +338,7 @@ class _Planner:
     def _recompute(self, tid, step):
         """Rebuild dropped tensor `tid` before backward `step` (a recompute step)."""
         layer = self.producer[tid]
+        self.index = step.index
         ops = []
         inputs = [self.program.act[x] for x in layer.inputs]
         for xid in inputs:
@@ -378,10 +383,13 @@ class _Planner:
                 candidates |= {p.act[x] for x in self.producer[tid].inputs}
         for tid in sorted(candidates):
             info = self.tensors[tid]
-            if info.persistent or self.policy == "baseline" or self.loc.get(tid) not in ("gpu", "offloading"):
+            state = self.loc.get(tid)
+            if info.persistent or self.policy == "baseline":
                 continue
-            if self.uses[tid][-1] <= index:
-                self._free(tid, ops)
+            if self.uses[tid][-1] <= index and state in ("gpu", "offloading", "host"):
+                self._free(tid, ops)        # "host": evicted after a rebuild read it last
+                continue
+            if state not in ("gpu", "offloading"):
                 continue
             if tid in self.offloaded and self.loc[tid] == "gpu" and tid not in self.hblock:
                 self._offload(tid, ops)
@@ -454,6 +462,9 @@ class _Planner:
             if self.loc.get(tid) != "gpu":
                 continue
             ops = self._current_ops
+            if self.uses[tid][-1] < self.index:      # dead already: free, never copy out
+                self._free(tid, ops)
+                return True
             if tid in self.hblock:
                 ops.append(("evict", tid, None, None, ()))
             else:

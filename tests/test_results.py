@@ -1,0 +1,60 @@
+"""The GPU figures quoted in bench/README.md are the ones in the JSON files the scripts wrote."""
+import json
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+RESULTS = ROOT / "bench" / "results"
+BENCH_README = (ROOT / "bench" / "README.md").read_text()
+
+
+def load(name):
+    return json.loads((RESULTS / name).read_text())
+
+
+def table_row(text, first_cell):
+    """The cells of the markdown table row that starts with `first_cell`."""
+    for line in text.splitlines():
+        cells = [c.strip() for c in line.strip().strip("|").split("|")]
+        if cells and cells[0] == first_cell:
+            return cells
+    raise AssertionError(f"no table row {first_cell!r} in bench/README.md")
+
+
+def test_every_gpu_training_run_measured_the_planned_peak():
+    models = load("memory-NVIDIA-H200.json")["models"]
+    runs = [m[key] for m in models.values() if isinstance(m, dict)
+            for key in ("real", "reference") if key in m]
+    assert len(runs) >= 7
+    for run in runs:
+        assert run["peak_bytes"] == run["planned_peak_bytes"]
+
+
+def test_memory_table_quotes_the_json():
+    models = load("memory-NVIDIA-H200.json")["models"]
+    for name in ("resnet50", "resnet101", "resnet152", "vgg16", "inception_v4"):
+        row = table_row(BENCH_README, name)
+        real = models[name]["real"]
+        assert f"**{models[name]['max_batch_all']}**" in row[1]
+        assert f"{real['peak_bytes']:,} B" in row[2]
+        assert f"{real['images_per_s']:.1f}" == row[3]
+        assert f"{real['bytes_moved_per_step'] / 1e9:.1f} GB" in row[4]
+
+
+def test_conv_table_quotes_the_json():
+    rows = [r for r in load("kernels-NVIDIA-H200.json")["rows"]
+            if r.get("kernel", "").startswith("conv.")]
+    ratio = {(r["shape"].rsplit(" b", 1)[0], r["kernel"][5:], r["algo"]): r["ratio"] for r in rows}
+    order = {"forward": ("implicit", "im2col"),
+             "backward_data": ("implicit", "transposed", "zero_insert"),
+             "backward_weight": ("onepass", "splitk")}
+    shapes = {shape for shape, _, _ in ratio}
+    assert len(shapes) == 8
+    for shape in shapes:
+        cells = table_row(BENCH_README, shape)
+        for cell, (phase, algos) in zip(cells[1:], order.items()):
+            quoted = [c.strip().strip("*") for c in cell.split("/")]
+            for algo, text in zip(algos, quoted):
+                if text == "-":
+                    assert (shape, phase, algo) not in ratio
+                else:
+                    assert f"{ratio[(shape, phase, algo)]:.2f}" == text, (shape, phase, algo)

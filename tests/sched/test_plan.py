@@ -111,3 +111,27 @@ def test_runtime_executes_a_two_ended_layout_to_the_byte():
     assert rt.stats.peak_bytes == rt.plan.peak_bytes
     tops = [b.offset for b in rt.arena.allocator.used_blocks()]
     assert max(tops) >= 2**20 - 64 * 1024       # small tensors sit at the top of the pool
+
+
+def test_all_moves_the_fewest_bytes_once_something_must_move():
+    """ResNet-50 at batch 300 in 12 GiB: the cache alone fits but moves 27.3 GB per step;
+    "all" instead drops cheap layers' outputs and recomputes them, moving 16.7 GB. A batch
+    that fits without moves still moves and recomputes nothing."""
+    p = sn.plan(sn.models.resnet50(batch=300), "12GiB", "all")
+    assert p.uses_recompute and p.recomputed_steps > 0
+    assert p.bytes_to_host + p.bytes_to_device < 20e9
+    small = sn.plan(sn.models.resnet50(batch=64), "12GiB", "all")
+    assert small.bytes_to_host == 0 and small.recomputed_steps == 0
+
+
+def test_host_memory_caps_the_host_arena():
+    """The pinned host arena never exceeds `host_memory`; a cap too small fails naming the
+    host, before anything runs; and it lowers the largest batch that plans."""
+    net = sn.models.resnet50(batch=300)
+    assert sn.plan(net, "12GiB", "all", host_memory="8GiB").host_bytes <= 8 * 2**30
+    with pytest.raises(sn.OutOfMemory, match="host"):
+        sn.plan(net, "12GiB", "all", host_memory="4GiB")
+    with pytest.raises(sn.OutOfMemory, match="host"):
+        sn.plan(net, "12GiB", "offload", host_memory="1GiB")
+    capped = sn.max_batch(sn.models.resnet50, "12GiB", "all", host_memory="8GiB")
+    assert 64 < capped < sn.max_batch(sn.models.resnet50, "12GiB", "all")

@@ -8,7 +8,9 @@ bytes and a pinned host arena of the size the plan needs, places the persistent 
 `step(images, labels)` runs one iteration: it walks the plan's steps and, for each, performs
 its operations in order: allocations and frees through the arena's allocator (which must
 hand out exactly the offsets the plan predicted, so the measured peak equals the plan's),
-copies between the arenas on a copy stream, and kernel launches on views of the arena.
+copies between the arenas on two copy streams (one each way, ordered against the kernels by
+the events the plan names; the host never waits mid-step), and kernel launches on views of
+the arena.
 Every launch reads its tensors through `Tensor.view()`, which raises if a tensor is freed,
 dropped or still in flight, so a scheduling bug cannot silently compute wrong numbers.
 """

@@ -3,13 +3,16 @@
 Two ways to use host memory, chosen by the policy:
 
 - always-offload ("offload", "recompute"): the output of every checkpoint layer (conv by
-  default) is copied to the host on the copy stream as soon as it is produced; its device
+  default) is copied to the host (device-to-host stream) as soon as it is produced; its device
   block is released after its last forward use, and it is prefetched back one step before
   its first backward use, so the copy overlaps the previous layer's compute.
 - LRU tensor cache ("all", the paper's Alg. 2): tensors stay on the device while the pool has
   room. When an allocation would fail, the least recently used unlocked activations are
   evicted (copied out unless the host already holds a valid copy) until it fits; a tensor
   found on the device is a hit and moves nothing. An evicted tensor comes back by prefetch.
+
+No copy is waited for on the host: `FreedRanges` (below) tells the planner which events the
+next writer of a freed block must wait for.
 """
 from __future__ import annotations
 

@@ -238,7 +238,6 @@ class _Planner:
         self.steps, self.conv_algos = [], {}
         self.to_host = self.to_device = self.extent = 0
         self.where = "setup"
-        self.index = -1                  # logical step being planned
         # stream ordering (see the module docstring)
         self.kernels = 0                 # kernel ops so far in the iteration
         self.n_slots = 0                 # event slots handed out
@@ -325,7 +324,6 @@ class _Planner:
                     self.conv_algos, self.recompute, p, self.small_bytes, self.n_slots)
 
     def _run_step(self, step):
-        self.index = step.index
         ops = []
         touched = list(dict.fromkeys(step.reads + step.writes))
         for tid in dict.fromkeys(step.reads):
@@ -356,7 +354,6 @@ class _Planner:
     def _recompute(self, tid, step):
         """Rebuild dropped tensor `tid` before backward `step` (a recompute step)."""
         layer = self.producer[tid]
-        self.index = step.index
         ops = []
         inputs = [self.program.act[x] for x in layer.inputs]
         for xid in inputs:
@@ -480,9 +477,6 @@ class _Planner:
             if self.loc.get(tid) != "gpu":
                 continue
             ops = self._current_ops
-            if self.uses[tid][-1] < self.index:      # dead already: free, never copy out
-                self._free(tid, ops)
-                return True
             if tid in self.hblock:
                 ops.append(("evict", tid, None, None, ()))
             else:

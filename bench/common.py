@@ -59,3 +59,52 @@ def rel_err(a, b) -> float:
 
 def shape_str(s) -> str:
     return "x".join(str(d) for d in s)
+
+
+def copy_gbps(device) -> float:
+    """Device-to-device copy bandwidth (bytes read + written per second / 1e9), 103 MB."""
+    x = torch.randn(32, 256, 56, 56, device=device)
+    y = torch.empty_like(x)
+    ms = do_bench(lambda: y.copy_(x))
+    return 2 * x.numel() * 4 / ms * 1e-6
+
+
+class Runner:
+    """Times a tinysn kernel beside its torch counterpart and collects one row per pair.
+
+    `run(...)` checks (optionally) the result, times both with `timer` (medians, ms) and
+    records the ratio torch/tinysn plus GB/s (`nbytes`: bytes each must move once; `moved`:
+    bytes it really moves) or TFLOP/s (`flops`), and the fraction of the copy bandwidth when
+    `copy_gbps` is set. A failure becomes an "error" row, so one kernel cannot hide the rest.
+    """
+
+    def __init__(self, log, fmt, timer=None):
+        self.rows, self.log, self.fmt = [], log, fmt
+        self.timer = timer or do_bench
+        self.copy_gbps = None
+
+    def run(self, kernel, algo, shape, fn, torch_fn, *, nbytes=None, moved=None, flops=None,
+            check=None, **extra):
+        row = {"kernel": kernel, "algo": algo, "shape": shape, **extra}
+        try:
+            fn()
+            torch_fn()
+            if torch.cuda.is_available():
+                torch.cuda.synchronize()
+            if check is not None:
+                row["rel_err"] = check()
+            ms, tms = self.timer(fn), self.timer(torch_fn)
+            row.update(tinysn_ms=ms, torch_ms=tms, ratio=tms / ms)
+            if nbytes is not None:
+                row.update(gbps=nbytes / ms * 1e-6, torch_gbps=nbytes / tms * 1e-6)
+                if self.copy_gbps:
+                    row.update(copy_gbps=self.copy_gbps, frac_of_copy=row["gbps"] / self.copy_gbps)
+            if moved is not None:
+                row["moved_gbps"] = moved / ms * 1e-6
+            if flops is not None:
+                row.update(tflops=flops / ms * 1e-9, torch_tflops=flops / tms * 1e-9)
+        except Exception as e:  # keep going: one failure should not hide the rest
+            row["error"] = f"{type(e).__name__}: {e}"[:500]
+        self.rows.append(row)
+        self.log(self.fmt(row))
+        return row

@@ -38,41 +38,6 @@ SGD_NUMEL = 25_557_032   # ResNet-50's parameter count
 _do_bench, _rel, _shape = common.do_bench, common.rel_err, common.shape_str
 
 
-class _Runner:
-    def __init__(self, log):
-        self.rows, self.log, self.copy_gbps = [], log, None
-
-    def run(self, kernel, algo, shape, fn, torch_fn, *, nbytes=None, flops=None, check=None,
-            **extra):
-        row = {"kernel": kernel, "algo": algo, "shape": shape, **extra}
-        try:
-            fn()
-            torch_fn()
-            torch.cuda.synchronize()
-            if check is not None:
-                row["rel_err"] = check()
-            ms, tms = _do_bench(fn), _do_bench(torch_fn)
-            row.update(tinysn_ms=ms, torch_ms=tms, ratio=tms / ms)
-            if nbytes is not None:
-                row.update(gbps=nbytes / ms * 1e-6, torch_gbps=nbytes / tms * 1e-6)
-                if self.copy_gbps:
-                    row.update(copy_gbps=self.copy_gbps, frac_of_copy=row["gbps"] / self.copy_gbps)
-            if flops is not None:
-                row.update(tflops=flops / ms * 1e-9, torch_tflops=flops / tms * 1e-9)
-        except Exception as e:  # keep going: one failure should not hide the rest
-            row["error"] = f"{type(e).__name__}: {e}"[:500]
-        self.rows.append(row)
-        self.log(_fmt(row))
-        return row
-
-
-def _copy_gbps(device):
-    x = torch.randn(32, 256, 56, 56, device=device)
-    y = torch.empty_like(x)
-    ms = _do_bench(lambda: y.copy_(x))
-    return 2 * x.numel() * 4 / ms * 1e-6
-
-
 def _bench_relu(r, device, batch):
     shape = (batch, 256, 56, 56)
     g = torch.Generator(device=device).manual_seed(0)
@@ -214,8 +179,8 @@ def _bench_sgd(r, device, batch):
 def bench(device="cuda", batch=32, only=GROUPS, log=print):
     torch.backends.cudnn.allow_tf32 = True
     torch.backends.cuda.matmul.allow_tf32 = True
-    r = _Runner(log)
-    r.copy_gbps = _copy_gbps(device)
+    r = common.Runner(log, _fmt)
+    r.copy_gbps = common.copy_gbps(device)
     log(f"torch copy: {r.copy_gbps:.0f} GB/s")
     for group in GROUPS:
         if group in only:

@@ -43,40 +43,6 @@ GROUPS = ("bn", "pool", "join", "lrn")
 _do_bench, _rel, _shape = common.do_bench, common.rel_err, common.shape_str
 
 
-class _Runner:
-    def __init__(self, log):
-        self.rows, self.log, self.copy_gbps = [], log, None
-
-    def run(self, kernel, algo, shape, fn, torch_fn, *, nbytes, moved=None, check=None,
-            **extra):
-        row = {"kernel": kernel, "algo": algo, "shape": shape, **extra}
-        try:
-            fn()
-            torch_fn()
-            torch.cuda.synchronize()
-            if check is not None:
-                row["rel_err"] = check()
-            ms, tms = _do_bench(fn), _do_bench(torch_fn)
-            row.update(tinysn_ms=ms, torch_ms=tms, ratio=tms / ms,
-                       gbps=nbytes / ms * 1e-6, torch_gbps=nbytes / tms * 1e-6)
-            if moved is not None:
-                row["moved_gbps"] = moved / ms * 1e-6
-            if self.copy_gbps:
-                row.update(copy_gbps=self.copy_gbps, frac_of_copy=row["gbps"] / self.copy_gbps)
-        except Exception as e:  # keep going: one failure should not hide the rest
-            row["error"] = f"{type(e).__name__}: {e}"[:500]
-        self.rows.append(row)
-        self.log(_fmt(row))
-        return row
-
-
-def _copy_gbps(device):
-    x = torch.randn(32, 256, 56, 56, device=device)
-    y = torch.empty_like(x)
-    ms = _do_bench(lambda: y.copy_(x))
-    return 2 * x.numel() * 4 / ms * 1e-6
-
-
 def _randn(shape, device, seed):
     g = torch.Generator(device=device).manual_seed(seed)
     return torch.randn(shape, device=device, generator=g)
@@ -241,8 +207,8 @@ def bench(device="cuda", batch=32, only=GROUPS, log=print):
     """Run the benchmarks; returns one dict per (kernel, algo, shape)."""
     torch.backends.cudnn.allow_tf32 = True
     torch.backends.cuda.matmul.allow_tf32 = True
-    r = _Runner(log)
-    r.copy_gbps = _copy_gbps(device)
+    r = common.Runner(log, _fmt)
+    r.copy_gbps = common.copy_gbps(device)
     log(f"torch copy_: {r.copy_gbps:.0f} GB/s")
     fns = {"bn": _bench_bn, "pool": _bench_pool, "join": _bench_join, "lrn": _bench_lrn}
     for grp in only:

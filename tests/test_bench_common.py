@@ -1,0 +1,26 @@
+"""bench/common.Runner, the timing harness of the kernel benchmarks (run on the CPU here with a
+fake timer; on the GPU it times with triton's do_bench)."""
+import torch
+
+from bench import common
+
+
+def test_runner_rows_rates_and_errors():
+    lines = []
+    times = iter([2.0, 4.0, 1.0, 3.0])      # tinysn ms, torch ms, then the second pair
+    r = common.Runner(lines.append, lambda row: row["kernel"], timer=lambda fn: next(times))
+    r.copy_gbps = 10.0
+    x = torch.ones(4)
+    row = r.run("k.bw", "a", "4", lambda: x.add_(1), lambda: None, nbytes=8e6, moved=16e6,
+                check=lambda: 0.5)
+    assert row["ratio"] == 2.0 and row["rel_err"] == 0.5
+    assert row["gbps"] == 4.0 and row["torch_gbps"] == 2.0 and row["moved_gbps"] == 8.0
+    assert row["frac_of_copy"] == 0.4
+    row = r.run("k.mm", "b", "4", lambda: None, lambda: None, flops=3e9)
+    assert row["tflops"] == 3.0 and row["torch_tflops"] == 1.0 and "gbps" not in row
+
+    def broken():
+        raise ValueError("bad shape")
+    row = r.run("k.err", "c", "4", broken, lambda: None, nbytes=1)
+    assert row["error"] == "ValueError: bad shape" and "ratio" not in row
+    assert lines == ["k.bw", "k.mm", "k.err"] and len(r.rows) == 3

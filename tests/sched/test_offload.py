@@ -1,0 +1,45 @@
+"""sched/offload.py: the LRU cache's order and FreedRanges against a per-byte model."""
+from hypothesis import given, settings, strategies as st
+
+from tinysn.sched.offload import FreedRanges, LRUCache
+
+SIZE = 64
+
+
+def test_lru_victims_oldest_first_skipping_locked():
+    c = LRUCache()
+    for tid in (1, 2, 3):
+        c.touch(tid)
+    c.touch(1)                          # a hit moves it to the young end
+    assert list(c.victims({3})) == [2, 1]
+    c.remove(2)
+    assert 2 not in c and len(c) == 2
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.lists(st.tuples(st.booleans(), st.integers(0, SIZE - 1), st.integers(1, 16),
+                          st.integers(0, 9), st.integers(0, 5)), max_size=40))
+def test_freed_ranges_match_a_per_byte_model(ops):
+    """add() where nothing is recorded, take() anywhere: take returns exactly the largest
+    position and the union of slots over the bytes it covers, and forgets those bytes only."""
+    ranges, model = FreedRanges(), [None] * SIZE       # byte -> (pos, slots) or None
+    for is_add, start, length, pos, slot in ops:
+        end = min(start + length, SIZE)
+        if is_add:
+            if any(model[b] is not None for b in range(start, end)):
+                continue                               # the planner never adds over a record
+            slots = frozenset() if slot == 0 else frozenset({slot})
+            ranges.add(start, end, pos, slots)
+            if pos or slots:
+                for b in range(start, end):
+                    model[b] = (pos, slots)
+        else:
+            got_pos, got_slots = ranges.take(start, end)
+            want = [model[b] for b in range(start, end) if model[b] is not None]
+            assert got_pos == max((p for p, _ in want), default=0)
+            assert got_slots == set().union(*(s for _, s in want))
+            for b in range(start, end):
+                model[b] = None
+    for b in range(SIZE):                               # what is left is exactly the model's
+        pos, slots = ranges.take(b, b + 1)
+        assert (pos, slots) == ((0, set()) if model[b] is None else (model[b][0], set(model[b][1])))

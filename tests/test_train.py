@@ -29,3 +29,15 @@ def test_plan_command_prints_every_policy_and_plots(tmp_path, capsys):
 
 def test_train_rejects_digits_for_other_models(capsys):
     assert cli.main(["train", "--model", "alexnet", "--data", "digits"]) == 2
+
+
+def test_plan_command_takes_a_host_cap(capsys):
+    """--host-memory reaches the planner: "offload" of AlexNet at batch 8 needs a few MiB of
+    host arena, so 1 MiB fails (exit 2, the error names the host, no traceback) and 64 MiB
+    plans."""
+    assert cli.main(["plan", "--model", "alexnet", "--batch", "8", "--policy", "offload",
+                     "--host-memory", "1MiB"]) == 2
+    assert "host" in capsys.readouterr().err
+    assert cli.main(["plan", "--model", "alexnet", "--batch", "8", "--policy", "offload",
+                     "--host-memory", "64MiB"]) == 0
+    assert "host arena" in capsys.readouterr().out

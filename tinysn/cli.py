@@ -14,6 +14,7 @@ import sys
 import time
 
 from . import models
+from .errors import OutOfMemory
 from .sched.plan import POLICIES
 from .units import format_bytes
 
@@ -44,6 +45,8 @@ def _parser():
     train.add_argument("--weight-decay", type=float, default=0.0)
     train.add_argument("--seed", type=int, default=0)
     train.add_argument("--trace", default=None, help="write the last step's trace as JSON")
+    train.add_argument("--host-memory", default=None,
+                       help="cap on the pinned host arena (default: what the plan needs)")
     plan = sub.add_parser("plan", help="dry-run the scheduler (no kernels, no GPU)")
     plan.add_argument("--model", choices=sorted(MODELS), default="alexnet")
     plan.add_argument("--batch", type=int, default=200)
@@ -51,12 +54,17 @@ def _parser():
     plan.add_argument("--policy", choices=POLICIES + ("every",), default="every")
     plan.add_argument("--plot", default=None, help="PNG path for the memory timeline")
     plan.add_argument("--json", default=None, help="write the figures as JSON")
+    plan.add_argument("--host-memory", default=None, help="cap on the pinned host arena")
     return parser
 
 
 def main(argv=None) -> int:
     args = _parser().parse_args(argv)
-    return _train(args) if args.command == "train" else _plan(args)
+    try:
+        return _train(args) if args.command == "train" else _plan(args)
+    except OutOfMemory as err:          # a cap too small: say which step, no traceback
+        print(f"error: {err}", file=sys.stderr)
+        return 2
 
 
 def _train(args) -> int:
@@ -80,7 +88,8 @@ def _train(args) -> int:
         fixed = data.synthetic(net, seed=args.seed)
         stream = iter(lambda: fixed, None)
     rt = Runtime(net, args.memory, args.policy, device=args.device, lr=lr,
-                 momentum=args.momentum, weight_decay=args.weight_decay, seed=args.seed)
+                 momentum=args.momentum, weight_decay=args.weight_decay, seed=args.seed,
+                 host_memory=args.host_memory)
     print(f"{args.model} batch {args.batch} on {rt.device}, policy {args.policy}, cap "
           f"{format_bytes(rt.plan.capacity)}: planned peak {format_bytes(rt.plan.peak_bytes)}")
     bar = tqdm(range(steps), unit="step", file=sys.stdout)
@@ -129,11 +138,12 @@ def _plan(args) -> int:
     results = {}
     for policy in policies:
         net = MODELS[args.model](batch=args.batch)
-        p = make_plan(net, args.memory, policy)
+        p = make_plan(net, args.memory, policy, host_memory=args.host_memory)
         results[policy] = p
         print(f"{policy:>9}: peak {p.peak_bytes / 2**20:10.1f} MiB  to host "
               f"{p.bytes_to_host / 2**20:9.1f} MiB  to device {p.bytes_to_device / 2**20:9.1f} MiB"
-              f"  recomputed {p.recomputed_steps:4d}  steps {len(p.steps)}")
+              f"  host arena {p.host_bytes / 2**20:9.1f} MiB  recomputed {p.recomputed_steps:4d}"
+              f"  steps {len(p.steps)}")
     if args.json:
         with open(args.json, "w") as f:
             json.dump({k: {"peak_bytes": v.peak_bytes, "bytes_to_host": v.bytes_to_host,

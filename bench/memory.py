@@ -26,7 +26,7 @@ import torch  # noqa: E402
 
 from bench import common  # noqa: E402
 from tinysn.cli import MODELS  # noqa: E402
-from tinysn.sched import liveness, recompute, workspace  # noqa: E402
+from tinysn.sched import liveness, recompute  # noqa: E402
 
 # PyTorch 2.11 eager in the same 12 GiB cap, as measured by the team that filed the issue
 # (plain SGD); context only, not reproduced here.

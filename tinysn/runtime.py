@@ -84,10 +84,9 @@ class Runtime:
         moves = self.plan.bytes_to_host + self.plan.bytes_to_device
         self.host = Arena(self.plan.host_bytes if moves else 1024, "cpu",
                           pinned=device.type == "cuda")
-        cuda = device.type == "cuda"      # copies each way on their own stream (both DMA engines)
-        self.to_host_stream = torch.cuda.Stream(device) if cuda else None
-        self.to_device_stream = torch.cuda.Stream(device) if cuda else None
-        self.copy_stream = self.to_device_stream       # the stream _wait checks for
+        self._cuda = device.type == "cuda"  # copies each way on their own stream (both DMA engines)
+        self.to_host_stream = torch.cuda.Stream(device) if self._cuda else None
+        self.to_device_stream = torch.cuda.Stream(device) if self._cuda else None
         self._events = [None] * self.plan.event_slots
         self.tensors = [Tensor(t.name, t.shape, t.dtype, t.kind, t.id) for t in self.plan.tensors]
         self._views = [{} for _ in self.tensors]      # tensor id -> {offset: torch view}
@@ -151,7 +150,7 @@ class Runtime:
             logits = logits.detach().to("cpu", copy=True)
         finally:
             self._images, self._predicting = None, False
-            if self.copy_stream is not None:     # copies of a cut-short iteration: done
+            if self._cuda:                       # copies of a cut-short iteration: done
                 torch.cuda.synchronize(self.device)
             persistent = {t.id for t in self.program.tensors if t.persistent}
             if self.policy != "baseline":
@@ -251,24 +250,24 @@ class Runtime:
                                f"{t.block.offset}, planned {offset}")
 
     def _wait(self, tid):
-        stream = torch.cuda.current_stream(self.device) if self.copy_stream is not None else None
+        stream = torch.cuda.current_stream(self.device) if self._cuda else None
         self.tensors[tid].wait(stream)
 
     def _sync(self, slots):
-        if self.copy_stream is not None:
+        if self._cuda:
             stream = torch.cuda.current_stream(self.device)
             for slot in slots:
                 stream.wait_event(self._events[slot])
 
     def _mark(self, slot):
-        if self.copy_stream is not None:
+        if self._cuda:
             event = torch.cuda.Event()
             event.record(torch.cuda.current_stream(self.device))
             self._events[slot] = event
 
     def _join_copies(self):
         """The compute stream waits for both copy streams (end of a step or a prediction)."""
-        if self.copy_stream is not None:
+        if self._cuda:
             stream = torch.cuda.current_stream(self.device)
             stream.wait_stream(self.to_host_stream)
             stream.wait_stream(self.to_device_stream)

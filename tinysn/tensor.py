@@ -14,8 +14,8 @@ Moves run on copy streams with one CUDA event per move; on the CPU they are plai
 synchronous copies. By default a move waits for the work queued on the compute stream and
 freeing a block waits on the host for a copy still touching it (safe on its own); the
 Runtime passes exact event lists and `sync=False` instead, because its plan knows which
-events each block's next writer needs (sched/plan.py). A lock count marks tensors the running layer uses: the LRU tensor
-cache may not evict a locked tensor.
+events each block's next writer needs (sched/plan.py). A lock count marks tensors the
+running layer uses: the LRU tensor cache may not evict a locked tensor.
 """
 from __future__ import annotations
 

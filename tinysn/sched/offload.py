@@ -82,9 +82,6 @@ class FreedRanges:
         self._starts: list = []
         self._rest: dict = {}          # start -> (end, pos, slots)
 
-    def __len__(self) -> int:
-        return len(self._starts)
-
     def add(self, start: int, end: int, pos: int, slots=()) -> None:
         """Record that [start, end) was freed after `pos` kernels, still read by `slots`."""
         if pos == 0 and not slots:

@@ -9,14 +9,17 @@ export PYTHONUNBUFFERED=1
 OUT=${OUT:-/tmp/tinysn-gpu}
 mkdir -p "$OUT" bench/results
 touch /tmp/tinysn-gpu-start      # only results written by this call go back (8 files at most)
-save() { find bench/results -name '*.json' -newer /tmp/tinysn-gpu-start -exec cp {} "$OUT"/ \; ; }
+save() { find bench/results \( -name '*.json' -o -name '*.txt' \) -newer /tmp/tinysn-gpu-start -exec cp {} "$OUT"/ \; ; }
 nvidia-smi --query-gpu=name,memory.total,clocks.sm --format=csv,noheader | tee -a "$OUT/gpu.log"
+GPU=$(nvidia-smi --query-gpu=name --format=csv,noheader | head -1 | tr ' ' '-')
 MEM="--memory 12GiB --host-memory 60GiB --merge"
 for stage in "$@"; do
   start=$(date +%s)
   case $stage in
     streams)  TINYSN_AUTOTUNE=0 timeout 150 python3 -m pytest -q -m gpu -p no:cacheprovider tests/sched/test_streams.py 2>&1 | tail -5 ;;
-    tests)    timeout ${TESTS_S:-300} python3 -m pytest -q -m gpu $(python3 -c "import xdist" 2>/dev/null && printf -- '-n 4') -p no:cacheprovider tests/kernels tests/pool 2>&1 | tail -25 ;;
+    # every gpu-marked test; each autotuned kernel's configs are all checked by the
+    # *_every_config tests, so the rest run untuned (one compile per shape)
+    tests)    TINYSN_AUTOTUNE=0 timeout ${TESTS_S:-420} python3 -m pytest -q -rfE --durations=10 -m gpu -n ${TEST_WORKERS:-14} -p no:cacheprovider tests 2>&1 | tee "bench/results/gpu-tests-$GPU.txt" | tail -30 ;;
     kernels)  timeout ${KERNELS_S:-330} python3 bench/kernels.py 2>&1 | tail -70 ;;
     train)    timeout 150 python3 bench/train.py --model resnet50 --batch 32 --policies baseline,all --pin-algos --steps 10 2>&1 | tail -8 ;;
     memory-a) TINYSN_AUTOTUNE=0 timeout 420 python3 bench/memory.py $MEM --models resnet50,vgg16,inception_v4 --reference 120GiB --reference-models resnet50 2>&1 | tail -20 ;;

@@ -231,7 +231,7 @@ def test_bn_gpu_deterministic():
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not GPU, reason="needs a CUDA GPU")
-@settings(max_examples=100, deadline=None)
+@settings(max_examples=40, deadline=None)
 @given(shape=st.tuples(st.integers(1, 40), st.integers(1, 70), st.integers(1, 40),
                       st.integers(1, 40)),
        seed=st.integers(0, 2**16), accumulate=st.booleans(), update_running=st.booleans(),

@@ -12,6 +12,7 @@ from hypothesis import given, settings, strategies as st
 
 import tinysn  # noqa: F401  (interpreter switch before triton)
 from tinysn.kernels import conv
+from configs import config_count, pinned
 
 GPU = torch.cuda.is_available()
 gpu = pytest.mark.skipif(not GPU, reason="needs a CUDA GPU")
@@ -184,6 +185,23 @@ def test_conv_edge_cases(case):
     i = EDGE_CASES.index(case)
     _check(case, "cpu", "ieee", seed=i, bias=i % 2 == 0, accumulate=i % 3 == 1,
            dx_none=i % 4 == 3, db_none=i % 5 == 2)
+
+
+# each GPU config of every conv kernel: a 3x3 with several pixel tiles of the largest tile
+# and several reduction blocks, a strided 7x7 (the data gradient's residue classes), a 1x1 on
+# the GEMM fast path
+CONFIG_CASES = [
+    (2, 9, 12, 12, 20, 3, 3, 1, 1),
+    (1, 3, 9, 9, 5, 7, 7, 2, 3),
+    (2, 40, 6, 6, 36, 1, 1, 1, 0),
+]
+
+
+@pytest.mark.parametrize("index", range(config_count(conv)))
+def test_conv_every_config(index):
+    with pinned(conv, index):
+        for j, case in enumerate(CONFIG_CASES):
+            _check(case, "cpu", "ieee", seed=index, bias=j != 1, accumulate=(index + j) % 2 == 1)
 
 
 def test_splitk_really_splits_and_is_deterministic():
@@ -377,6 +395,17 @@ def test_conv_gpu_cases(case, precision):
        accumulate=st.booleans(), dx_none=st.booleans())
 def test_conv_gpu_random_shapes(precision, case, seed, accumulate, dx_none):
     _check(case, "cuda", precision, seed, True, accumulate, dx_none, False)
+
+
+@pytest.mark.gpu
+@gpu
+@pytest.mark.parametrize("precision", ["ieee", "tf32"])
+@pytest.mark.parametrize("index", range(config_count(conv)))
+def test_conv_gpu_every_config(index, precision):
+    with pinned(conv, index):
+        for j, case in enumerate(CONFIG_CASES + GPU_CASES[-6:]):
+            _check(case, "cuda", precision, seed=index, bias=j != 1,
+                   accumulate=(index + j) % 2 == 1)
 
 
 @pytest.mark.gpu

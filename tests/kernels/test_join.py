@@ -5,6 +5,7 @@ from hypothesis import given, settings, strategies as st
 
 import tinysn  # noqa: F401  (interpreter switch before triton)
 from tinysn.kernels import join
+from configs import config_count, pinned
 
 GPU = torch.cuda.is_available()
 
@@ -209,3 +210,26 @@ def test_join_random_gpu(shape, k, chans, seed, data):
     acc_c = (acc + [False] * kc)[:kc]
     none_c = (none + [False] * kc)[:kc]
     _check_concat(shape[0], chans, shape[2], shape[3], seed, acc_c, none_c, device="cuda")
+
+
+# ----------------------------------------------------------------------------- every config
+
+def _every_config(index, device):
+    """Sums and fan-outs longer than the largest block; concat rows longer than it too."""
+    with pinned(join, index):
+        _check_add((2, 3, 30, 31), 5, index, [index % 2 == 1] * 5, [False] * 4 + [True],
+                   device=device)
+        _check_concat(2, [3, 1, 5], 30, 31, index, [False, index % 2 == 0, True],
+                      [False, True, False], device=device)
+
+
+@pytest.mark.parametrize("index", range(config_count(join)))
+def test_join_every_config(index):
+    _every_config(index, "cpu")
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not GPU, reason="needs a CUDA GPU")
+@pytest.mark.parametrize("index", range(config_count(join)))
+def test_join_gpu_every_config(index):
+    _every_config(index, "cuda")

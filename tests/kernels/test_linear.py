@@ -8,6 +8,7 @@ from hypothesis import given, settings, strategies as st
 
 import tinysn  # noqa: F401  (interpreter switch before triton)
 from tinysn.kernels import linear
+from configs import config_count, pinned
 
 GPU = torch.cuda.is_available()
 
@@ -155,3 +156,29 @@ def test_linear_gpu(n, f, o, precision, accumulate):
     _check(n, f, o, accumulate=accumulate, seed=f, device="cuda", precision=precision)
     _check(n, f, o, accumulate=accumulate, want=("db",), bias=False, seed=o, device="cuda",
            precision=precision)
+
+
+# ----------------------------------------------------------------------------- every config
+
+# every dimension larger than the largest tile's and not a multiple of any tile
+CONFIG_CASES = [(37, 150, 70), (260, 45, 17), (3, 300, 270)]
+
+
+def _every_config(index, device, precision="ieee"):
+    with pinned(linear, index):
+        for j, (n, f, o) in enumerate(CONFIG_CASES):
+            _check(n, f, o, accumulate=(index + j) % 2 == 1, seed=index, device=device,
+                   precision=precision)
+
+
+@pytest.mark.parametrize("index", range(config_count(linear)))
+def test_linear_every_config(index):
+    _every_config(index, "cpu")
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not GPU, reason="needs CUDA")
+@pytest.mark.parametrize("precision", ["ieee", "tf32"])
+@pytest.mark.parametrize("index", range(config_count(linear)))
+def test_linear_gpu_every_config(index, precision):
+    _every_config(index, "cuda", precision)

@@ -6,6 +6,7 @@ from hypothesis import given, settings, strategies as st
 
 import tinysn  # noqa: F401  (interpreter switch before triton)
 from tinysn.kernels import lrn
+from configs import config_count, pinned
 
 GPU = torch.cuda.is_available()
 NAN = float("nan")
@@ -111,10 +112,34 @@ def test_lrn_gpu(shape, size, accumulate):
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not GPU, reason="needs a CUDA GPU")
-@settings(max_examples=100, deadline=None)
+@settings(max_examples=40, deadline=None)
 @given(shape=st.tuples(st.integers(1, 4), st.integers(1, 40), st.integers(1, 20),
                       st.integers(1, 20)),
        size=st.integers(1, 9), alpha=st.floats(1e-4, 1.0), beta=st.floats(0.1, 1.5),
        k=st.floats(0.5, 3.0), seed=st.integers(0, 2**16), accumulate=st.booleans())
 def test_lrn_random_gpu(shape, size, alpha, beta, k, seed, accumulate):
     _check(shape, size, alpha, beta, k, seed, accumulate, device="cuda")
+
+
+# ----------------------------------------------------------------------------- every config
+
+# more pixels than the largest block, more channels than the largest channel block
+CONFIG_CASES = [((1, 9, 33, 33), 5), ((2, 3, 5, 7), 4)]
+
+
+def _every_config(index, device):
+    with pinned(lrn, index):
+        for j, (shape, size) in enumerate(CONFIG_CASES):
+            _check(shape, size, 1e-2, 0.75, 2.0, index, (index + j) % 2 == 1, device=device)
+
+
+@pytest.mark.parametrize("index", range(config_count(lrn)))
+def test_lrn_every_config(index):
+    _every_config(index, "cpu")
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not GPU, reason="needs a CUDA GPU")
+@pytest.mark.parametrize("index", range(config_count(lrn)))
+def test_lrn_gpu_every_config(index):
+    _every_config(index, "cuda")

@@ -6,6 +6,7 @@ from hypothesis import assume, given, settings, strategies as st
 
 import tinysn  # noqa: F401  (interpreter switch before triton)
 from tinysn.kernels import pool
+from configs import config_count, pinned
 
 GPU = torch.cuda.is_available()
 NAN = float("nan")
@@ -222,9 +223,34 @@ def test_pool_gpu(case, accumulate):
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not GPU, reason="needs a CUDA GPU")
-@settings(max_examples=200, deadline=None)
+@settings(max_examples=60, deadline=None)
 @given(case=pool_cases(max_hw=20, max_k=7), mode=st.sampled_from(["max", "avg"]),
        seed=st.integers(0, 2**16), accumulate=st.booleans())
 def test_pool_random_gpu(case, mode, seed, accumulate):
     shape, kernel, stride, padding = case
     _check(shape, mode, kernel, stride, padding, seed, accumulate, device="cuda")
+
+
+# ----------------------------------------------------------------------------- every config
+
+# more outputs than the largest forward block and more cells than the largest backward tile
+CONFIG_CASES = [((2, 3, 19, 21), "max", 3, 2, 1), ((2, 3, 19, 21), "avg", 3, 1, 1),
+                ((1, 2, 40, 40), "max", 2, 2, 0)]
+
+
+def _every_config(index, device):
+    with pinned(pool, index):
+        for j, (shape, mode, kernel, stride, padding) in enumerate(CONFIG_CASES):
+            _check(shape, mode, kernel, stride, padding, index, (index + j) % 2 == 1, device)
+
+
+@pytest.mark.parametrize("index", range(config_count(pool)))
+def test_pool_every_config(index):
+    _every_config(index, "cpu")
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not GPU, reason="needs a CUDA GPU")
+@pytest.mark.parametrize("index", range(config_count(pool)))
+def test_pool_gpu_every_config(index):
+    _every_config(index, "cuda")

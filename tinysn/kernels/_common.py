@@ -46,6 +46,18 @@ def autotune_configs(configs, interpreted_config):
     return list(configs) if TUNE else list(configs[:1])
 
 
+def autotune(configs, interpreted_config, **kwargs):
+    """`triton.autotune` over `autotune_configs(configs, interpreted_config)`. The autotuner
+    keeps the full GPU list as `all_configs`, so that tests can pin each config in turn
+    (tests/kernels/configs.py) whatever this run tunes over."""
+    def wrap(fn):
+        tuner = triton.autotune(configs=autotune_configs(configs, interpreted_config),
+                                **kwargs)(fn)
+        tuner.all_configs = list(configs)
+        return tuner
+    return wrap
+
+
 def check_tensor(name: str, t: torch.Tensor, shape=None, dtype=torch.float32) -> None:
     """Raise ValueError unless `t` is a contiguous tensor of `dtype` (and `shape`)."""
     if not isinstance(t, torch.Tensor):

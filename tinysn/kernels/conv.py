@@ -76,7 +76,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ._common import INTERPRET, autotune_configs, check_tensor, dot_precision
+from ._common import INTERPRET, autotune, check_tensor, dot_precision
 
 PHASES = ("forward", "backward_data", "backward_weight")
 _ALGOS = {"forward": ("implicit", "im2col"),
@@ -290,7 +290,7 @@ def _fwd_macs(a):
 
 
 def _autotune(configs, key, macs_fn, restore=None, small=None):
-    kw = dict(configs=autotune_configs(configs, small or _SMALL_CONFIG), key=key)
+    kw = dict(key=key)
     if restore:
         kw["restore_value"] = restore
     if not INTERPRET:
@@ -298,7 +298,7 @@ def _autotune(configs, key, macs_fn, restore=None, small=None):
         if "do_bench" in inspect.signature(triton.autotune).parameters:
             kw["do_bench"] = lambda fn, quantiles: triton.testing.do_bench(
                 fn, warmup=5, rep=20, quantiles=quantiles)
-    return triton.autotune(**kw)
+    return autotune(configs, small or _SMALL_CONFIG, **kw)
 
 
 _KEY = ["N", "C", "H", "W", "K", "P", "Q", "SH", "SW", "PH", "PW", "R", "S"]

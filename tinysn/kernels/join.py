@@ -27,7 +27,7 @@ No workspace: workspace_bytes(...) is 0.
 import triton
 import triton.language as tl
 
-from ._common import autotune_configs, check_tensor
+from ._common import autotune, check_tensor
 
 _MAX_PTRS = 4  # inputs summed / gradients written per launch
 
@@ -48,7 +48,7 @@ def workspace_bytes(*args, **kwargs) -> int:
 # ----------------------------------------------------------------------------- kernels
 
 
-@triton.autotune(configs=autotune_configs(_GPU_CONFIGS, _SMALL_CONFIG), key=["n"],
+@autotune(_GPU_CONFIGS, _SMALL_CONFIG, key=["n"],
                  restore_value=["y_ptr"])
 @triton.jit
 def _sum_kernel(y_ptr, a0, a1, a2, a3, n, NUM: tl.constexpr, BLOCK: tl.constexpr):
@@ -65,7 +65,7 @@ def _sum_kernel(y_ptr, a0, a1, a2, a3, n, NUM: tl.constexpr, BLOCK: tl.constexpr
     tl.store(y_ptr + offs, acc, mask=mask)
 
 
-@triton.autotune(configs=autotune_configs(_GPU_CONFIGS, _SMALL_CONFIG), key=["n"],
+@autotune(_GPU_CONFIGS, _SMALL_CONFIG, key=["n"],
                  restore_value=["d0", "d1", "d2", "d3"])
 @triton.jit
 def _fanout_kernel(g_ptr, d0, d1, d2, d3, n, NUM: tl.constexpr,
@@ -96,7 +96,7 @@ def _fanout_kernel(g_ptr, d0, d1, d2, d3, n, NUM: tl.constexpr,
             tl.store(d3 + offs, g, mask=mask)
 
 
-@triton.autotune(configs=autotune_configs(_GPU_CONFIGS, _SMALL_CONFIG), key=["row_len"],
+@autotune(_GPU_CONFIGS, _SMALL_CONFIG, key=["row_len"],
                  restore_value=["dst"])
 @triton.jit
 def _copy_rows_kernel(src, dst, row_len, src_stride, dst_stride, src_off, dst_off,

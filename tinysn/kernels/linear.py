@@ -23,7 +23,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ._common import autotune_configs, check_tensor, dot_precision
+from ._common import autotune, check_tensor, dot_precision
 
 _FWD, _DX, _DW = 0, 1, 2
 
@@ -49,7 +49,7 @@ _GPU_CONFIGS = [
 _SMALL_CONFIG = _cfg(16, 16, 16, 1, 1, group_m=2)
 
 
-@triton.autotune(configs=autotune_configs(_GPU_CONFIGS, _SMALL_CONFIG),
+@autotune(_GPU_CONFIGS, _SMALL_CONFIG,
                  key=["M", "N", "K", "MODE"], restore_value=["c_ptr"])
 @triton.jit
 def _gemm_kernel(a_ptr, b_ptr, c_ptr, bias_ptr, rowsum_ptr, M, N, K,

@@ -28,7 +28,7 @@ import math
 import triton
 import triton.language as tl
 
-from ._common import autotune_configs, check_tensor
+from ._common import autotune, check_tensor
 
 _GPU_CONFIGS = [
     triton.Config({"BLOCK": 256, "CB": 4}, num_warps=4),
@@ -76,7 +76,7 @@ def _tile(C, HW, CB: tl.constexpr, BLOCK: tl.constexpr):
     return c2, hw[None, :] + base, mask
 
 
-@triton.autotune(configs=autotune_configs(_GPU_CONFIGS, _SMALL_CONFIG), key=["C", "HW", "SIZE"])
+@autotune(_GPU_CONFIGS, _SMALL_CONFIG, key=["C", "HW", "SIZE"])
 @triton.jit
 def _lrn_fwd_kernel(x, y, C, HW, alpha_n, beta, k, SIZE: tl.constexpr, LO: tl.constexpr,
                     BLOCK: tl.constexpr, CB: tl.constexpr):
@@ -86,7 +86,7 @@ def _lrn_fwd_kernel(x, y, C, HW, alpha_n, beta, k, SIZE: tl.constexpr, LO: tl.co
     tl.store(y + pix + c * HW, xc * tl.exp2(-beta * tl.log2(s)), mask=m)
 
 
-@triton.autotune(configs=autotune_configs(_GPU_BWD_CONFIGS, _SMALL_CONFIG),
+@autotune(_GPU_BWD_CONFIGS, _SMALL_CONFIG,
                  key=["C", "HW", "SIZE"], restore_value=["dx"])
 @triton.jit
 def _lrn_bwd_kernel(x, dy, dx, C, HW, alpha_n, beta, k, SIZE: tl.constexpr, LO: tl.constexpr,

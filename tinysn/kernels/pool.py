@@ -42,7 +42,7 @@ The backward kernel declares restore_value=["dx"] so that autotuning an accumula
 import triton
 import triton.language as tl
 
-from ._common import autotune_configs, check_tensor
+from ._common import autotune, check_tensor
 
 _FWD_GPU = [
     triton.Config({"BLOCK": 256}, num_warps=4),
@@ -139,7 +139,7 @@ def _check_same_device(*named):
 # ----------------------------------------------------------------------------- kernels
 
 
-@triton.autotune(configs=autotune_configs(_FWD_GPU, _FWD_SMALL),
+@autotune(_FWD_GPU, _FWD_SMALL,
                  key=["total", "H", "W", "KH", "KW", "SH", "SW"])
 @triton.jit
 def _pool_fwd_kernel(x, y, total, H, W, OH, OW,
@@ -216,7 +216,7 @@ def _pool_global_fwd_kernel(x, y, planes, HW, IS_MAX: tl.constexpr, INDEX64: tl.
     tl.store(y + rows, out, mask=rmask)
 
 
-@triton.autotune(configs=autotune_configs(_BWD_GPU, _BWD_SMALL),
+@autotune(_BWD_GPU, _BWD_SMALL,
                  key=["total", "H", "W", "KH", "KW", "SH", "SW"], restore_value=["dx"])
 @triton.heuristics({"BLOCK": lambda a: max(2, a["LANES"] // a["CELLP"])})
 @triton.jit

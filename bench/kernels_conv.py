@@ -42,7 +42,8 @@ SHAPES = [
 PHASES = ("forward", "backward_data", "backward_weight")
 _TUNED = {"forward": "_conv_fwd", "backward_data": "_conv_bwd_data",
           "backward_weight": "_conv_bwd_weight"}
-_TUNED_ALGO = {"transposed": "_conv_bwd_data_t"}   # algorithms with their own GEMM autotuner
+# algorithms whose GEMM runs under another phase's autotuner
+_TUNED_ALGO = {"transposed": "_conv_bwd_data_t", "flipped": "_conv_fwd"}
 
 
 def _do_bench(fn):
@@ -94,6 +95,9 @@ def bench(device="cuda", batch=32, shapes=None, phases=PHASES, precision="tf32",
             ref = torch_fn()
             torch_ms = None if warm else _do_bench(torch_fn)
             for algo in conv._ALGOS[phase]:
+                if algo == "flipped" and algo not in conv.algos(x.shape, wt.shape, st, pd,
+                                                                phase):
+                    continue        # stride 1 only
                 need = conv.workspace_bytes(x.shape, wt.shape, st, pd, phase, algo)
                 ws = torch.empty(max(need, 4), dtype=torch.uint8, device=device)
 

@@ -10,6 +10,8 @@ from contextlib import contextmanager
 
 from triton.runtime.autotuner import Autotuner
 
+from tinysn.kernels import _common
+
 
 def tuners(module):
     """The module's autotuned kernels."""
@@ -28,15 +30,14 @@ def pinned(module, index):
     """Within the block, every autotuner of `module` runs its config `index` (modulo its list
     length) and nothing else; caches of earlier picks are set aside and restored after."""
     saved = [(t, t.configs, dict(t.cache)) for t in tuners(module)]
-    picks = getattr(module, "_TUNED", None)
-    saved_picks = dict(picks) if picks is not None else None
+    picks = _common._TUNED          # the direct-launch cache of autotuner picks (launch())
+    saved_picks = dict(picks)
     try:
         for t, _, _ in saved:
             t.configs = [t.all_configs[index % len(t.all_configs)]]
             t.cache.clear()
             t.best_config = None
-        if picks is not None:
-            picks.clear()
+        picks.clear()
         yield
         ran = [t for t, _, _ in saved if t.best_config is not None]
         assert ran, f"no autotuned kernel of {module.__name__} ran"
@@ -47,6 +48,5 @@ def pinned(module, index):
             t.configs = configs
             t.cache.clear()
             t.cache.update(cache)
-        if picks is not None:
-            picks.clear()
-            picks.update(saved_picks)
+        picks.clear()
+        picks.update(saved_picks)

@@ -18,7 +18,7 @@ GPU = torch.cuda.is_available()
 gpu = pytest.mark.skipif(not GPU, reason="needs a CUDA GPU")
 
 ALL_ALGOS = {"forward": ("implicit", "im2col"),
-             "backward_data": ("implicit", "transposed", "zero_insert"),
+             "backward_data": ("implicit", "flipped", "transposed", "zero_insert"),
              "backward_weight": ("onepass", "splitk")}
 
 
@@ -98,6 +98,11 @@ def _check(case, device="cpu", precision="ieee", seed=0, bias=True, accumulate=F
         need = conv.workspace_bytes(x.shape, wt.shape, stride, padding, "backward_data", algo)
         assert offered.get(algo, need) == need
         dx = before.clone() if accumulate else _nan(x.shape, device)
+        if algo == "flipped" and algo not in offered:     # stride > 1 or padding >= kernel
+            with pytest.raises(ValueError, match="'flipped' needs stride 1"):
+                conv.backward_data(dy, wt, dx, stride=stride, padding=padding, algo=algo,
+                                   workspace=_workspace(need, device))
+            continue
         conv.backward_data(dy, wt, dx, stride=stride, padding=padding, algo=algo,
                            workspace=_workspace(need, device), accumulate=accumulate,
                            precision=precision)
@@ -118,7 +123,9 @@ def _check(case, device="cpu", precision="ieee", seed=0, bias=True, accumulate=F
             _close(db, db_ref, red_wgt, precision, "db")
 
     # backward (both phases through one workspace); the algorithm pair rotates with the seed
-    algo_data = ALL_ALGOS["backward_data"][seed % 3]
+    algo_data = ALL_ALGOS["backward_data"][seed % 4]
+    if algo_data not in conv.algos(x.shape, wt.shape, stride, padding, "backward_data"):
+        algo_data = "implicit" if algo_data == "flipped" else algo_data
     algo_weight = ALL_ALGOS["backward_weight"][(seed // 3) % 2]
     need = conv.backward_workspace_bytes(x.shape, wt.shape, stride, padding, algo_data,
                                          algo_weight, not dx_none, True)
@@ -230,8 +237,12 @@ def test_algos_and_workspaces():
     assert conv.out_shape((1, 3, 17, 17), (4, 3, 1, 7), 1, (0, 3)) == (1, 4, 17, 17)
     f = conv.algos(xs, ws, 1, 1, "forward")
     assert f == {"implicit": 0, "im2col": 4 * 32 * 64 * 9 * 56 * 56}
-    assert conv.algos(xs, ws, 1, 1, "backward_data") == {"implicit": 0,
-                                                         "transposed": 4 * 64 * 64 * 9}
+    assert conv.algos(xs, ws, 1, 1, "backward_data") == {
+        "implicit": 0, "flipped": 4 * 64 * 64 * 9, "transposed": 4 * 64 * 64 * 9}
+    # "flipped" needs stride 1 and padding below the kernel size
+    assert list(conv.algos(xs, ws, 1, 3, "backward_data")) == ["implicit", "transposed"]
+    assert list(conv.algos(xs, ws, (1, 2), 1, "backward_data")) == [
+        "implicit", "transposed", "zero_insert"]
     d2 = conv.algos(xs, ws, 2, 1, "backward_data")
     assert list(d2) == ["implicit", "transposed", "zero_insert"]
     assert d2["zero_insert"] == 4 * 32 * 64 * 58 * 58
@@ -274,6 +285,43 @@ def test_transposed_matches_implicit():
         # the workspace now holds wT[r, s, c, k] = w[k, c, r, s]
         wt = wsp[:need].view(torch.float32).view(ws[2], ws[3], ws[1], ws[0])
         assert torch.equal(wt, w.permute(2, 3, 1, 0))
+
+
+def test_flipped_matches_implicit():
+    """"flipped": workspace = one float per weight holding wF[c, k, r, s] = w[k, c, R-1-r,
+    S-1-s], and dx agrees with "implicit" (3x3, asymmetric kernel and padding, 1x1 on the GEMM
+    path; plain and accumulate). Stride 2 and padding >= kernel are refused before any write."""
+    gen = torch.Generator().manual_seed(8)
+    for xs, ws, padding, acc in [((2, 5, 9, 8), (20, 5, 3, 3), 1, False),
+                                 ((1, 3, 7, 7), (4, 3, 5, 3), (2, 0), True),
+                                 ((2, 6, 4, 4), (7, 6, 1, 1), 0, True)]:
+        need = conv.workspace_bytes(xs, ws, 1, padding, "backward_data", "flipped")
+        assert need == 4 * math.prod(ws)
+        w, before = _rand(ws, gen, "cpu"), _rand(xs, gen, "cpu")
+        dy = _rand(conv.out_shape(xs, ws, 1, padding), gen, "cpu")
+        outs = {}
+        for algo in ("implicit", "flipped"):
+            dx = before.clone() if acc else _nan(xs, "cpu")
+            wsp = _workspace(need, "cpu")
+            conv.backward_data(dy, w, dx, stride=1, padding=padding, algo=algo,
+                               workspace=wsp, accumulate=acc, precision="ieee")
+            outs[algo] = dx
+        _close(outs["flipped"], outs["implicit"], ws[0] * ws[2] * ws[3], "ieee",
+               f"flipped vs implicit {xs} {ws} {padding}")
+        wf = wsp[:need].view(torch.float32).view(ws[1], ws[0], ws[2], ws[3])
+        assert torch.equal(wf, w.transpose(0, 1).flip(2, 3))
+    x, w = torch.randn(1, 2, 6, 6), torch.randn(3, 2, 3, 3)
+    for stride, padding in ((2, 1), (1, 3)):
+        dy = torch.randn(conv.out_shape(x.shape, w.shape, stride, padding))
+        dx = torch.full(x.shape, 7.0)
+        wsp = _workspace(4 * w.numel(), "cpu")
+        with pytest.raises(ValueError, match="'flipped' needs stride 1"):
+            conv.backward_data(dy, w, dx, stride=stride, padding=padding, algo="flipped",
+                               workspace=wsp)
+        with pytest.raises(ValueError, match="'flipped' needs stride 1"):
+            conv.backward(x, w, dy, dx, None, None, stride=stride, padding=padding,
+                          algo_data="flipped", workspace=wsp)
+        assert bool((dx == 7.0).all())
 
 
 def test_bad_input_raises():

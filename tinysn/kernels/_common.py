@@ -68,3 +68,22 @@ def check_tensor(name: str, t: torch.Tensor, shape=None, dtype=torch.float32) ->
         raise ValueError(f"{name} must have shape {tuple(shape)}, got {tuple(t.shape)}")
     if not t.is_contiguous():
         raise ValueError(f"{name} must be contiguous")
+
+
+_TUNED = {}   # (autotuner, scalar arguments, keyword arguments) -> the config it picked
+
+
+def launch(tuner, grid, args, kwargs):
+    """Launch an autotuned kernel. The first launch of a shape goes through the autotuner;
+    later ones launch its pick directly, skipping the autotuner's per-call bookkeeping (host
+    time per launch matters: the runtime launches hundreds of kernels per step)."""
+    key = (id(tuner), tuple(a for a in args if not isinstance(a, torch.Tensor)),
+           tuple(kwargs.items()))
+    cfg = _TUNED.get(key)
+    if cfg is None:
+        tuner[grid](*args, **kwargs)
+        cfg = getattr(tuner, "best_config", None)
+        if cfg is not None:
+            _TUNED[key] = cfg
+        return
+    tuner.fn[grid(cfg.kwargs) if callable(grid) else grid](*args, **kwargs, **cfg.all_kwargs())

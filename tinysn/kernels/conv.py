@@ -35,6 +35,13 @@ workspace bytes, fastest-expected first:
                  element, and the weight tile is read along k, its contiguous axis (the
                  K-major operand layout the GPU's MMA wants; the dY tile stays pixel-major).
                  Any stride.
+    "flipped"    stride 1 only (and padding < kernel size): the data gradient of a stride-1
+                 conv is a stride-1 conv of dY with the weight transposed and flipped,
+                 wF[c, k, r, s] = W[k, c, R-1-r, S-1-s], padding (R-1-ph, S-1-pw). One small
+                 kernel writes wF into the workspace (4*K*C*R*S bytes), then the forward
+                 kernel runs on dY (its weight tile read along (k, r, s), contiguous in wF;
+                 a 1x1 conv keeps the GEMM fast path). `algos()` offers it only where it
+                 applies; asking for it elsewhere raises ValueError.
     "zero_insert" build dY with (sh-1) zeros inserted between pixels and R-1-ph / S-1-pw
                  zeros around it in the workspace ([N, K, H+R-1, W+S-1]), then run the
                  stride-1 implicit kernel on it (a stride-1 conv with the flipped weight). It
@@ -76,11 +83,12 @@ import torch
 import triton
 import triton.language as tl
 
-from ._common import INTERPRET, autotune, check_tensor, dot_precision
+from ._common import _TUNED, INTERPRET, autotune, check_tensor, dot_precision  # noqa: F401
+from ._common import launch as _launch
 
 PHASES = ("forward", "backward_data", "backward_weight")
 _ALGOS = {"forward": ("implicit", "im2col"),
-          "backward_data": ("implicit", "transposed", "zero_insert"),
+          "backward_data": ("implicit", "flipped", "transposed", "zero_insert"),
           "backward_weight": ("onepass", "splitk")}
 
 # split-K sizing: aim for about this many programs (two waves on a 132-SM H200; a constant so
@@ -192,7 +200,7 @@ def _workspace_bytes(x_shape, w_shape, stride, padding, phase, algo) -> int:
         return 4 * n * c * r * s * p * q
     if algo == "zero_insert":
         return 4 * n * k * (h + r - 1) * (w + s - 1)
-    if algo == "transposed":
+    if algo in ("transposed", "flipped"):
         return 4 * k * c * r * s
     # splitk
     return 4 * splitk_splits(x_shape, w_shape, stride, padding) * k * c * r * s
@@ -207,13 +215,30 @@ def algos(x_shape, w_shape, stride, padding, phase) -> dict:
     if phase == "forward":
         return {"implicit": 0, "im2col": ws("im2col")}
     if phase == "backward_data":
-        # "transposed" after "implicit" until the GPU has measured them
+        # the workspace algorithms after "implicit" until the GPU has measured them
+        if _flipped_applies(w_shape, (sh, sw), padding):
+            return {"implicit": 0, "flipped": ws("flipped"), "transposed": ws("transposed")}
         if sh == 1 and sw == 1:
             return {"implicit": 0, "transposed": ws("transposed")}
         return {"implicit": 0, "transposed": ws("transposed"), "zero_insert": ws("zero_insert")}
     if splitk_splits(x_shape, w_shape, stride, padding) > 1:
         return {"splitk": ws("splitk"), "onepass": 0}
     return {"onepass": 0, "splitk": ws("splitk")}
+
+
+def _flipped_applies(w_shape, stride, padding) -> bool:
+    """"flipped" needs stride 1 and padding below the kernel size (its forward-conv padding
+    R-1-ph must not be negative)."""
+    sh, sw = _pair(stride, "stride", 1)
+    ph, pw = _pair(padding, "padding", 0)
+    return sh == 1 and sw == 1 and ph < w_shape[2] and pw < w_shape[3]
+
+
+def _check_flipped(algo, w_shape, geo):
+    if algo == "flipped" and not _flipped_applies(w_shape, geo[:2], geo[2:4]):
+        raise ValueError(f"conv: backward_data algo 'flipped' needs stride 1 and padding "
+                         f"smaller than the kernel; got stride {geo[:2]}, padding {geo[2:4]}, "
+                         f"kernel {tuple(w_shape[2:])}")
 
 
 def backward_workspace_bytes(x_shape, w_shape, stride, padding, algo_data="implicit",
@@ -344,10 +369,10 @@ def _conv_fwd_kernel(x_ptr, w_ptr, b_ptr, y_ptr,
                      N, C, K, SH, SW, PH, PW,
                      H: tl.constexpr, W: tl.constexpr, P: tl.constexpr, Q: tl.constexpr,
                      R: tl.constexpr, S: tl.constexpr, IS_1X1: tl.constexpr,
-                     HAS_BIAS: tl.constexpr, PRECISION: tl.constexpr,
+                     HAS_BIAS: tl.constexpr, ACCUMULATE: tl.constexpr, PRECISION: tl.constexpr,
                      BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                      GROUP_M: tl.constexpr, PIX: tl.constexpr):
-    """Y[(n,p,q), k] = sum_(c,r,s) X[n, c, p*SH-PH+r, q*SW-PW+s] * W[k, c, r, s] (+ b[k]).
+    """Y[(n,p,q), k] (+)= sum_(c,r,s) X[n, c, p*SH-PH+r, q*SW-PW+s] * W[k, c, r, s] (+ b[k]).
 
     The gathered x tile is [BLOCK_K, BLOCK_M] with the pixel axis fast; the weight tile is
     [BLOCK_N, BLOCK_K], read along (c,r,s), its contiguous axis (16-byte loads). Addresses: one
@@ -411,10 +436,16 @@ def _conv_fwd_kernel(x_ptr, w_ptr, b_ptr, y_ptr,
     if PQ % 4 != 0:
         y_m = tl.max_contiguous(tl.multiple_of(y_m, 1), BLOCK_M)
     y_ptrs = y_ptr + img0.to(tl.int64) * (K * PQ) + (y_m[None, :] + (offs_n * PQ)[:, None])
-    tl.store(y_ptrs, tl.trans(acc), mask=n_ok[:, None] & m_ok[None, :])              # [BN, BM]
+    mask = n_ok[:, None] & m_ok[None, :]
+    out = tl.trans(acc)                                                      # [BN, BM]
+    if ACCUMULATE:
+        out += tl.load(y_ptrs, mask=mask, other=0.0)
+    tl.store(y_ptrs, out, mask=mask)
 
 
 _conv_fwd = _autotune(_FWD_CONFIGS, _KEY, _fwd_macs)(_conv_fwd_kernel)
+# the "flipped" data gradient's accumulating launch (the autotuner restores dx after timing)
+_conv_fwd_acc = _autotune(_FWD_CONFIGS, _KEY, _fwd_macs, restore=["y_ptr"])(_conv_fwd_kernel)
 
 
 @triton.jit
@@ -608,6 +639,20 @@ def _weight_rsck_kernel(w_ptr, wt_ptr, K, C, RS: tl.constexpr,
     rs = offs_j - c * RS
     v = tl.load(w_ptr + (offs_k[:, None] * CRS + offs_j[None, :]), mask=ok)
     tl.store(wt_ptr + ((rs * C + c)[None, :] * K + offs_k[:, None]), v, mask=ok)
+
+
+@triton.jit
+def _weight_flip_kernel(w_ptr, wf_ptr, total, K, C, RS: tl.constexpr, BLOCK: tl.constexpr):
+    """wF[c, k, r, s] = W[k, c, R-1-r, S-1-s]: the "flipped" data gradient's weight. Flipping
+    both taps maps the flat tap index t = r*S + s to RS-1-t. Written along wF (contiguous)."""
+    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    ok = offs < total
+    t = offs % RS
+    ck = offs // RS
+    k = ck % K
+    c = ck // K
+    v = tl.load(w_ptr + ((k * C + c) * RS + (RS - 1 - t)), mask=ok)
+    tl.store(wf_ptr + offs, v, mask=ok)
 
 
 @triton.jit
@@ -987,35 +1032,17 @@ def _algo(phase, algo):
     return algo
 
 
-_TUNED = {}   # (autotuner, scalar arguments, keyword arguments) -> the config it picked
-
-
-def _launch(tuner, grid, args, kwargs):
-    """Launch an autotuned kernel. The first launch of a shape goes through the autotuner;
-    later ones launch its pick directly, skipping the autotuner's per-call bookkeeping (host
-    time per launch matters: the runtime launches hundreds of kernels per step)."""
-    key = (id(tuner), tuple(a for a in args if not isinstance(a, torch.Tensor)),
-           tuple(kwargs.items()))
-    cfg = _TUNED.get(key)
-    if cfg is None:
-        tuner[grid](*args, **kwargs)
-        cfg = getattr(tuner, "best_config", None)
-        if cfg is not None:
-            _TUNED[key] = cfg
-        return
-    tuner.fn[grid(cfg.kwargs)](*args, **kwargs, **cfg.all_kwargs())
-
-
 def _pix_grid(m, n):
     return lambda meta: (_cdiv(m, meta["BLOCK_M"]) * _cdiv(n, meta["BLOCK_N"]),)
 
 
-def _launch_fwd(x, w, b, y, n, c, h, wd, k, p, q, sh, sw, ph, pw, r, s, prec):
+def _launch_fwd(x, w, b, y, n, c, h, wd, k, p, q, sh, sw, ph, pw, r, s, prec,
+                accumulate=False):
     is_1x1 = r == 1 and s == 1 and sh == 1 and sw == 1 and ph == 0 and pw == 0
-    _launch(_conv_fwd, _pix_grid(n * p * q, k),
+    _launch(_conv_fwd_acc if accumulate else _conv_fwd, _pix_grid(n * p * q, k),
             (x, w, b if b is not None else y, y, n, c, k, sh, sw, ph, pw),
             dict(H=h, W=wd, P=p, Q=q, R=r, S=s, IS_1X1=is_1x1, HAS_BIAS=b is not None,
-                 PRECISION=prec))
+                 ACCUMULATE=accumulate, PRECISION=prec))
 
 
 def forward(x, w, b, y, *, stride, padding, algo="implicit", workspace=None, precision=None):
@@ -1088,6 +1115,15 @@ def _run_bwd_data(dy, w, dx, x_shape, geo, algo, ws, accumulate, prec):
         _launch_bwd_data_t(dy, w, ws, dx, n, c, h, wd, k, p, q, sh, sw, ph, pw, r, s,
                            accumulate, prec)
         return
+    if algo == "flipped":
+        # dx = conv(dY, wF [C, K, R, S], stride 1, padding (R-1-ph, S-1-pw)): the forward
+        # kernel with C <-> K and (H, W) <-> (P, Q)
+        total = k * c * r * s
+        _weight_flip_kernel[(_cdiv(total, _ELEM_BLOCK),)](
+            w, ws, total, k, c, RS=r * s, BLOCK=_ELEM_BLOCK, num_warps=4)
+        _launch_fwd(dy, ws, None, dx, n, k, p, q, c, h, wd, 1, 1, r - 1 - ph, s - 1 - pw, r, s,
+                    prec, accumulate)
+        return
     # zero_insert: z [N, K, H+R-1, W+S-1], then a stride-1 conv of z with the flipped weight,
     # which is the implicit stride-1 kernel with padding (R-1, S-1) over z
     hz, wz = h + r - 1, wd + s - 1
@@ -1106,7 +1142,7 @@ def _check_dy(dy, x_shape, w_shape, stride, padding):
 def backward_data(dy, w, dx, *, stride, padding, algo="implicit", workspace=None,
                   accumulate=False, precision=None):
     """dx (+)= conv2d_input(dx.shape, w, dy). dy [N,K,P,Q], w [K,C,R,S], dx [N,C,H,W].
-    algo "implicit" (no workspace), "transposed" or "zero_insert" (workspace)."""
+    algo "implicit" (no workspace), "flipped", "transposed" or "zero_insert" (workspace)."""
     prec = dot_precision(precision)
     _algo("backward_data", algo)
     if not isinstance(accumulate, bool):
@@ -1114,6 +1150,7 @@ def backward_data(dy, w, dx, *, stride, padding, algo="implicit", workspace=None
     _check_4d("w", w)
     _check_4d("dx", dx)
     geo = _check_dy(dy, dx.shape, w.shape, stride, padding)
+    _check_flipped(algo, w.shape, geo)
     _check_device(dx, dy=dy, w=w, workspace=workspace)
     ws = _workspace(workspace, workspace_bytes(dx.shape, w.shape, geo[:2], geo[2:4],
                                                "backward_data", algo), dx.device)
@@ -1191,6 +1228,7 @@ def backward(x, w, dy, dx, dw, db, *, stride, padding, algo_data="implicit",
     geo = _check_dy(dy, x.shape, w.shape, stride, padding)
     if dx is not None:
         _check_4d("dx", dx, tuple(x.shape))
+        _check_flipped(algo_data, w.shape, geo)
     if dw is not None:
         _check_4d("dw", dw, tuple(w.shape))
     if db is not None:

@@ -14,7 +14,8 @@ One kernel launch sums up to four inputs (reading each once and writing y once);
 inputs chain in place on y, keeping the left-fold order. The add backward writes up to four
 gradients per launch from one read of dy. A channel slice of an NCHW tensor is N rows of
 Ci*H*W contiguous elements, the rows C*H*W apart: the concat kernels copy those rows
-directly (a strided row copy), no torch copy or temporary is made.
+directly (a strided row copy), no torch copy or temporary is made. One launch copies up to
+four slices (grid axis 1 picks the slice), so a two-way concat is one launch, like torch.cat.
 
 Every output element is computed by one lane in a fixed order, so the results do not depend
 on the autotuned block size (bitwise deterministic). Autotuning benchmarks a kernel several
@@ -27,7 +28,7 @@ No workspace: workspace_bytes(...) is 0.
 import triton
 import triton.language as tl
 
-from ._common import autotune, check_tensor
+from ._common import autotune, check_tensor, launch
 
 _MAX_PTRS = 4  # inputs summed / gradients written per launch
 
@@ -96,27 +97,57 @@ def _fanout_kernel(g_ptr, d0, d1, d2, d3, n, NUM: tl.constexpr,
             tl.store(d3 + offs, g, mask=mask)
 
 
-@autotune(_GPU_CONFIGS, _SMALL_CONFIG, key=["row_len"],
-                 restore_value=["dst"])
 @triton.jit
-def _copy_rows_kernel(src, dst, row_len, src_stride, dst_stride, src_off, dst_off,
-                      ACC: tl.constexpr, BLOCK: tl.constexpr):
-    """dst[dst_off + r*dst_stride + i] (+)= src[src_off + r*src_stride + i], i < row_len.
+def _pick(i, v0, v1, v2, v3):
+    """v_i for a runtime i in 0..3."""
+    v = v0
+    if i == 1:
+        v = v1
+    if i == 2:
+        v = v2
+    if i == 3:
+        v = v3
+    return v
 
-    One program copies BLOCK contiguous elements of one row:
-    pid = row * cdiv(row_len, BLOCK) + block.
+
+@triton.jit
+def _slices_kernel(wide, n0, n1, n2, n3, ch0, ch1, ch2, ch3, off0, off1, off2, off3,
+                   acc0, acc1, acc2, acc3, wide_c, HW, row_max,
+                   TO_WIDE: tl.constexpr, BLOCK: tl.constexpr):
+    """Copy between the channel slices of one NCHW tensor `wide` (wide_c channels) and up to
+    four narrow tensors n_i (ch_i channels, at channel offset off_i of wide):
+    wide[:, off_i:off_i+ch_i] (+)= n_i when TO_WIDE (concat forward), else n_i (+)= that slice
+    (backward; acc_i says whether n_i accumulates).
+
+    Grid (N * cdiv(row_max, BLOCK), slices): a program copies BLOCK contiguous elements of one
+    image's slice row (ch_i*HW elements; row_max is the longest row).
     """
+    i = tl.program_id(1)
+    narrow = _pick(i, n0, n1, n2, n3)
+    row_len = _pick(i, ch0, ch1, ch2, ch3) * HW
+    wide_off = _pick(i, off0, off1, off2, off3) * HW
+    acc = _pick(i, acc0, acc1, acc2, acc3)
+    nblk = tl.cdiv(row_max, BLOCK)
     pid = tl.program_id(0)
-    nblk = tl.cdiv(row_len, BLOCK)
     row = (pid // nblk).to(tl.int64)
-    blk = pid % nblk
-    offs = blk * BLOCK + tl.arange(0, BLOCK)
+    offs = (pid % nblk) * BLOCK + tl.arange(0, BLOCK)
     mask = offs < row_len
-    v = tl.load(src + (src_off + row * src_stride) + offs, mask=mask)
-    d = dst + (dst_off + row * dst_stride) + offs
-    if ACC:
-        v = v + tl.load(d, mask=mask)
-    tl.store(d, v, mask=mask)
+    narrow_ptrs = narrow + row * row_len + offs
+    wide_ptrs = wide + (row * wide_c * HW + wide_off) + offs
+    if TO_WIDE:
+        src, dst = narrow_ptrs, wide_ptrs
+    else:
+        src, dst = wide_ptrs, narrow_ptrs
+    v = tl.load(src, mask=mask)
+    if acc != 0:
+        v = v + tl.load(dst, mask=mask)
+    tl.store(dst, v, mask=mask)
+
+
+_concat_fwd = autotune(_GPU_CONFIGS, _SMALL_CONFIG, key=["row_max", "HW"],
+                       restore_value=["wide"])(_slices_kernel)
+_concat_bwd = autotune(_GPU_CONFIGS, _SMALL_CONFIG, key=["row_max", "HW"],
+                       restore_value=["n0", "n1", "n2", "n3"])(_slices_kernel)
 
 
 # ----------------------------------------------------------------------------- helpers
@@ -177,7 +208,7 @@ def add_forward(xs, y):
         group, rest = rest[:take], rest[take:]
         ins = group if first else [y] + group
         ptrs = ins + [ins[0]] * (_MAX_PTRS - len(ins))
-        _sum_kernel[_grid1(n)](y, *ptrs, n, NUM=len(ins))
+        launch(_sum_kernel, _grid1(n), (y, *ptrs, n), dict(NUM=len(ins)))
         first = False
 
 
@@ -209,8 +240,8 @@ def add_backward(dy, dxs, *, accumulate=False):
         num = len(outs)
         outs = outs + [outs[0]] * (_MAX_PTRS - num)
         accs = accs + [False] * (_MAX_PTRS - num)
-        _fanout_kernel[_grid1(n)](dy, *outs, n, NUM=num, ACC0=accs[0], ACC1=accs[1],
-                                  ACC2=accs[2], ACC3=accs[3])
+        launch(_fanout_kernel, _grid1(n), (dy, *outs, n),
+               dict(NUM=num, ACC0=accs[0], ACC1=accs[1], ACC2=accs[2], ACC3=accs[3]))
 
 
 # ----------------------------------------------------------------------------- concat
@@ -242,11 +273,24 @@ def _channel_counts(xs, shapes_from, n, c, h, w, xname, yname):
     return counts
 
 
-def _copy_rows(src, dst, rows, row_len, src_stride, dst_stride, src_off, dst_off, acc):
-    if rows == 0 or row_len == 0:
+def _copy_slices(wide, slices, to_wide):
+    """slices: [(narrow tensor, channels, channel offset in wide, accumulate)], launched four
+    at a time (empty slices skipped)."""
+    n, c, h, w = wide.shape
+    hw = h * w
+    slices = [sl for sl in slices if sl[1] > 0]
+    if n == 0 or hw == 0:
         return
-    _copy_rows_kernel[lambda meta: (rows * triton.cdiv(row_len, meta["BLOCK"]),)](
-        src, dst, row_len, src_stride, dst_stride, src_off, dst_off, ACC=acc)
+    kern = _concat_fwd if to_wide else _concat_bwd
+    for s in range(0, len(slices), _MAX_PTRS):
+        group = slices[s:s + _MAX_PTRS]
+        num = len(group)
+        group = group + [group[0]] * (_MAX_PTRS - num)
+        narrow, chans, offs, accs = zip(*group)
+        row_max = max(chans) * hw
+        launch(kern, lambda meta: (n * triton.cdiv(row_max, meta["BLOCK"]), num),
+               (wide, *narrow, *chans, *offs, *(int(a) for a in accs), c, hw, row_max),
+               dict(TO_WIDE=to_wide))
 
 
 def concat_forward(xs, y):
@@ -254,11 +298,8 @@ def concat_forward(xs, y):
     n, c, h, w = _concat_check(xs, y, "xs", "y", allow_none=False)
     counts = _channel_counts(xs, None, n, c, h, w, "xs", "y")
     _check_device("y", y, xs, [f"xs[{i}]" for i in range(len(xs))])
-    hw = h * w
-    c0 = 0
-    for x, ci in zip(xs, counts):
-        _copy_rows(x, y, n, ci * hw, ci * hw, c * hw, 0, c0 * hw, False)
-        c0 += ci
+    starts = [sum(counts[:i]) for i in range(len(counts))]
+    _copy_slices(y, [(x, ci, c0, False) for x, ci, c0 in zip(xs, counts, starts)], True)
 
 
 def concat_backward(dy, dxs, *, accumulate=False, channels=None):
@@ -292,9 +333,6 @@ def concat_backward(dy, dxs, *, accumulate=False, channels=None):
                 raise ValueError(f"dxs channels exceed dy's {c}")
     counts = _channel_counts(dxs, fill, n, c, h, w, "dxs", "dy")
     _check_device("dy", dy, dxs, [f"dxs[{i}]" for i in range(len(dxs))])
-    hw = h * w
-    c0 = 0
-    for d, ci, acc in zip(dxs, counts, flags):
-        if d is not None:
-            _copy_rows(dy, d, n, ci * hw, c * hw, ci * hw, c0 * hw, 0, acc)
-        c0 += ci
+    starts = [sum(counts[:i]) for i in range(len(counts))]
+    _copy_slices(dy, [(d, ci, c0, acc) for d, ci, c0, acc in zip(dxs, counts, starts, flags)
+                      if d is not None], False)

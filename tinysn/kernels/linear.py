@@ -23,7 +23,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ._common import autotune, check_tensor, dot_precision
+from ._common import autotune, check_tensor, dot_precision, launch
 
 _FWD, _DX, _DW = 0, 1, 2
 
@@ -33,10 +33,12 @@ def _cfg(bm, bn, bk, warps, stages, group_m=8):
                          num_warps=warps, num_stages=stages)
 
 
+# (256, 128, 32, 8 warps) was dropped: on the H200 with triton 3.6 it gave the weight
+# gradient (A = dy transposed) a 10% error in tf32 while ieee was exact
+# (tests/kernels/test_linear.py::test_linear_gpu_every_config, 2026-11-30).
 _GPU_CONFIGS = [
     _cfg(128, 128, 32, 8, 3),
     _cfg(128, 256, 32, 8, 3),
-    _cfg(256, 128, 32, 8, 3),
     _cfg(128, 64, 32, 4, 4),
     _cfg(64, 128, 32, 4, 4),
     _cfg(64, 64, 32, 4, 4),
@@ -144,11 +146,11 @@ def _check_no_overlap(outputs, inputs):
 
 def _launch(a, b, c, bias, rowsum, M, N, K, sam, sak, sbk, sbn, mode, accumulate, precision):
     grid = lambda meta: (triton.cdiv(M, meta["BM"]) * triton.cdiv(N, meta["BN"]),)  # noqa: E731
-    _gemm_kernel[grid](a, b, c, bias if bias is not None else c,
-                       rowsum if rowsum is not None else c, M, N, K,
-                       sam, sak, sbk, sbn, N,
-                       MODE=mode, HAS_BIAS=bias is not None, HAS_ROWSUM=rowsum is not None,
-                       ACCUMULATE=accumulate, PRECISION=precision)
+    launch(_gemm_kernel, grid,
+           (a, b, c, bias if bias is not None else c, rowsum if rowsum is not None else c,
+            M, N, K, sam, sak, sbk, sbn, N),
+           dict(MODE=mode, HAS_BIAS=bias is not None, HAS_ROWSUM=rowsum is not None,
+                ACCUMULATE=accumulate, PRECISION=precision))
 
 
 def forward(x: torch.Tensor, w: torch.Tensor, b, y: torch.Tensor, *, precision=None) -> None:

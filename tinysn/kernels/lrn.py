@@ -28,7 +28,7 @@ import math
 import triton
 import triton.language as tl
 
-from ._common import autotune, check_tensor
+from ._common import autotune, check_tensor, launch
 
 _GPU_CONFIGS = [
     triton.Config({"BLOCK": 256, "CB": 4}, num_warps=4),
@@ -143,8 +143,8 @@ def forward(x, y, *, size, alpha, beta, k):
     if x.numel() == 0:
         return
     n, c, h, w = x.shape
-    _lrn_fwd_kernel[_grid(x)](x, y, c, h * w, float(alpha) / size, float(beta), float(k),
-                              SIZE=size, LO=size // 2)
+    launch(_lrn_fwd_kernel, _grid(x), (x, y, c, h * w, float(alpha) / size, float(beta),
+                                        float(k)), dict(SIZE=size, LO=size // 2))
 
 
 def backward(x, dy, dx, *, size, alpha, beta, k, accumulate=False):
@@ -162,5 +162,6 @@ def backward(x, dy, dx, *, size, alpha, beta, k, accumulate=False):
     if dx is None or x.numel() == 0:
         return
     n, c, h, w = x.shape
-    _lrn_bwd_kernel[_grid(x)](x, dy, dx, c, h * w, float(alpha) / size, float(beta), float(k),
-                              SIZE=size, LO=size // 2, HI=(size - 1) // 2, ACC=accumulate)
+    launch(_lrn_bwd_kernel, _grid(x), (x, dy, dx, c, h * w, float(alpha) / size, float(beta),
+                                        float(k)),
+           dict(SIZE=size, LO=size // 2, HI=(size - 1) // 2, ACC=accumulate))

@@ -42,7 +42,7 @@ The backward kernel declares restore_value=["dx"] so that autotuning an accumula
 import triton
 import triton.language as tl
 
-from ._common import autotune, check_tensor
+from ._common import autotune, check_tensor, launch
 
 _FWD_GPU = [
     triton.Config({"BLOCK": 256}, num_warps=4),
@@ -323,9 +323,9 @@ def forward(x, y, *, mode, kernel, stride, padding):
             x, y, planes, hw, IS_MAX=is_max, INDEX64=index64, COLS=cols, PLANES=rows,
             num_warps=4)
         return
-    _pool_fwd_kernel[lambda meta: (triton.cdiv(total, meta["BLOCK"]),)](
-        x, y, total, h, w, oh, ow, KH=kh, KW=kw, SH=sh, SW=sw, PH=ph, PW=pw,
-        IS_MAX=is_max, INDEX64=index64)
+    launch(_pool_fwd_kernel, lambda meta: (triton.cdiv(total, meta["BLOCK"]),),
+           (x, y, total, h, w, oh, ow),
+           dict(KH=kh, KW=kw, SH=sh, SW=sw, PH=ph, PW=pw, IS_MAX=is_max, INDEX64=index64))
 
 
 def backward(x, y, dy, dx, *, mode, kernel, stride, padding, accumulate=False):
@@ -366,7 +366,7 @@ def backward(x, y, dy, dx, *, mode, kernel, stride, padding, accumulate=False):
     nw = -(-kw // sw)
     cellp = max(2, _next_pow2(sh * sw))
     index64 = x.numel() > _INT32_LIMIT
-    _pool_bwd_kernel[lambda meta: (triton.cdiv(total, max(2, meta["LANES"] // cellp)),)](
-        x, dy, dx, total, h, w, oh, ow, nbh, nbw, obh, obw,
-        KH=kh, KW=kw, SH=sh, SW=sw, PH=ph, PW=pw, NH=nh, NW=nw, CELLP=cellp,
-        IS_MAX=is_max, ACC=accumulate, INDEX64=index64)
+    launch(_pool_bwd_kernel, lambda meta: (triton.cdiv(total, max(2, meta["LANES"] // cellp)),),
+           (x, dy, dx, total, h, w, oh, ow, nbh, nbw, obh, obw),
+           dict(KH=kh, KW=kw, SH=sh, SW=sw, PH=ph, PW=pw, NH=nh, NW=nw, CELLP=cellp,
+                IS_MAX=is_max, ACC=accumulate, INDEX64=index64))

@@ -52,6 +52,12 @@ def do_bench(fn) -> float:
     return triton.testing.do_bench(fn, warmup=25, rep=100, return_mode="median")
 
 
+def do_bench_graph(fn) -> float:
+    """Median milliseconds of fn() replayed inside a CUDA graph: the GPU time alone, without
+    the host's per-launch cost (what a graph-captured training step would see)."""
+    return triton.testing.do_bench_cudagraph(fn, rep=50, return_mode="median")
+
+
 def rel_err(a, b) -> float:
     """||a - b|| / ||b|| in float64."""
     return ((a.double() - b.double()).norm() / b.double().norm().clamp_min(1e-30)).item()
@@ -69,6 +75,16 @@ def copy_gbps(device) -> float:
     return 2 * x.numel() * 4 / ms * 1e-6
 
 
+def graph_note(row) -> str:
+    """The log's suffix for a row's CUDA-graph times (empty when there are none)."""
+    if "graph_error" in row:
+        return "  graph: " + row["graph_error"][:80]
+    if "torch_graph_ms" not in row:
+        return ""
+    frac = f" ({row['graph_frac_of_copy']:.0%} of copy)" if "graph_frac_of_copy" in row else ""
+    return f"  graph {row['tinysn_graph_ms']:.4f}/{row['torch_graph_ms']:.4f} ms{frac}"
+
+
 class Runner:
     """Times a tinysn kernel beside its torch counterpart and collects one row per pair.
 
@@ -76,11 +92,15 @@ class Runner:
     records the ratio torch/tinysn plus GB/s (`nbytes`: bytes each must move once; `moved`:
     bytes it really moves) or TFLOP/s (`flops`), and the fraction of the copy bandwidth when
     `copy_gbps` is set. A failure becomes an "error" row, so one kernel cannot hide the rest.
+    With `graph_timer` set (do_bench_graph on the GPU), both are timed again replayed in a
+    CUDA graph: `*_graph_ms` and `graph_frac_of_copy` separate a kernel's own speed from the
+    host's launch cost; a capture that fails leaves a "graph_error" and the row stands.
     """
 
-    def __init__(self, log, fmt, timer=None):
+    def __init__(self, log, fmt, timer=None, graph_timer=None):
         self.rows, self.log, self.fmt = [], log, fmt
         self.timer = timer or do_bench
+        self.graph_timer = graph_timer
         self.copy_gbps = None
 
     def run(self, kernel, algo, shape, fn, torch_fn, *, nbytes=None, moved=None, flops=None,
@@ -105,6 +125,19 @@ class Runner:
                 row.update(tflops=flops / ms * 1e-9, torch_tflops=flops / tms * 1e-9)
         except Exception as e:  # keep going: one failure should not hide the rest
             row["error"] = f"{type(e).__name__}: {e}"[:500]
+        if self.graph_timer is not None and "error" not in row:
+            self._graph_times(row, fn, torch_fn, nbytes)
         self.rows.append(row)
         self.log(self.fmt(row))
         return row
+
+    def _graph_times(self, row, fn, torch_fn, nbytes):
+        try:
+            gms = self.graph_timer(fn)
+            row.update(tinysn_graph_ms=gms)
+            if nbytes is not None and self.copy_gbps:
+                row["graph_frac_of_copy"] = nbytes / gms * 1e-6 / self.copy_gbps
+            tgms = self.graph_timer(torch_fn)
+            row.update(torch_graph_ms=tgms, graph_ratio=tgms / gms)
+        except Exception as e:
+            row["graph_error"] = f"{type(e).__name__}: {e}"[:300]

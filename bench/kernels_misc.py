@@ -179,7 +179,8 @@ def _bench_sgd(r, device, batch):
 def bench(device="cuda", batch=32, only=GROUPS, log=print):
     torch.backends.cudnn.allow_tf32 = True
     torch.backends.cuda.matmul.allow_tf32 = True
-    r = common.Runner(log, _fmt)
+    r = common.Runner(log, _fmt,
+                      graph_timer=common.do_bench_graph if device == "cuda" else None)
     r.copy_gbps = common.copy_gbps(device)
     log(f"torch copy: {r.copy_gbps:.0f} GB/s")
     for group in GROUPS:
@@ -196,7 +197,8 @@ def _fmt(row):
     rate = (f"{row['gbps']:7.0f} GB/s ({row.get('frac_of_copy', 0):.0%} of copy)" if "gbps" in row
             else f"{row['tflops']:7.1f} TFLOP/s (torch {row['torch_tflops']:.1f})")
     err = f"  err {row['rel_err']:.1e}" if "rel_err" in row else ""
-    return head + f"{row['tinysn_ms']:9.4f}{row['torch_ms']:9.4f}{row['ratio']:7.2f}  {rate}{err}"
+    return head + (f"{row['tinysn_ms']:9.4f}{row['torch_ms']:9.4f}{row['ratio']:7.2f}  {rate}{err}"
+                   + common.graph_note(row))
 
 
 def main():

@@ -207,7 +207,8 @@ def bench(device="cuda", batch=32, only=GROUPS, log=print):
     """Run the benchmarks; returns one dict per (kernel, algo, shape)."""
     torch.backends.cudnn.allow_tf32 = True
     torch.backends.cuda.matmul.allow_tf32 = True
-    r = common.Runner(log, _fmt)
+    r = common.Runner(log, _fmt,
+                      graph_timer=common.do_bench_graph if device == "cuda" else None)
     r.copy_gbps = common.copy_gbps(device)
     log(f"torch copy_: {r.copy_gbps:.0f} GB/s")
     fns = {"bn": _bench_bn, "pool": _bench_pool, "join": _bench_join, "lrn": _bench_lrn}
@@ -228,7 +229,7 @@ def _fmt(row):
     return (f"{row['kernel']:<22}{row['algo'][:33]:<34}{row['shape'][:29]:<30}"
             f"{row['tinysn_ms']:>9.4f}{row['torch_ms']:>9.4f}{row['ratio']:>7.2f}"
             f"{row['gbps']:>8.0f}{row.get('frac_of_copy', 0):>6.2f}"
-            + (f"  err {row['rel_err']:.1e}" if "rel_err" in row else ""))
+            + (f"  err {row['rel_err']:.1e}" if "rel_err" in row else "") + common.graph_note(row))
 
 
 def main():

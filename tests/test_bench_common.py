@@ -24,3 +24,22 @@ def test_runner_rows_rates_and_errors():
     row = r.run("k.err", "c", "4", broken, lambda: None, nbytes=1)
     assert row["error"] == "ValueError: bad shape" and "ratio" not in row
     assert lines == ["k.bw", "k.mm", "k.err"] and len(r.rows) == 3
+
+
+def test_runner_graph_times_and_capture_failures():
+    times = iter([2.0, 4.0, 0.5, 1.0, 1.0, 1.0, 0.25])
+    fail = {"on": False}
+
+    def graph_timer(fn):
+        if fail["on"]:
+            raise RuntimeError("capture failed")
+        return next(times)
+    r = common.Runner(lambda line: None, str, timer=lambda fn: next(times),
+                      graph_timer=graph_timer)
+    r.copy_gbps = 10.0
+    row = r.run("k", "a", "4", lambda: None, lambda: None, nbytes=8e6)
+    assert row["tinysn_graph_ms"] == 0.5 and row["torch_graph_ms"] == 1.0
+    assert row["graph_ratio"] == 2.0 and row["graph_frac_of_copy"] == 1.6
+    fail["on"] = True
+    row = r.run("k", "b", "4", lambda: None, lambda: None, nbytes=8e6)
+    assert row["ratio"] == 1.0 and row["graph_error"] == "RuntimeError: capture failed"

@@ -95,6 +95,8 @@ class Runner:
     With `graph_timer` set (do_bench_graph on the GPU), both are timed again replayed in a
     CUDA graph: `*_graph_ms` and `graph_frac_of_copy` separate a kernel's own speed from the
     host's launch cost; a capture that fails leaves a "graph_error" and the row stands.
+    `graph=False` skips that for a pair whose torch side cannot be captured (autograd, RNG):
+    a failed capture can leave the CUDA context unusable for the rows after it.
     """
 
     def __init__(self, log, fmt, timer=None, graph_timer=None):
@@ -104,7 +106,7 @@ class Runner:
         self.copy_gbps = None
 
     def run(self, kernel, algo, shape, fn, torch_fn, *, nbytes=None, moved=None, flops=None,
-            check=None, **extra):
+            check=None, graph=True, **extra):
         row = {"kernel": kernel, "algo": algo, "shape": shape, **extra}
         try:
             fn()
@@ -125,7 +127,7 @@ class Runner:
                 row.update(tflops=flops / ms * 1e-9, torch_tflops=flops / tms * 1e-9)
         except Exception as e:  # keep going: one failure should not hide the rest
             row["error"] = f"{type(e).__name__}: {e}"[:500]
-        if self.graph_timer is not None and "error" not in row:
+        if graph and self.graph_timer is not None and "error" not in row:
             self._graph_times(row, fn, torch_fn, nbytes)
         self.rows.append(row)
         self.log(self.fmt(row))

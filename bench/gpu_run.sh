@@ -20,7 +20,7 @@ for stage in "$@"; do
     # every gpu-marked test; each autotuned kernel's configs are all checked by the
     # *_every_config tests, so the rest run untuned (one compile per shape)
     tests)    TINYSN_AUTOTUNE=0 timeout ${TESTS_S:-420} python3 -m pytest -q -rfE --durations=10 -p no:benchmark -m gpu -n ${TEST_WORKERS:-14} -p no:cacheprovider tests 2>&1 | tee "bench/results/gpu-tests-$GPU.txt" | tail -30 ;;
-    kernels)  timeout ${KERNELS_S:-330} python3 bench/kernels.py 2>&1 | tail -70 ;;
+    kernels)  timeout ${KERNELS_S:-330} python3 bench/kernels.py ${KERNELS_ONLY:+--only $KERNELS_ONLY} 2>&1 | tail -70 ;;
     train)    TINYSN_AUTOTUNE=0 timeout 200 python3 bench/train.py --model resnet50 --batch 32 --policies baseline,all --pin-algos backward_weight=splitk --steps 10 2>&1 | tail -8 ;;
     memory-a) TINYSN_AUTOTUNE=0 timeout 420 python3 bench/memory.py $MEM --models resnet50,vgg16,inception_v4 --reference 120GiB --reference-models resnet50 2>&1 | tail -20 ;;
     memory-b) TINYSN_AUTOTUNE=0 timeout 480 python3 bench/memory.py $MEM --models resnet101,resnet152 --deep-n "${DEEP_N:-0}" 2>&1 | tail -20 ;;

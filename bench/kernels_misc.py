@@ -179,8 +179,7 @@ def _bench_sgd(r, device, batch):
 def bench(device="cuda", batch=32, only=GROUPS, log=print):
     torch.backends.cudnn.allow_tf32 = True
     torch.backends.cuda.matmul.allow_tf32 = True
-    r = common.Runner(log, _fmt,
-                      graph_timer=common.do_bench_graph if device == "cuda" else None)
+    r = common.Runner(log, _fmt)   # no graph timing: torch's dropout RNG cannot be captured
     r.copy_gbps = common.copy_gbps(device)
     log(f"torch copy: {r.copy_gbps:.0f} GB/s")
     for group in GROUPS:

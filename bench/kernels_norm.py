@@ -200,7 +200,7 @@ def _bench_lrn(r, device, batch):
           lambda: lrn.backward(x, dy, dx, **p),
           lambda: torch.autograd.grad(out, xg, dy, retain_graph=True), nbytes=3 * s,
           check=lambda: _rel(dx, torch.autograd.grad(out, xg, dy, retain_graph=True)[0]),
-          torch_op="autograd.grad through F.local_response_norm")
+          torch_op="autograd.grad through F.local_response_norm", graph=False)
 
 
 def bench(device="cuda", batch=32, only=GROUPS, log=print):

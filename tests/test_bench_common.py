@@ -43,3 +43,17 @@ def test_runner_graph_times_and_capture_failures():
     fail["on"] = True
     row = r.run("k", "b", "4", lambda: None, lambda: None, nbytes=8e6)
     assert row["ratio"] == 1.0 and row["graph_error"] == "RuntimeError: capture failed"
+
+
+def test_kernels_groups_rerun_keeps_other_rows(tmp_path):
+    from bench import kernels
+    rows = [{"kernel": "conv.forward", "shape": "a"}, {"kernel": "bn.forward", "shape": "b"},
+            {"kernel": "sgd.update", "shape": "c"}, {"kernel": "misc", "error": "boom"}]
+    assert [kernels.group_of(r) for r in rows] == ["conv", "norm", "misc", "misc"]
+    assert not kernels.complete(rows)                 # a group failed as a whole
+    assert kernels.complete(rows[:3])
+    assert not kernels.complete(rows[:2])             # misc missing
+    path = tmp_path / "k.json"
+    path.write_text(__import__("json").dumps({"rows": rows}))
+    assert kernels.kept_rows(str(path), ["misc"]) == rows[:2]
+    assert kernels.kept_rows(str(tmp_path / "none.json"), ["misc"]) == []

@@ -46,13 +46,14 @@ def torch_images_per_s(model_name, batch, classes, steps, lr, momentum, net):
             "max_memory_allocated": peak}
 
 
-def tinysn_run(net, policy, memory, steps, lr, momentum, conv_algos):
+def tinysn_run(net, policy, memory, steps, lr, momentum, conv_algos, cuda_graph=False):
     t0 = time.perf_counter()
     rt = sn.Runtime(net, memory, policy, device="cuda", lr=lr, momentum=momentum,
-                    conv_algos=conv_algos)
+                    conv_algos=conv_algos, cuda_graph=cuda_graph)
     setup_s = time.perf_counter() - t0
     images, labels = sn.data.synthetic(net, seed=0, device="cuda")
-    losses = [rt.step(images, labels) for _ in range(3)]          # warm-up (compiles, tunes)
+    # warm-up: compiles, tunes and (cuda_graph) captures
+    losses = [rt.step(images, labels) for _ in range(sn.runtime.GRAPH_WARMUP + 1)]
     times = []
     for _ in range(steps):
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
@@ -62,7 +63,7 @@ def tinysn_run(net, policy, memory, steps, lr, momentum, conv_algos):
         end.synchronize()
         times.append(start.elapsed_time(end))
     ms = sorted(times)[len(times) // 2]
-    out = {"policy": policy, "memory": memory, "ms_per_step": ms,
+    out = {"policy": policy, "cuda_graph": cuda_graph, "memory": memory, "ms_per_step": ms,
            "images_per_s": net.batch / ms * 1e3, "losses": losses,
            "loss_fell": losses[-1] < losses[0], "peak_bytes": rt.stats.peak_bytes,
            "planned_peak_bytes": rt.plan.peak_bytes,
@@ -89,6 +90,8 @@ def main():
     parser.add_argument("--pin-algos", default=None,
                         help='pin conv algorithms instead of timing them: "default" '
                              '(zero-workspace) or e.g. "backward_weight=splitk"')
+    parser.add_argument("--cuda-graph", default="off", choices=("off", "on", "both"),
+                        help="replay the step as a CUDA graph (both: each policy twice)")
     args = parser.parse_args()
     torch.backends.cudnn.allow_tf32 = True
     torch.backends.cuda.matmul.allow_tf32 = True
@@ -99,16 +102,29 @@ def main():
     print(f"pytorch ({ref['source']}): {ref['images_per_s']:.1f} images/s "
           f"({ref['ms_per_step']:.2f} ms/step)")
     rows = []
+    graphs = {"off": [False], "on": [True], "both": [False, True]}[args.cuda_graph]
     for policy in args.policies.split(","):
         pinned = None if args.pin_algos is None else dict(
             kv.split("=") for kv in args.pin_algos.split(",") if "=" in kv)
-        row = tinysn_run(net, policy, args.memory, args.steps, args.lr, args.momentum, pinned)
-        row["ratio_to_pytorch"] = row["images_per_s"] / ref["images_per_s"]
-        rows.append(row)
-        print(f"tinysn {policy:>9}: {row['images_per_s']:.1f} images/s ({row['ms_per_step']:.2f} "
-              f"ms/step, {row['ratio_to_pytorch']:.2f}x PyTorch); peak {row['peak_bytes']:,} "
-              f"== plan {row['planned_peak_bytes']:,}: {row['peak_equals_plan']}; loss "
-              f"{row['losses'][0]:.3f} -> {row['losses'][-1]:.3f}")
+        for graph in graphs:
+            try:
+                row = tinysn_run(net, policy, args.memory, args.steps, args.lr, args.momentum,
+                                 pinned, graph)
+            except Exception as err:     # keep the other runs' figures
+                rows.append({"policy": policy, "cuda_graph": graph,
+                             "error": f"{type(err).__name__}: {err}"[:500]})
+                print(f"tinysn {policy} cuda_graph={graph}: {rows[-1]['error']}")
+                torch.cuda.empty_cache()
+                continue
+            row["ratio_to_pytorch"] = row["images_per_s"] / ref["images_per_s"]
+            rows.append(row)
+            label = policy + ("+graph" if graph else "")
+            print(f"tinysn {label:>14}: {row['images_per_s']:.1f} images/s "
+                  f"({row['ms_per_step']:.2f} "
+                  f"ms/step, {row['ratio_to_pytorch']:.2f}x PyTorch); peak "
+                  f"{row['peak_bytes']:,} == plan {row['planned_peak_bytes']:,}: "
+                  f"{row['peak_equals_plan']}; loss {row['losses'][0]:.3f} -> "
+                  f"{row['losses'][-1]:.3f}")
     ref["autotune"] = os.environ.get("TINYSN_AUTOTUNE", "1") != "0"
     path = common.write(f"train-{args.model}-b{args.batch}-{common.gpu_tag()}",
                         {"model": args.model, "batch": args.batch, "pytorch": ref, "tinysn": rows})

@@ -45,7 +45,7 @@ def test_conv_table_quotes_the_json():
             if r.get("kernel", "").startswith("conv.")]
     ratio = {(r["shape"].rsplit(" b", 1)[0], r["kernel"][5:], r["algo"]): r["ratio"] for r in rows}
     order = {"forward": ("implicit", "im2col"),
-             "backward_data": ("implicit", "transposed", "zero_insert"),
+             "backward_data": ("implicit", "flipped", "transposed", "zero_insert"),
              "backward_weight": ("onepass", "splitk")}
     shapes = {shape for shape, _, _ in ratio}
     assert len(shapes) == 8
@@ -58,3 +58,26 @@ def test_conv_table_quotes_the_json():
                     assert (shape, phase, algo) not in ratio
                 else:
                     assert f"{ratio[(shape, phase, algo)]:.2f}" == text, (shape, phase, algo)
+
+
+def test_gpu_test_run_passed_as_quoted():
+    """The kept log of the GPU correctness run ends in a summary with no failure, and
+    bench/README.md quotes its count."""
+    import re
+    summary = (RESULTS / "gpu-tests-NVIDIA-H200.txt").read_text().strip().splitlines()[-1]
+    passed = re.search(r"(\d+) passed", summary)
+    assert passed and "failed" not in summary and "error" not in summary, summary
+    n = passed.group(1)
+    assert f"passed\n{n} of {n} on the H200" in BENCH_README or \
+        f"passed {n} of {n} on the H200" in BENCH_README
+
+
+def test_memory_bound_table_quotes_the_json():
+    rows = load("kernels-NVIDIA-H200.json")["rows"]
+    frac = {(r["kernel"], r["algo"]): r for r in rows if "frac_of_copy" in r}
+    cells = table_row(BENCH_README, "concat forward / backward")
+    fwd = frac[("join.concat_forward", "2 inputs")]
+    bwd = frac[("join.concat_backward", "2 gradients, overwrite")]
+    assert cells[2] == f"{fwd['gbps']:,.0f} / {bwd['gbps']:,.0f}"
+    assert cells[3] == f"**{fwd['frac_of_copy']:.0%}** / {bwd['frac_of_copy']:.0%}"
+    assert cells[4] == f"{fwd['graph_frac_of_copy']:.0%} / {bwd['graph_frac_of_copy']:.0%}"

@@ -122,3 +122,50 @@ def test_recomputation_with_dropout_and_bn_is_bitwise_equal_to_baseline():
     assert results["recompute"][0] == results["baseline"][0]
     for name, value in results["baseline"][1].items():
         assert torch.equal(value, results["recompute"][1][name]), name
+
+
+def test_cuda_graph_request_checked_before_anything_runs():
+    with pytest.raises(ValueError, match="cuda_graph must be a bool"):
+        sn.Runtime(block_net(batch=2, p=0.0), "64MiB", cuda_graph=1)
+    if not torch.cuda.is_available():
+        with pytest.raises(ValueError, match="needs a CUDA device"):
+            sn.Runtime(block_net(batch=2, p=0.0), "64MiB", cuda_graph=True)
+    with pytest.raises(ValueError, match="cannot replay dropout"):
+        sn.Runtime(block_net(batch=2, p=0.3), "64MiB", cuda_graph=True)
+    rt = sn.Runtime(block_net(batch=2, p=0.0), "64MiB", device="cpu")
+    assert rt.cuda_graph is False
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_cuda_graph_replays_match_eager_bitwise():
+    """A captured-and-replayed step computes what the eager walk computes, bit for bit: under
+    "baseline" and under "all" at a cap that moves tensors every step (copy streams inside the
+    graph), with a new batch every step (static buffers refreshed) and a change of lr (a new
+    capture); the captured pass checks peak == plan and the byte counters go on counting."""
+    from tests.sched.test_streams import moving_cap
+
+    def net():
+        return sn.models.resnet(blocks=[1, 1, 1, 1], batch=8, classes=10,
+                                input_shape=(3, 32, 32))
+    gen = torch.Generator().manual_seed(3)
+    batches = [(torch.randn((8, 3, 32, 32), generator=gen).cuda(),
+                torch.randint(0, 10, (8,), generator=gen).cuda()) for _ in range(7)]
+    for policy in ("baseline", "all"):
+        memory = "4GiB" if policy == "baseline" else moving_cap(net(), policy, momentum=0.9)
+        runs = [sn.Runtime(net(), memory, policy, device="cuda", lr=0.05, momentum=0.9,
+                           conv_algos={}, cuda_graph=graph) for graph in (False, True)]
+        for i, (images, labels) in enumerate(batches):
+            if i == 5:
+                for rt in runs:
+                    rt.lr = 0.02
+            eager, graphed = (rt.step(images, labels) for rt in runs)
+            assert graphed == eager, (policy, i)
+        eager_rt, graph_rt = runs
+        assert graph_rt._graph is not None and graph_rt._graph_key[0] == 0.02
+        assert graph_rt.stats.peak_bytes == graph_rt.plan.peak_bytes
+        assert graph_rt.stats.bytes_to_host == eager_rt.stats.bytes_to_host
+        if policy == "all":
+            assert graph_rt.plan.bytes_to_host > 0
+        for name, value in graph_rt.params().items():
+            assert torch.equal(value, eager_rt.params()[name]), (policy, name)

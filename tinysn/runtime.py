@@ -13,6 +13,17 @@ the events the plan names; the host never waits mid-step), and kernel launches o
 the arena.
 Every launch reads its tensors through `Tensor.view()`, which raises if a tensor is freed,
 dropped or still in flight, so a scheduling bug cannot silently compute wrong numbers.
+
+With `cuda_graph=True` the step is captured once as a CUDA graph and replayed (DESIGN.md:
+launching a Triton kernel from Python costs ~16 us of host time, a replayed one ~1 us). The
+plan makes that possible: every allocation, offset, copy, event and algorithm of a step is
+the same every iteration. The first `GRAPH_WARMUP` steps run eagerly (they compile and tune
+every kernel; the capture must not), the next one captures the plan's walk (the allocator and
+every check run in Python as always, so the captured pass verifies peak == plan) and replays
+it; later steps copy the batch into static buffers and replay. Changing lr, momentum or
+weight_decay triggers a new capture (they are launch arguments). Not for nets with dropout
+(p > 0): its mask seed changes every iteration. The static batch buffers (images and labels) live
+outside the pool: a graph reads fixed addresses.
 """
 from __future__ import annotations
 
@@ -49,6 +60,9 @@ class Stats:
     iterations: int = 0
 
 
+GRAPH_WARMUP = 2   # eager steps before a capture (compiles, autotuning, first-call caches)
+
+
 def _mask_seed(seed: int, iteration: int, layer_index: int) -> int:
     """Dropout's mask seed from (seed, iteration, layer): a recomputation draws the same mask."""
     return zlib.crc32(f"{seed}:{iteration}:{layer_index}".encode()) & 0x7FFFFFFF
@@ -59,8 +73,10 @@ class Runtime:
 
     def __init__(self, net, memory, policy: str = "baseline", device=None, lr: float = 0.01,
                  momentum: float = 0.0, weight_decay: float = 0.0, seed: int = 0,
-                 conv_algos=None, precision=None, layout="auto", host_memory=None):
+                 conv_algos=None, precision=None, layout="auto", host_memory=None,
+                 cuda_graph: bool = False):
         device = _pick_device(device)
+        _check_graph_request(cuda_graph, device, net)
         if policy not in plan_mod.POLICIES:
             raise ValueError(f"unknown policy {policy!r}; choose one of {plan_mod.POLICIES}")
         for name, value in (("lr", lr), ("momentum", momentum), ("weight_decay", weight_decay)):
@@ -101,11 +117,22 @@ class Runtime:
         self.load_params(net.init_params(seed))
         for tid in self.program.momentum.values():
             self.tensors[tid].view().zero_()
+        self.cuda_graph = cuda_graph
+        self._graph = self._graph_key = self._static = None
+        self._graph_moved = (0, 0)          # bytes each captured step copies (to host, device)
 
     # -- the public surface -----------------------------------------------------------
     def step(self, images, labels) -> float:
         """One training iteration (forward, backward, SGD update); returns the mean loss."""
         self._check_batch(images, labels)
+        if self.cuda_graph and self.stats.iterations >= GRAPH_WARMUP:
+            self._replay(images, labels)
+        else:
+            self._walk(images, labels)
+        return self._finish_step()
+
+    def _walk(self, images, labels):
+        """Execute the plan's steps once from Python (an eager step, or the captured pass)."""
         self.tensors[self.program.labels].view().copy_(labels)
         self._images = images
         trace = []
@@ -120,8 +147,40 @@ class Runtime:
                     self._ops[op[0]](*op[1:])
         self._images = None
         self._join_copies()
-        loss = float(self.tensors[self.program.act[self.net.loss]].view()[0])
         self.stats.trace = trace
+
+    def _replay(self, images, labels):
+        """Graph mode: (re)capture when needed, then copy the batch in and replay the step."""
+        key = (self.lr, self.momentum, self.weight_decay)
+        if self._graph is None or self._graph_key != key:
+            self._capture(images, labels, key)
+        self._static[0].copy_(images)
+        self._static[1].copy_(labels)
+        self._graph.replay()
+        self.stats.bytes_to_host += self._graph_moved[0]
+        self.stats.bytes_to_device += self._graph_moved[1]
+
+    def _capture(self, images, labels, key):
+        """Record one walk of the plan as a CUDA graph (nothing runs while it records)."""
+        if self._static is None:
+            self._static = (torch.empty(images.shape, dtype=images.dtype, device=self.device),
+                            torch.empty(labels.shape, dtype=labels.dtype, device=self.device))
+        self._graph = None
+        torch.cuda.synchronize(self.device)
+        moved = (self.stats.bytes_to_host, self.stats.bytes_to_device)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            stream = torch.cuda.current_stream(self.device)
+            self.to_host_stream.wait_stream(stream)      # the copy streams join the capture
+            self.to_device_stream.wait_stream(stream)
+            self._walk(*self._static)
+        self._graph_moved = (self.stats.bytes_to_host - moved[0],
+                             self.stats.bytes_to_device - moved[1])
+        self.stats.bytes_to_host, self.stats.bytes_to_device = moved
+        self._graph, self._graph_key = graph, key
+
+    def _finish_step(self) -> float:
+        loss = float(self.tensors[self.program.act[self.net.loss]].view()[0])
         self.stats.peak_bytes = self.arena.allocator.peak
         self.stats.recomputed_steps = self.plan.recomputed_steps
         self.stats.iterations += 1
@@ -430,6 +489,21 @@ class Runtime:
             return lambda algos, ws: softmax_k.backward(v(ins[0]), v(p.labels), v(dxs[0]),
                                                         accumulate=acc[0])
         raise ValueError(f"no backward launcher for layer op {op!r}")
+
+
+def _check_graph_request(cuda_graph, device, net) -> None:
+    """cuda_graph must be a bool; True needs a CUDA device and a net without dropout."""
+    if not isinstance(cuda_graph, bool):
+        raise ValueError(f"cuda_graph must be a bool, got {cuda_graph!r}")
+    if not cuda_graph:
+        return
+    drops = [layer.name for layer in net.layers
+             if layer.op == "dropout" and layer.attrs["p"] > 0]
+    if drops:
+        raise ValueError(f"cuda_graph=True cannot replay dropout layers {drops}: their mask "
+                         "seed changes every iteration")
+    if device.type != "cuda":
+        raise ValueError(f"cuda_graph=True needs a CUDA device, got {device}")
 
 
 def _pick_device(device) -> torch.device:

@@ -140,9 +140,10 @@ def test_cuda_graph_request_checked_before_anything_runs():
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 def test_cuda_graph_replays_match_eager_bitwise():
     """A captured-and-replayed step computes what the eager walk computes, bit for bit: under
-    "baseline" and under "all" at a cap that moves tensors every step (copy streams inside the
-    graph), with a new batch every step (static buffers refreshed) and a change of lr (a new
-    capture); the captured pass checks peak == plan and the byte counters go on counting."""
+    "baseline", under "offload" at a cap that moves tensors every step (copy streams inside
+    the graph) and under "all" there (it recomputes instead), with a new batch every step
+    (static buffers refreshed) and a change of lr (a new capture); the captured pass checks
+    peak == plan and the byte counters go on counting."""
     from tests.sched.test_streams import moving_cap
 
     def net():
@@ -151,7 +152,7 @@ def test_cuda_graph_replays_match_eager_bitwise():
     gen = torch.Generator().manual_seed(3)
     batches = [(torch.randn((8, 3, 32, 32), generator=gen).cuda(),
                 torch.randint(0, 10, (8,), generator=gen).cuda()) for _ in range(7)]
-    for policy in ("baseline", "all"):
+    for policy in ("baseline", "offload", "all"):
         memory = "4GiB" if policy == "baseline" else moving_cap(net(), policy, momentum=0.9)
         runs = [sn.Runtime(net(), memory, policy, device="cuda", lr=0.05, momentum=0.9,
                            conv_algos={}, cuda_graph=graph) for graph in (False, True)]
@@ -165,7 +166,9 @@ def test_cuda_graph_replays_match_eager_bitwise():
         assert graph_rt._graph is not None and graph_rt._graph_key[0] == 0.02
         assert graph_rt.stats.peak_bytes == graph_rt.plan.peak_bytes
         assert graph_rt.stats.bytes_to_host == eager_rt.stats.bytes_to_host
+        if policy == "offload":
+            assert graph_rt.plan.bytes_to_host > 0 and graph_rt.stats.bytes_to_device > 0
         if policy == "all":
-            assert graph_rt.plan.bytes_to_host > 0
+            assert graph_rt.plan.recomputed_steps > 0
         for name, value in graph_rt.params().items():
             assert torch.equal(value, eager_rt.params()[name]), (policy, name)

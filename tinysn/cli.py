@@ -45,6 +45,9 @@ def _parser():
     train.add_argument("--weight-decay", type=float, default=0.0)
     train.add_argument("--seed", type=int, default=0)
     train.add_argument("--trace", default=None, help="write the last step's trace as JSON")
+    train.add_argument("--cuda-graph", action="store_true",
+                       help="replay each step as a CUDA graph (needs --schedule constant and "
+                            "a model without dropout)")
     train.add_argument("--host-memory", default=None,
                        help="cap on the pinned host arena (default: what the plan needs)")
     plan = sub.add_parser("plan", help="dry-run the scheduler (no kernels, no GPU)")
@@ -77,6 +80,10 @@ def _train(args) -> int:
     if dataset == "digits" and args.model != "lenet":
         print("--data digits needs --model lenet (8x8 grayscale images)", file=sys.stderr)
         return 2
+    if args.cuda_graph and args.schedule != "constant":
+        print("--cuda-graph replays a fixed learning rate: add --schedule constant",
+              file=sys.stderr)
+        return 2
     steps = args.steps or (200 if dataset == "digits" else 20)
     lr = args.lr if args.lr is not None else (0.05 if dataset == "digits" else 0.01)
     if dataset == "digits":
@@ -87,9 +94,13 @@ def _train(args) -> int:
         net = MODELS[args.model](batch=args.batch)
         fixed = data.synthetic(net, seed=args.seed)
         stream = iter(lambda: fixed, None)
-    rt = Runtime(net, args.memory, args.policy, device=args.device, lr=lr,
-                 momentum=args.momentum, weight_decay=args.weight_decay, seed=args.seed,
-                 host_memory=args.host_memory)
+    try:
+        rt = Runtime(net, args.memory, args.policy, device=args.device, lr=lr,
+                     momentum=args.momentum, weight_decay=args.weight_decay, seed=args.seed,
+                     host_memory=args.host_memory, cuda_graph=args.cuda_graph)
+    except ValueError as err:           # e.g. --cuda-graph on a CPU or with dropout
+        print(f"error: {err}", file=sys.stderr)
+        return 2
     print(f"{args.model} batch {args.batch} on {rt.device}, policy {args.policy}, cap "
           f"{format_bytes(rt.plan.capacity)}: planned peak {format_bytes(rt.plan.peak_bytes)}")
     bar = tqdm(range(steps), unit="step", file=sys.stdout)

@@ -81,3 +81,20 @@ def test_memory_bound_table_quotes_the_json():
     assert cells[2] == f"{fwd['gbps']:,.0f} / {bwd['gbps']:,.0f}"
     assert cells[3] == f"**{fwd['frac_of_copy']:.0%}** / {bwd['frac_of_copy']:.0%}"
     assert cells[4] == f"{fwd['graph_frac_of_copy']:.0%} / {bwd['graph_frac_of_copy']:.0%}"
+
+
+def test_training_table_quotes_the_json():
+    runs = [load(f"train-resnet50-b32-NVIDIA-H200{suffix}.json")
+            for suffix in ("-eager", "-graph1", "")]
+    torch_row = table_row(BENCH_README, "PyTorch eager (torchvision, cuDNN, TF32)")
+    for col, run in enumerate(runs, start=1):
+        assert torch_row[col] == f"{run['pytorch']['images_per_s']:,.0f}"
+        for r in run["tinysn"]:
+            graph = r.get("cuda_graph", False)       # the first run predates graph mode
+            label = f'tinysn "{r["policy"]}", CUDA graph' if graph else {
+                "baseline": 'tinysn "baseline"',
+                "all": 'tinysn "all" (40 GiB cap: nothing moves)'}[r["policy"]]
+            cell = table_row(BENCH_README, label)
+            ratio = f"{r['ratio_to_pytorch']:.2f}x"
+            assert cell[col].replace("**", "") == f"{r['images_per_s']:,.0f} ({ratio})"
+            assert r["peak_equals_plan"] and r["losses"] == run["tinysn"][0]["losses"]

@@ -25,6 +25,8 @@ for stage in "$@"; do
     kernels)  timeout ${KERNELS_S:-330} python3 bench/kernels.py ${KERNELS_ONLY:+--only $KERNELS_ONLY} 2>&1 | tail -70 ;;
     train)    TINYSN_AUTOTUNE=0 timeout 200 python3 bench/train.py --model resnet50 --batch 32 --policies baseline,all --pin-algos backward_weight=splitk --steps 10 --cuda-graph both 2>&1 | tail -12 ;;
     memory-a) TINYSN_AUTOTUNE=0 timeout 420 python3 bench/memory.py $MEM --models resnet50,vgg16,inception_v4 --reference 120GiB --reference-models resnet50 2>&1 | tail -20 ;;
+    # the deep ResNet alone, its step replayed as a CUDA graph (results memory-graph-<gpu>.json)
+    deep-graph) TINYSN_AUTOTUNE=0 timeout ${DEEP_S:-330} python3 bench/memory.py --memory 12GiB --host-memory 60GiB --models "" --deep-n "${DEEP_N:-2021}" --cuda-graph --out "memory-graph-$GPU" 2>&1 | tail -12 ;;
     memory-b) TINYSN_AUTOTUNE=0 timeout 480 python3 bench/memory.py $MEM --models resnet101,resnet152 --deep-n "${DEEP_N:-0}" 2>&1 | tail -20 ;;
   esac 2>&1 | tee -a "$OUT/gpu.log"
   echo "stage $stage took $(( $(date +%s) - start )) s" | tee -a "$OUT/gpu.log"

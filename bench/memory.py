@@ -104,14 +104,16 @@ def copy_bandwidth(nbytes=1 << 30) -> dict:
             "both_ways_gb_per_s": both_ways}
 
 
-def train_for_real(net, memory, host_memory=None, steps=2):
-    """Plan (conv rankings timed on the GPU first), train `steps` + 1 iterations, report."""
+def train_for_real(net, memory, host_memory=None, steps=2, cuda_graph=False):
+    """Plan (conv rankings timed on the GPU first), train warm-up + `steps` timed iterations
+    (with cuda_graph, the warm-up includes the eager steps and the capture), report."""
     t0 = time.perf_counter()
     rt = sn.Runtime(net, memory, "all", device="cuda", lr=0.01, momentum=0.0,
-                    host_memory=host_memory)
+                    host_memory=host_memory, cuda_graph=cuda_graph)
     setup_s = time.perf_counter() - t0
     images, labels = sn.data.synthetic(net, seed=0, device="cuda")
-    losses = [rt.step(images, labels)]
+    warmup = sn.runtime.GRAPH_WARMUP + 1 if cuda_graph else 1
+    losses = [rt.step(images, labels) for _ in range(warmup)]
     torch.cuda.synchronize()
     times = []
     for _ in range(steps):
@@ -126,7 +128,7 @@ def train_for_real(net, memory, host_memory=None, steps=2):
         for phase, algo in phases.items():
             key = f"{phase}:{algo}"
             algos[key] = algos.get(key, 0) + 1
-    out = {"memory": memory, "peak_bytes": rt.stats.peak_bytes,
+    out = {"memory": memory, "cuda_graph": cuda_graph, "peak_bytes": rt.stats.peak_bytes,
            "planned_peak_bytes": rt.plan.peak_bytes,
            "peak_equals_plan": rt.stats.peak_bytes == rt.plan.peak_bytes,
            "setup_seconds_incl_rankings": setup_s,
@@ -157,6 +159,8 @@ def main():
     parser.add_argument("--reference-models", default=None,
                         help="models that get the --reference run (default: all)")
     parser.add_argument("--out", default=None, help="results name (default memory-<gpu>)")
+    parser.add_argument("--cuda-graph", action="store_true",
+                        help="train with Runtime(cuda_graph=True) (the step replayed)")
     parser.add_argument("--merge", action="store_true",
                         help="keep the other models' rows already in the results file")
     args = parser.parse_args()
@@ -191,7 +195,8 @@ def main():
         rows[name] = row
         if real:
             reference = args.reference if ref_models is None or name in ref_models else None
-            train_and_record(row, fn(batch=best), cap, reference, args.host_memory)
+            train_and_record(row, fn(batch=best), cap, reference, args.host_memory,
+                             cuda_graph=args.cuda_graph)
             save()
     if args.deep or args.deep_n:
         n, layers = ((args.deep_n, None) if args.deep_n else
@@ -203,17 +208,17 @@ def main():
         print(f"deepest ResNet [6, 32, {n}, 6] at batch 16: {layers} conv/fc layers", flush=True)
         if real:
             train_and_record(rows["deep_resnet"], deep_resnet(n)(16), cap, None,
-                             args.host_memory, steps=1)
+                             args.host_memory, steps=1, cuda_graph=args.cuda_graph)
     print(f"wrote {save()}")
 
 
-def train_and_record(row, net, cap, reference, host_memory, steps=2):
+def train_and_record(row, net, cap, reference, host_memory, steps=2, cuda_graph=False):
     """Train under the cap (and, with `reference`, under a cap where nothing moves) into row."""
     for key, memory in (("real", cap), ("reference", reference)):
         if memory is None:
             continue
         try:
-            row[key] = r = train_for_real(net, memory, host_memory, steps)
+            row[key] = r = train_for_real(net, memory, host_memory, steps, cuda_graph)
             print(f"  {key} ({memory}): peak {r['peak_bytes']:,} == plan: "
                   f"{r['peak_equals_plan']}, {r['images_per_s']:.1f} images/s, "
                   f"{r['transfer_gb_per_s']:.1f} GB/s moved, losses "

@@ -98,3 +98,12 @@ def test_training_table_quotes_the_json():
             ratio = f"{r['ratio_to_pytorch']:.2f}x"
             assert cell[col].replace("**", "") == f"{r['images_per_s']:,.0f} ({ratio})"
             assert r["peak_equals_plan"] and r["losses"] == run["tinysn"][0]["losses"]
+
+
+def test_deep_resnet_graph_run_as_quoted():
+    run = load("memory-graph-NVIDIA-H200.json")["models"]["deep_resnet"]
+    real = run["real"]
+    assert real["cuda_graph"] and real["peak_bytes"] == real["planned_peak_bytes"]
+    assert run["conv_fc_layers"] == 6201
+    assert f"{real['seconds_per_step']:.2f} s per step, {real['images_per_s']:.1f}" in BENCH_README
+    assert f"{real['transfer_gb_per_s']:.1f} GB/s moved" in BENCH_README

@@ -22,8 +22,8 @@ every kernel; the capture must not), the next one captures the plan's walk (the 
 every check run in Python as always, so the captured pass verifies peak == plan) and replays
 it; later steps copy the batch into static buffers and replay. Changing lr, momentum or
 weight_decay triggers a new capture (they are launch arguments). Not for nets with dropout
-(p > 0): its mask seed changes every iteration. The static batch buffers (images and labels) live
-outside the pool: a graph reads fixed addresses.
+(p > 0): its mask seed changes every iteration. The static batch buffers (images and labels)
+live outside the pool: a graph reads fixed addresses.
 """
 from __future__ import annotations
 

@@ -74,9 +74,10 @@ _TUNED = {}   # (autotuner, scalar arguments, keyword arguments) -> the config i
 
 
 def launch(tuner, grid, args, kwargs):
-    """Launch an autotuned kernel. The first launch of a shape goes through the autotuner;
-    later ones launch its pick directly, skipping the autotuner's per-call bookkeeping (host
-    time per launch matters: the runtime launches hundreds of kernels per step)."""
+    """Launch an autotuned kernel (`grid`: a function of the config's meta-parameters). The
+    first launch of a shape goes through the autotuner; later ones launch its pick directly,
+    skipping the autotuner's per-call bookkeeping (host time per launch matters: the runtime
+    launches hundreds of kernels per step)."""
     key = (id(tuner), tuple(a for a in args if not isinstance(a, torch.Tensor)),
            tuple(kwargs.items()))
     cfg = _TUNED.get(key)
@@ -86,4 +87,4 @@ def launch(tuner, grid, args, kwargs):
         if cfg is not None:
             _TUNED[key] = cfg
         return
-    tuner.fn[grid(cfg.kwargs) if callable(grid) else grid](*args, **kwargs, **cfg.all_kwargs())
+    tuner.fn[grid(cfg.kwargs)](*args, **kwargs, **cfg.all_kwargs())

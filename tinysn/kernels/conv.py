@@ -1074,13 +1074,15 @@ def forward(x, w, b, y, *, stride, padding, algo="implicit", workspace=None, pre
     _launch_fwd(ws, w, b, y, n, crs, p, q, k, p, q, 1, 1, 0, 0, 1, 1, prec)
 
 
-def _launch_bwd_data(dy, w, dx, n, c, h, wd, k, p, q, sh, sw, ph, pw, r, s, accumulate, prec):
+def _launch_bwd_data(dy, w, dx, n, c, h, wd, k, p, q, sh, sw, ph, pw, r, s, accumulate, prec,
+                     kernels=(_conv_bwd_data, _conv_bwd_data_acc)):
+    """The data-gradient GEMM over the residue classes (grid axis 1): `kernels` is the
+    (plain, accumulating) autotuner pair, implicit by default, "transposed" with wT as w."""
     is_1x1 = r == 1 and s == 1 and sh == 1 and sw == 1 and ph == 0 and pw == 0
-    kern = _conv_bwd_data_acc if accumulate else _conv_bwd_data
     m_grid = n * _cdiv(h, sh) * _cdiv(wd, sw)
     grid = lambda meta: (_cdiv(m_grid, meta["BLOCK_M"]) * _cdiv(c, meta["BLOCK_N"]),  # noqa: E731
                          sh * sw)
-    _launch(kern, grid, (dy, w, dx, n, c, k, sh, sw, ph, pw),
+    _launch(kernels[1] if accumulate else kernels[0], grid, (dy, w, dx, n, c, k, sh, sw, ph, pw),
             dict(H=h, W=wd, P=p, Q=q, R=r, S=s, IS_1X1=is_1x1, STRIDE1=sh == 1 and sw == 1,
                  ACCUMULATE=accumulate, PRECISION=prec))
 
@@ -1094,14 +1096,8 @@ def _launch_bwd_data_t(dy, w, wt, dx, n, c, h, wd, k, p, q, sh, sw, ph, pw, r, s
         bk, bj = 64, 64
     _weight_rsck_kernel[(_cdiv(k, bk), _cdiv(c * r * s, bj))](
         w, wt, k, c, RS=r * s, BLOCK_K=bk, BLOCK_J=bj, num_warps=4)
-    is_1x1 = r == 1 and s == 1 and sh == 1 and sw == 1 and ph == 0 and pw == 0
-    kern = _conv_bwd_data_t_acc if accumulate else _conv_bwd_data_t
-    m_grid = n * _cdiv(h, sh) * _cdiv(wd, sw)
-    grid = lambda meta: (_cdiv(m_grid, meta["BLOCK_M"]) * _cdiv(c, meta["BLOCK_N"]),  # noqa: E731
-                         sh * sw)
-    _launch(kern, grid, (dy, wt, dx, n, c, k, sh, sw, ph, pw),
-            dict(H=h, W=wd, P=p, Q=q, R=r, S=s, IS_1X1=is_1x1, STRIDE1=sh == 1 and sw == 1,
-                 ACCUMULATE=accumulate, PRECISION=prec))
+    _launch_bwd_data(dy, wt, dx, n, c, h, wd, k, p, q, sh, sw, ph, pw, r, s, accumulate, prec,
+                     kernels=(_conv_bwd_data_t, _conv_bwd_data_t_acc))
 
 
 def _run_bwd_data(dy, w, dx, x_shape, geo, algo, ws, accumulate, prec):

@@ -32,18 +32,12 @@ from dataclasses import dataclass, field
 
 import torch
 
-from .kernels import act as act_k
-from .kernels import bn as bn_k
-from .kernels import conv as conv_k
-from .kernels import dropout as dropout_k
-from .kernels import join as join_k
-from .kernels import linear as linear_k
-from .kernels import lrn as lrn_k
-from .kernels import pool as pool_k
 from .kernels import sgd as sgd_k
-from .kernels import softmax as softmax_k
+from .ops import spec
 from .pool.arena import Arena
 from .sched import plan as plan_mod
+from .sched.plan import (Alloc, Drop, Evict, Free, Launch, Mark, Offload, Prefetch, Release,
+                         Sync, Wait)
 from .tensor import Tensor
 
 
@@ -107,16 +101,16 @@ class Runtime:
         self.tensors = [Tensor(t.name, t.shape, t.dtype, t.kind, t.id) for t in self.plan.tensors]
         self._views = [{} for _ in self.tensors]      # tensor id -> {offset: torch view}
         for op in self.plan.setup:
-            self._alloc(op[1], op[2])
-        self._predicting = False
+            self._alloc(op)
+        self.images, self.predicting = None, False
         self._launch = self._build_launchers()
-        self._ops = {"alloc": self._alloc, "free": self._free, "drop": self._drop,
-                     "offload": self._offload, "release": self._release, "evict": self._evict,
-                     "prefetch": self._prefetch, "wait": self._wait, "sync": self._sync,
-                     "mark": self._mark}
+        self._execute = {Alloc: self._alloc, Free: self._free, Drop: self._drop,
+                         Offload: self._offload, Release: self._release, Evict: self._evict,
+                         Prefetch: self._prefetch, Wait: self._wait, Sync: self._sync,
+                         Mark: self._mark, Launch: self._run_kernel}
         self.load_params(net.init_params(seed))
         for tid in self.program.momentum.values():
-            self.tensors[tid].view().zero_()
+            self.view(tid).zero_()
         self.cuda_graph = cuda_graph
         self._graph = self._graph_key = self._static = None
         self._graph_moved = (0, 0)          # bytes each captured step copies (to host, device)
@@ -131,23 +125,30 @@ class Runtime:
             self._walk(images, labels)
         return self._finish_step()
 
-    def _walk(self, images, labels):
-        """Execute the plan's steps once from Python (an eager step, or the captured pass)."""
-        self.tensors[self.program.labels].view().copy_(labels)
-        self._images = images
-        trace = []
-        for step in self.plan.steps:
-            for op in step.ops:
-                if op[0] == "kernel":
-                    self._launch[op[1]](op[2], op[3])
-                    trace.append({"step": step.index, "layer": step.layer, "phase": step.phase,
-                                  "bytes_in_use": self.arena.allocator.in_use,
-                                  "live_tensors": self.arena.allocator.n_used_nodes})
-                else:
-                    self._ops[op[0]](*op[1:])
-        self._images = None
+    def _walk(self, images, labels, until=None):
+        """Execute the plan's steps once from Python (an eager step, the captured pass, or a
+        prediction that stops before step index `until`)."""
+        if labels is not None:
+            self.view(self.program.labels).copy_(labels)
+        self.images, self._trace = images, []
+        try:
+            for step in self.plan.steps[:until]:
+                self._step = step
+                for op in step.ops:
+                    self._execute[type(op)](op)
+        finally:
+            self.images = None
         self._join_copies()
-        self.stats.trace = trace
+        if until is None:
+            self.stats.trace = self._trace
+
+    def _run_kernel(self, op):
+        """A Launch: the layer's kernels (ops.py), on views of the arena; one trace record."""
+        self._launch[op.key](op.algos, None if op.workspace is None else self.view(op.workspace))
+        step = self._step
+        self._trace.append({"step": step.index, "layer": step.layer, "phase": step.phase,
+                            "bytes_in_use": self.arena.allocator.in_use,
+                            "live_tensors": self.arena.allocator.n_used_nodes})
 
     def _replay(self, images, labels):
         """Graph mode: (re)capture when needed, then copy the batch in and replay the step."""
@@ -180,7 +181,7 @@ class Runtime:
         self._graph, self._graph_key = graph, key
 
     def _finish_step(self) -> float:
-        loss = float(self.tensors[self.program.act[self.net.loss]].view()[0])
+        loss = float(self.view(self.program.act[self.net.loss])[0])
         self.stats.peak_bytes = self.arena.allocator.peak
         self.stats.recomputed_steps = self.plan.recomputed_steps
         self.stats.iterations += 1
@@ -194,21 +195,16 @@ class Runtime:
         then frees every activation, leaving the pool as it was before.
         """
         self._check_images(images)
-        self._images, self._predicting = images, True
         loss_layer = self.net.loss.name
+        stop = next(s.index for s in self.plan.steps
+                    if s.phase == "forward" and s.layer == loss_layer)
+        self.predicting = True
         try:
-            for step in self.plan.steps:
-                if step.phase == "forward" and step.layer == loss_layer:
-                    break
-                for op in step.ops:
-                    if op[0] == "kernel":
-                        self._launch[op[1]](op[2], op[3])
-                    else:
-                        self._ops[op[0]](*op[1:])
-            logits = self.tensors[self.program.act[self.net.loss.inputs[0]]].view()
+            self._walk(images, None, until=stop)
+            logits = self.view(self.program.act[self.net.loss.inputs[0]])
             logits = logits.detach().to("cpu", copy=True)
         finally:
-            self._images, self._predicting = None, False
+            self.predicting = False
             if self._cuda:                       # copies of a cut-short iteration: done
                 torch.cuda.synchronize(self.device)
             persistent = {t.id for t in self.program.tensors if t.persistent}
@@ -264,65 +260,64 @@ class Runtime:
             raise ValueError("images contain NaN or infinite values")
 
     # -- memory operations ------------------------------------------------------------
-    def _alloc(self, tid, offset):
-        t = self.tensors[tid]
-        t.allocate(self.arena, views=self._views[tid])
-        if t.block.offset != offset:
+    def _alloc(self, op: Alloc):
+        t = self.tensors[op.tensor]
+        t.allocate(self.arena, views=self._views[op.tensor])
+        if t.block.offset != op.offset:
             raise RuntimeError(f"allocator diverged from the plan: {t.name} at {t.block.offset}, "
-                               f"planned {offset}")
+                               f"planned {op.offset}")
 
     # Nothing here waits on the host: the plan names the events each block's next writer
     # waits for (sched/plan.py), and the streams are joined once at the end of a step.
-    def _free(self, tid):
-        self.tensors[tid].free(sync=False)
+    def _free(self, op: Free):
+        self.tensors[op.tensor].free(sync=False)
 
-    def _drop(self, tid):
-        self.tensors[tid].drop()
+    def _drop(self, op: Drop):
+        self.tensors[op.tensor].drop()
 
-    def _offload(self, tid, host_offset, slot, waits):
-        t = self.tensors[tid]
-        t.offload(self.host, self.to_host_stream, waits=[self._events[w] for w in waits])
-        self._events[slot] = t.event
+    def _offload(self, op: Offload | Evict):
+        t = self.tensors[op.tensor]
+        t.offload(self.host, self.to_host_stream, waits=[self._events[w] for w in op.waits])
+        self._events[op.slot] = t.event
         self.stats.bytes_to_host += t.nbytes
-        if t.host_block.offset != host_offset:
+        if t.host_block.offset != op.host_offset:
             raise RuntimeError(f"host allocator diverged from the plan for {t.name}")
 
-    def _release(self, tid):
-        self.tensors[tid].release(sync=False)
+    def _release(self, op: Release):
+        self.tensors[op.tensor].release(sync=False)
 
-    def _evict(self, tid, host_offset, slot, waits):
-        t = self.tensors[tid]
-        if host_offset is None:
-            t.discard()
+    def _evict(self, op: Evict):
+        if op.host_offset is None:
+            self.tensors[op.tensor].discard()
             return
-        self._offload(tid, host_offset, slot, waits)
-        t.release(sync=False)
+        self._offload(op)
+        self.tensors[op.tensor].release(sync=False)
 
-    def _prefetch(self, tid, offset, slot, waits):
-        t = self.tensors[tid]
-        t.prefetch(self.arena, self.to_device_stream, views=self._views[tid],
-                   waits=[self._events[w] for w in waits])
-        self._events[slot] = t.event
+    def _prefetch(self, op: Prefetch):
+        t = self.tensors[op.tensor]
+        t.prefetch(self.arena, self.to_device_stream, views=self._views[op.tensor],
+                   waits=[self._events[w] for w in op.waits])
+        self._events[op.slot] = t.event
         self.stats.bytes_to_device += t.nbytes
-        if t.block.offset != offset:
+        if t.block.offset != op.offset:
             raise RuntimeError(f"allocator diverged from the plan: {t.name} prefetched to "
-                               f"{t.block.offset}, planned {offset}")
+                               f"{t.block.offset}, planned {op.offset}")
 
-    def _wait(self, tid):
+    def _wait(self, op: Wait):
         stream = torch.cuda.current_stream(self.device) if self._cuda else None
-        self.tensors[tid].wait(stream)
+        self.tensors[op.tensor].wait(stream)
 
-    def _sync(self, slots):
+    def _sync(self, op: Sync):
         if self._cuda:
             stream = torch.cuda.current_stream(self.device)
-            for slot in slots:
+            for slot in op.slots:
                 stream.wait_event(self._events[slot])
 
-    def _mark(self, slot):
+    def _mark(self, op: Mark):
         if self._cuda:
             event = torch.cuda.Event()
             event.record(torch.cuda.current_stream(self.device))
-            self._events[slot] = event
+            self._events[op.slot] = event
 
     def _join_copies(self):
         """The compute stream waits for both copy streams (end of a step or a prediction)."""
@@ -331,164 +326,44 @@ class Runtime:
             stream.wait_stream(self.to_host_stream)
             stream.wait_stream(self.to_device_stream)
 
-    # -- kernel launchers -------------------------------------------------------------
-    def _build_launchers(self) -> dict:
-        """key -> launch(algos, workspace id): one per logical step and per recomputable layer."""
-        launch = {}
-        for step in self.program.steps:
-            if step.phase == "forward":
-                launch[step.index] = self._forward_launcher(step.layer, update_running=True)
-            else:
-                launch[step.index] = self._backward_launcher(step)
-        for layer in self.program.order:
-            launch[("recompute", layer.index)] = self._forward_launcher(layer, update_running=False)
-        return launch
-
-    def _v(self, tid):
+    # -- kernel launchers (ops.py builds them; these are what they read) ---------------
+    def view(self, tid):
+        """The torch view of tensor `tid` (raises unless it is on the device and ready)."""
         return self.tensors[tid].view()
 
-    def _ws(self, ws):
-        return None if ws is None else self.tensors[ws].view()
-
-    def _param(self, layer, suffix, table=None):
-        table = self.program.param if table is None else table
-        tid = table.get(f"{layer.name}.{suffix}")
-        return None if tid is None else (lambda: self.tensors[tid].view())
-
-    def _forward_launcher(self, layer, update_running):
-        p, v = self.program, self._v
-        op, a = layer.op, layer.attrs
-        out = p.act[layer]
-        ins = [p.act[x] for x in layer.inputs]
-        prec = self.precision
-        if op == "data":
-            return lambda algos, ws: v(out).copy_(self._images)
-        if op == "conv":
-            w, b = self._param(layer, "weight"), self._param(layer, "bias")
-            return lambda algos, ws: conv_k.forward(
-                v(ins[0]), w(), b() if b else None, v(out), stride=a["stride"],
-                padding=a["padding"], algo=algos["forward"], workspace=self._ws(ws), precision=prec)
-        if op == "bn":
-            g, bb = self._param(layer, "weight"), self._param(layer, "bias")
-            rm = self._param(layer, "running_mean", p.buffer)
-            rv = self._param(layer, "running_var", p.buffer)
-            saved = p.saved[layer]
-            return lambda algos, ws: bn_k.forward(
-                v(ins[0]), g(), bb(), v(out), rm(), rv(), v(saved), self._ws(ws),
-                eps=a.get("eps", 1e-5), momentum=a.get("momentum", 0.1),
-                update_running=update_running and not self._predicting)
-        if op == "relu":
-            return lambda algos, ws: act_k.forward(v(ins[0]), v(out))
-        if op == "pool":
-            return lambda algos, ws: pool_k.forward(
-                v(ins[0]), v(out), mode=a["mode"], kernel=a["kernel"], stride=a["stride"],
-                padding=a["padding"])
-        if op == "lrn":
-            return lambda algos, ws: lrn_k.forward(
-                v(ins[0]), v(out), size=a["size"], alpha=a["alpha"], beta=a["beta"], k=a["k"])
-        if op == "fc":
-            w, b = self._param(layer, "weight"), self._param(layer, "bias")
-            n = layer.shape[0]
-            return lambda algos, ws: linear_k.forward(
-                v(ins[0]).view(n, -1), w(), b() if b else None, v(out), precision=prec)
-        if op == "dropout":
-            return lambda algos, ws: dropout_k.forward(
-                v(ins[0]), v(out), p=0.0 if self._predicting else a["p"],
-                seed=self._dropout_seed(layer), offset=0)
-        if op == "add":
-            return lambda algos, ws: join_k.add_forward([v(i) for i in ins], v(out))
-        if op == "concat":
-            return lambda algos, ws: join_k.concat_forward([v(i) for i in ins], v(out))
-        if op == "softmax_loss":
-            return lambda algos, ws: softmax_k.forward(v(ins[0]), v(p.labels), v(out), self._ws(ws))
-        raise ValueError(f"no forward launcher for layer op {op!r}")
-
-    def _dropout_seed(self, layer):
+    def dropout_seed(self, layer) -> int:
         return _mask_seed(self.seed, self.stats.iterations, layer.index)
 
-    def _backward_launcher(self, step):
-        kernel = self._backward_kernel(step)
-        updates = self._updates(step.layer)
-        if not updates:
+    def _build_launchers(self) -> dict:
+        """Launch key -> launch(algos, workspace): one per logical step (a backward step's
+        launch also applies the SGD update of the layer's parameters) and one per layer for
+        its recomputation (which leaves batch-norm running statistics alone)."""
+        launch = {}
+        for step in self.program.steps:
+            op = spec(step.layer)
+            if step.phase == "forward":
+                launch[step.index] = op.forward(self, step.layer, True)
+            else:
+                launch[step.index] = self._then_update(op.backward(self, step), step.layer)
+        for layer in self.program.order:
+            launch[("recompute", layer.index)] = spec(layer).forward(self, layer, False)
+        return launch
+
+    def _then_update(self, kernel, layer):
+        """`kernel`, followed by the SGD update of each of the layer's parameters."""
+        p = self.program
+        names = [f"{layer.name}.{suffix}" for suffix in layer.params]
+        if not names:
             return kernel
+        updates = [(p.param[n], p.pgrad[n], p.momentum.get(n)) for n in names]
 
         def launch(algos, ws):
             kernel(algos, ws)
-            for update in updates:
-                update()
+            for param, grad, mom in updates:
+                sgd_k.update(self.view(param), self.view(grad),
+                             None if mom is None else self.view(mom), lr=self.lr,
+                             momentum=self.momentum, weight_decay=self.weight_decay)
         return launch
-
-    def _updates(self, layer):
-        p = self.program
-        out = []
-        for suffix in layer.params:
-            name = f"{layer.name}.{suffix}"
-            param, grad, mom = p.param[name], p.pgrad[name], p.momentum.get(name)
-            out.append(lambda param=param, grad=grad, mom=mom: sgd_k.update(
-                self._v(param), self._v(grad), None if mom is None else self._v(mom),
-                lr=self.lr, momentum=self.momentum, weight_decay=self.weight_decay))
-        return out
-
-    def _backward_kernel(self, step):
-        p, v = self.program, self._v
-        layer = step.layer
-        op, a = layer.op, layer.attrs
-        dy = p.grad.get(layer)
-        ins = [p.act[x] for x in layer.inputs]
-        dxs = [p.grad.get(x) for x in layer.inputs]
-        acc = [step.accumulate.get(d, False) if d is not None else False for d in dxs]
-        opt = lambda tid: None if tid is None else v(tid)  # noqa: E731
-        pg = lambda s: (lambda: v(p.pgrad[f"{layer.name}.{s}"])) if s in layer.params else (lambda: None)  # noqa: E731
-        prec = self.precision
-        if op == "conv":
-            w = self._param(layer, "weight")
-            dw, db = pg("weight"), pg("bias")
-            return lambda algos, ws: conv_k.backward(
-                v(ins[0]), w(), v(dy), opt(dxs[0]), dw(), db(), stride=a["stride"],
-                padding=a["padding"], algo_data=algos.get("backward_data", "implicit"),
-                algo_weight=algos["backward_weight"], workspace=self._ws(ws),
-                accumulate=acc[0], precision=prec)
-        if op == "bn":
-            g = self._param(layer, "weight")
-            return lambda algos, ws: bn_k.backward(
-                v(ins[0]), g(), v(dy), v(p.saved[layer]), opt(dxs[0]), pg("weight")(),
-                pg("bias")(), self._ws(ws), accumulate=acc[0])
-        if op == "relu":
-            return lambda algos, ws: act_k.backward(v(p.act[layer]), v(dy), v(dxs[0]),
-                                                    accumulate=acc[0])
-        if op == "pool":
-            # max pooling recomputes its argmax from x; average pooling reads neither x nor
-            # y, so it runs after both were freed
-            needs_x = a["mode"] == "max"
-            return lambda algos, ws: pool_k.backward(
-                v(ins[0]) if needs_x else None, None, v(dy), v(dxs[0]), mode=a["mode"],
-                kernel=a["kernel"], stride=a["stride"], padding=a["padding"], accumulate=acc[0])
-        if op == "lrn":
-            return lambda algos, ws: lrn_k.backward(
-                v(ins[0]), v(dy), v(dxs[0]), size=a["size"], alpha=a["alpha"], beta=a["beta"],
-                k=a["k"], accumulate=acc[0])
-        if op == "fc":
-            w = self._param(layer, "weight")
-            n = layer.shape[0]
-            return lambda algos, ws: linear_k.backward(
-                v(ins[0]).view(n, -1), w(), v(dy),
-                None if dxs[0] is None else v(dxs[0]).view(n, -1), pg("weight")(), pg("bias")(),
-                accumulate=acc[0], precision=prec)
-        if op == "dropout":
-            return lambda algos, ws: dropout_k.backward(
-                v(dy), v(dxs[0]), p=a["p"], seed=self._dropout_seed(layer), offset=0,
-                accumulate=acc[0])
-        if op == "add":
-            return lambda algos, ws: join_k.add_backward(v(dy), [opt(d) for d in dxs],
-                                                         accumulate=acc)
-        if op == "concat":
-            channels = [x.shape[1] for x in layer.inputs]
-            return lambda algos, ws: join_k.concat_backward(v(dy), [opt(d) for d in dxs],
-                                                            accumulate=acc, channels=channels)
-        if op == "softmax_loss":
-            return lambda algos, ws: softmax_k.backward(v(ins[0]), v(p.labels), v(dxs[0]),
-                                                        accumulate=acc[0])
-        raise ValueError(f"no backward launcher for layer op {op!r}")
 
 
 def _check_graph_request(cuda_graph, device, net) -> None:

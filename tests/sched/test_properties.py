@@ -13,6 +13,7 @@ import torch
 from hypothesis import HealthCheck, given, settings, strategies as st
 
 import tinysn as sn
+from tinysn.sched.plan import Wait
 
 POLICIES = ("liveness", "offload", "recompute", "all")
 PINNED = {}          # conv_algos={} pins every conv to its zero-workspace default
@@ -137,7 +138,7 @@ def test_runtime_refuses_to_read_a_tensor_the_plan_does_not_provide():
     net = every_layer_net()
     rt = sn.Runtime(net, "64MiB", "offload", device="cpu")
     for step in rt.plan.steps:                                               # (d)
-        waits = [op for op in step.ops if op[0] == "wait"]
+        waits = [op for op in step.ops if isinstance(op, Wait)]
         if waits:
             step.ops.remove(waits[0])       # break the plan: read a tensor still in flight
             break

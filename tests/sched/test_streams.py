@@ -8,12 +8,14 @@ every pair of conflicting accesses (same bytes, different streams, at least one 
 the earlier one must happen before the later. Random nets and caps that force evictions.
 """
 import copy
+import dataclasses
 
 import pytest
 import torch
 from hypothesis import HealthCheck, given, settings, strategies as st
 
 import tinysn as sn
+from tinysn.sched.plan import Prefetch, Sync
 from tests.nets import block_net, every_layer_net
 from tests.sched.test_properties import random_nets
 
@@ -54,10 +56,11 @@ class StreamReplay:
     # -- ops ---------------------------------------------------------------------------
     def run_iteration(self):
         for op in self.plan.setup:
-            self.dev[op[1]] = op[2]
+            self.dev[op.tensor] = op.offset
         for step in self.plan.steps:
             for op in step.ops:
-                getattr(self, "_" + op[0])(*op[1:])
+                fields = [getattr(op, f.name) for f in dataclasses.fields(op)]
+                getattr(self, "_" + type(op).__name__.lower())(*fields)
         for s in range(3):                       # the runtime joins the streams at the end
             for o in range(3):
                 self._join(s, self.clock[o])
@@ -111,7 +114,7 @@ class StreamReplay:
     def _mark(self, slot):
         self.events[slot] = list(self.clock[COMPUTE])
 
-    def _kernel(self, key, algos, ws):
+    def _launch(self, key, algos, ws):
         if isinstance(key, tuple):               # a recomputation: the layer's forward
             layer = self.program.order[key[1]]
             reads = [self.program.act[x] for x in layer.inputs]
@@ -171,16 +174,16 @@ def test_replay_catches_a_missing_wait():
     complain for some of them (others are covered by another wait, transitively)."""
     plan = moving_plan(block_net(batch=2), "all")
     sites = [(si, i) for si, step in enumerate(plan.steps) for i, op in enumerate(step.ops)
-             if op[0] == "sync" or op[0] == "prefetch" and op[4]]
+             if isinstance(op, Sync) or isinstance(op, Prefetch) and op.waits]
     assert sites, "the plan should need syncs"
     caught = 0
     for si, i in sites:
         broken = copy.deepcopy(plan)
         op = broken.steps[si].ops[i]
-        if op[0] == "sync":
+        if isinstance(op, Sync):
             del broken.steps[si].ops[i]
         else:
-            broken.steps[si].ops[i] = (*op[:4], ())
+            broken.steps[si].ops[i] = dataclasses.replace(op, waits=())
         try:
             replay(broken)
         except AssertionError as err:

@@ -15,18 +15,8 @@ from dataclasses import dataclass, field
 
 import torch
 
+from ..ops import spec
 from . import route
-
-# Which saved tensors a layer's backward pass reads, besides the gradient of its output.
-BACKWARD_READS_INPUT = {"conv", "bn", "lrn", "fc", "softmax_loss"}
-BACKWARD_READS_OUTPUT = {"relu"}
-
-
-def backward_reads_input(layer) -> bool:
-    """True when the layer's backward kernel needs the layer's forward inputs."""
-    if layer.op == "pool":
-        return layer.attrs["mode"] == "max"
-    return layer.op in BACKWARD_READS_INPUT
 
 
 @dataclass
@@ -100,14 +90,14 @@ class Program:
         self.labels = self._new("labels", (net.batch,), "data", None, "labels",
                                 dtype=torch.int64, persistent=True)
         for layer in self.order:
-            persistent = layer.op == "softmax_loss"
+            persistent = spec(layer).is_loss
             self.act[layer] = self._new(layer.name, layer.shape, "data", layer, "act",
                                         persistent=persistent)
-            if layer.op == "bn":
+            if spec(layer).saves_statistics:
                 self.saved[layer] = self._new(layer.name + ".saved", (2, layer.shape[1]),
                                               "state", layer, "saved")
         for layer in self.order:
-            if layer.op not in ("data", "softmax_loss") and self._needs_grad(layer):
+            if not spec(layer).is_loss and self._needs_grad(layer):
                 self.grad[layer] = self._new(layer.name + ".grad", layer.shape, "grad",
                                              layer, "grad")
         for name, tid in self.param.items():
@@ -125,17 +115,15 @@ class Program:
     def _make_steps(self):
         for layer in self.order:
             step = LogicalStep(len(self.steps), layer, "forward")
-            if layer.op == "data":
-                step.writes.append(self.act[layer])
-            else:
-                step.reads += [self.act[x] for x in layer.inputs]
-                step.reads += self._layer_params(layer, self.param)
-                if layer.op == "softmax_loss":
-                    step.reads.append(self.labels)
-                step.writes.append(self.act[layer])
-                if layer.op == "bn":
-                    step.writes.append(self.saved[layer])
-                    step.writes += [self.buffer[f"{layer.name}.{b}"] for b in layer.buffers]
+            op = spec(layer)
+            step.reads += [self.act[x] for x in layer.inputs]
+            step.reads += self._layer_params(layer, self.param)
+            if op.is_loss:
+                step.reads.append(self.labels)
+            step.writes.append(self.act[layer])
+            if op.saves_statistics:
+                step.writes.append(self.saved[layer])
+                step.writes += [self.buffer[f"{layer.name}.{b}"] for b in layer.buffers]
             self.steps.append(step)
         written = set()
         for layer in reversed(self.order):
@@ -144,13 +132,14 @@ class Program:
             step = LogicalStep(len(self.steps), layer, "backward")
             if layer in self.grad:
                 step.reads.append(self.grad[layer])
-            if backward_reads_input(layer):
+            op = spec(layer)
+            if op.reads_input(layer):
                 step.reads += [self.act[x] for x in layer.inputs]
-            if layer.op in BACKWARD_READS_OUTPUT:
+            if op.backward_reads_output:
                 step.reads.append(self.act[layer])
-            if layer.op == "softmax_loss":
+            if op.is_loss:
                 step.reads.append(self.labels)
-            if layer.op == "bn":
+            if op.saves_statistics:
                 step.reads.append(self.saved[layer])
             step.reads += self._layer_params(layer, self.param)
             step.reads += self._layer_params(layer, self.momentum)

@@ -3,26 +3,9 @@
 For a fixed net, policy and cap every decision (which block each tensor gets, when it is
 freed, offloaded, prefetched or recomputed, which conv algorithm runs) is deterministic. So
 the planner makes them all up front, through the same BlockAllocator the runtime uses, and
-records them as steps of simple operations:
-
-    ("alloc", tid, offset)      give tensor tid a device block at offset
-    ("free", tid)               return its device (and host) blocks
-    ("drop", tid)               free the device block of a tensor that will be recomputed
-    ("offload", tid, hoffset, slot, waits)
-                                start copying it to the pinned host arena (device-to-host
-                                stream) once the events in `waits` are done; its event goes
-                                to `slot`
-    ("release", tid)            free the device block (the copy may still be reading it)
-    ("evict", tid, hoffset, slot, waits)
-                                LRU eviction: copy out (as offload) unless hoffset is None
-                                (the host copy is valid), then free the device block
-    ("prefetch", tid, offset, slot, waits)
-                                allocate a device block and copy back (host-to-device stream)
-    ("wait", tid)               the compute stream waits for that tensor's prefetch
-    ("sync", slots)             the compute stream waits for those copies' events
-    ("mark", slot)              record an event on the compute stream (after a kernel)
-    ("kernel", key, algos, ws)  launch the layer's kernels; key is a logical step index or
-                                ("recompute", layer index); ws a workspace tensor id or None
+records them as steps of simple operations, the dataclasses below (Alloc, Free, Drop,
+Offload, Release, Evict, Prefetch, Wait, Sync, Mark, Launch), which the runtime executes
+one by one (`Runtime._execute` dispatches on the type).
 
 Nothing waits on the host: a freed block can still be read by a queued kernel or a copy in
 flight, so the planner remembers that per freed byte range (offload.FreedRanges) and makes
@@ -53,6 +36,89 @@ from ..pool.allocator import BlockAllocator
 from ..units import format_bytes, parse_bytes
 from . import liveness, offload, recompute, workspace
 from .liveness import TensorInfo
+
+# -- the operations a plan step is made of ---------------------------------------------
+@dataclass(frozen=True)
+class Alloc:
+    """Give tensor `tensor` a device block at `offset`."""
+    tensor: int
+    offset: int
+
+
+@dataclass(frozen=True)
+class Free:
+    """Return the tensor's device (and host) blocks."""
+    tensor: int
+
+
+@dataclass(frozen=True)
+class Drop:
+    """Free the device block of a tensor that will be recomputed."""
+    tensor: int
+
+
+@dataclass(frozen=True)
+class Offload:
+    """Start copying the tensor to the pinned host arena at `host_offset` (device-to-host
+    stream) once the events in slots `waits` are done; its own event goes to `slot`."""
+    tensor: int
+    host_offset: int
+    slot: int
+    waits: tuple
+
+
+@dataclass(frozen=True)
+class Release:
+    """Free the device block of an offloaded tensor (the copy may still be reading it)."""
+    tensor: int
+
+
+@dataclass(frozen=True)
+class Evict:
+    """LRU eviction: copy out as Offload does, unless `host_offset` is None (the host copy
+    is still valid), then free the device block."""
+    tensor: int
+    host_offset: int | None
+    slot: int | None
+    waits: tuple
+
+
+@dataclass(frozen=True)
+class Prefetch:
+    """Allocate a device block at `offset` and copy the tensor back (host-to-device stream)
+    once the events in `waits` are done; its event goes to `slot`."""
+    tensor: int
+    offset: int
+    slot: int
+    waits: tuple
+
+
+@dataclass(frozen=True)
+class Wait:
+    """The compute stream waits for the tensor's prefetch."""
+    tensor: int
+
+
+@dataclass(frozen=True)
+class Sync:
+    """The compute stream waits for the copies whose events are in `slots`."""
+    slots: tuple
+
+
+@dataclass(frozen=True)
+class Mark:
+    """Record an event in `slot` on the compute stream (after a kernel)."""
+    slot: int
+
+
+@dataclass(frozen=True)
+class Launch:
+    """Launch a layer's kernels. `key` is a logical step index (forward or backward) or
+    ("recompute", layer index); `algos` the conv algorithms; `workspace` a tensor id or None."""
+    key: object
+    algos: dict | None
+    workspace: int | None
+
 
 POLICIES = ("baseline", "liveness", "offload", "recompute", "all")
 HOST_CAPACITY = 1 << 46   # bookkeeping bound for the host arena; the plan sizes the real one
@@ -333,7 +399,7 @@ class _Planner:
             if self.loc.get(tid) not in ("gpu", "offloading"):
                 self._alloc(tid, ops)
         algos, ws = self._workspace(step, ops)
-        ops.append(("kernel", step.index, algos, ws))
+        ops.append(Launch(step.index, algos, ws))
         self.kernels += 1
         record = Step(len(self.steps), step.layer.name, step.phase, ops, self.dev.in_use,
                       len(self.dblock), algos)
@@ -362,7 +428,7 @@ class _Planner:
         self._alloc(tid, ops)
         size = workspace.fixed_workspace(layer, "forward")
         ws = self._new_workspace(layer, size, ops) if size else None
-        ops.append(("kernel", ("recompute", layer.index), None, ws))
+        ops.append(Launch(("recompute", layer.index), None, ws))
         self.kernels += 1
         self.steps.append(Step(len(self.steps), layer.name, "recompute", ops, self.dev.in_use,
                                len(self.dblock)))
@@ -412,7 +478,7 @@ class _Planner:
                 if tid in self.dropped:
                     self._drop(tid, ops)
                 elif tid in self.offloaded:
-                    ops.append(("release", tid))
+                    ops.append(Release(tid))
                     self._release_device(tid, "host")
 
     def _lookahead(self, nxt, ops):
@@ -436,7 +502,7 @@ class _Planner:
             self._prefetch(tid, ops)
             state = "prefetching"
         if state == "prefetching":
-            ops.append(("wait", tid))
+            ops.append(Wait(tid))
             self.loc[tid] = "gpu"
         elif state not in ("gpu", "offloading"):
             raise AssertionError(f"planner bug: {self.tensors[tid].name} read while {state}")
@@ -449,10 +515,10 @@ class _Planner:
         block = self._dev_alloc(info.nbytes, info.name)
         self.dblock[tid] = block
         self.loc[tid] = "gpu"
-        ops.append(("alloc", tid, block.offset))
+        ops.append(Alloc(tid, block.offset))
         _, slots = self.dev_freed.take(block.offset, block.end)
         if slots:       # copies may still be reading these bytes: the kernel waits for them
-            ops.append(("sync", tuple(sorted(slots))))
+            ops.append(Sync(tuple(sorted(slots))))
         if (self.cache is not None and info.role == "act" and not info.persistent
                 and tid not in self.dropped):
             self.cache.touch(tid)
@@ -478,10 +544,10 @@ class _Planner:
                 continue
             ops = self._current_ops
             if tid in self.hblock:
-                ops.append(("evict", tid, None, None, ()))
+                ops.append(Evict(tid, None, None, ()))
             else:
                 hoff, slot, waits = self._copy_out(tid)
-                ops.append(("evict", tid, hoff, slot, waits))
+                ops.append(Evict(tid, hoff, slot, waits))
                 self.to_host += self.tensors[tid].nbytes
             self._release_device(tid, "host")
             return True
@@ -515,7 +581,7 @@ class _Planner:
 
     def _offload(self, tid, ops):
         hoff, slot, waits = self._copy_out(tid)
-        ops.append(("offload", tid, hoff, slot, waits))
+        ops.append(Offload(tid, hoff, slot, waits))
         self.loc[tid] = "offloading"
         self.to_host += self.tensors[tid].nbytes
 
@@ -543,17 +609,17 @@ class _Planner:
         if pos:
             waits.add(self._mark(pos))            # kernels that read the old contents
         slot = self.h2d[tid] = self._slot()
-        ops.append(("prefetch", tid, block.offset, slot, tuple(sorted(waits))))
+        ops.append(Prefetch(tid, block.offset, slot, tuple(sorted(waits))))
         self.to_device += self.tensors[tid].nbytes
         if self.cache is not None:
             self.cache.touch(tid)
 
     def _drop(self, tid, ops):
-        ops.append(("drop", tid))
+        ops.append(Drop(tid))
         self._release_device(tid, "dropped")
 
     def _free(self, tid, ops):
-        ops.append(("free", tid))
+        ops.append(Free(tid))
         if tid in self.dblock:
             self._free_device_block(tid)
         if tid in self.hblock:
@@ -567,7 +633,7 @@ class _Planner:
             self.cache.remove(tid)
 
     def _insert_marks(self):
-        """Put each ("mark", slot) right after the kernel whose position a copy waits for."""
+        """Put each Mark right after the kernel whose position a copy waits for."""
         if not self.marks:
             return
         pos = 0
@@ -575,10 +641,10 @@ class _Planner:
             ops = []
             for op in step.ops:
                 ops.append(op)
-                if op[0] == "kernel":
+                if isinstance(op, Launch):
                     pos += 1
                     if pos in self.marks:
-                        ops.append(("mark", self.marks[pos]))
+                        ops.append(Mark(self.marks[pos]))
             step.ops[:] = ops
 
     def _new_workspace(self, layer, size, ops) -> int:

@@ -17,7 +17,11 @@ again and a recomputed dropout draws the same mask (both handled by the kernel l
 """
 from __future__ import annotations
 
-RECOMPUTABLE = {"bn", "relu", "pool", "lrn", "dropout"}
+from ..ops import spec
+
+
+def _cheap(layer) -> bool:
+    return spec(layer).recomputable
 
 
 def dropped_tensors(program, from_checkpoints: bool = True, keep=frozenset()) -> set:
@@ -37,9 +41,9 @@ def dropped_tensors(program, from_checkpoints: bool = True, keep=frozenset()) ->
     n_forward = len(program.order)
     dropped = set()
     for layer in program.order:
-        if layer.op in RECOMPUTABLE and layer not in keep and all(
+        if _cheap(layer) and layer not in keep and all(
                 program.act[x] in dropped
-                or (from_checkpoints and (x.op not in RECOMPUTABLE or x in keep))
+                or (from_checkpoints and (not _cheap(x) or x in keep))
                 or program.uses[program.act[x]][-1] >= n_forward for x in layer.inputs):
             dropped.add(program.act[layer])
     return dropped
@@ -50,7 +54,7 @@ def extra_checkpoints(program, dropped) -> set:
     keep = set()
     for layer in program.order:
         if program.act[layer] in dropped:
-            keep |= {x for x in layer.inputs if x.op not in RECOMPUTABLE}
+            keep |= {x for x in layer.inputs if not _cheap(x)}
     return keep
 
 
@@ -64,7 +68,7 @@ def segments(program) -> list:
             a = parent[a]
         return a
 
-    cheap = [layer for layer in program.order if layer.op in RECOMPUTABLE]
+    cheap = [layer for layer in program.order if _cheap(layer)]
     for layer in cheap:
         parent[layer] = layer
     for layer in cheap:

@@ -13,10 +13,8 @@ Other layers' workspaces (batch-norm partial sums, the loss reduction) are fixed
 from __future__ import annotations
 
 from ..kernels import INTERPRET
-from ..kernels import bn as bn_k
 from ..kernels import conv as conv_k
-from ..kernels import linear as linear_k
-from ..kernels import softmax as softmax_k
+from ..ops import spec
 
 PHASES = ("forward", "backward_data", "backward_weight")
 DEFAULT_ALGOS = {"forward": "implicit", "backward_data": "implicit", "backward_weight": "onepass"}
@@ -33,18 +31,7 @@ def conv_geometry(layer):
 
 def fixed_workspace(layer, phase: str) -> int:
     """Workspace bytes of a non-conv layer's step (phase "forward" or "backward")."""
-    if layer.op == "bn":
-        return bn_k.workspace_bytes(tuple(layer.shape), phase)
-    if layer.op == "softmax_loss" and phase == "forward":
-        n, k = layer.inputs[0].shape
-        return softmax_k.workspace_bytes(n, k)
-    if layer.op == "fc":
-        n = layer.shape[0]
-        f = 1
-        for s in layer.inputs[0].shape[1:]:
-            f *= s
-        return linear_k.workspace_bytes(n, f, layer.shape[1], phase)
-    return 0
+    return spec(layer).workspace(layer, phase)
 
 
 def ranking(geometry, phase: str) -> list:

@@ -1,0 +1,300 @@
+"""One OpSpec per layer op: everything the scheduler and the runtime need to know about it.
+
+A layer op (graph.OPS) is described in one place: which saved tensors its backward pass
+reads, whether the recompute policy may drop and rebuild its output, the workspace its
+kernels need, and how its forward and backward kernels are launched, side by side. The
+scheduler (sched/) and the runtime consult `SPECS[layer.op]` instead of testing op names, so
+adding an op touches graph.py (the builder and shape rule), kernels/<op>.py (the Triton
+kernels) and one OpSpec here.
+
+Launchers. `spec.forward(rt, layer, update_running)` and `spec.backward(rt, step)` are
+called once, when the Runtime is built; each returns `launch(algos, workspace)`, the function
+the runtime calls every time the plan's Launch operation for that step comes up. They look
+their tensors up through `rt.view(tensor id)` at launch time (so a scheduling bug that reads
+a freed, dropped or in-flight tensor raises instead of computing garbage) and read from `rt`:
+`program` (tensor ids), `precision`, `images` (the batch being fed), `predicting` and
+`dropout_seed(layer)`.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable
+
+from .kernels import act as act_k
+from .kernels import bn as bn_k
+from .kernels import conv as conv_k
+from .kernels import dropout as dropout_k
+from .kernels import join as join_k
+from .kernels import linear as linear_k
+from .kernels import lrn as lrn_k
+from .kernels import pool as pool_k
+from .kernels import softmax as softmax_k
+
+
+def _no_workspace(layer, phase) -> int:
+    return 0
+
+
+@dataclass(frozen=True)
+class OpSpec:
+    """What one layer op needs from the scheduler and how the runtime launches it.
+
+    backward_reads_input   the backward kernel reads the layer's forward inputs (a bool, or
+                           a function of the layer: max pooling does, average pooling not)
+    backward_reads_output  the backward kernel reads the layer's own output (ReLU)
+    recomputable           cheap enough to drop and rebuild in the backward pass (§3.4)
+    is_loss                the network's loss: its output lives across iterations, it reads
+                           the labels, and no gradient flows into it
+    saves_statistics       writes a saved-statistics tensor and running buffers (batch norm)
+    workspace              (layer, "forward" | "backward") -> bytes of scratch its kernels
+                           need (conv's depend on the algorithm: sched/workspace.py)
+    forward, backward      launcher factories (module docstring); backward None: no backward
+    """
+    forward: Callable
+    backward: Callable | None = None
+    backward_reads_input: bool | Callable = False
+    backward_reads_output: bool = False
+    recomputable: bool = False
+    is_loss: bool = False
+    saves_statistics: bool = False
+    workspace: Callable = _no_workspace
+
+    def reads_input(self, layer) -> bool:
+        """True when the layer's backward kernel needs its forward inputs."""
+        rule = self.backward_reads_input
+        return rule(layer) if callable(rule) else rule
+
+
+# -- what launchers share ---------------------------------------------------------------
+def _act(rt, layer):
+    """Function returning the view of `layer`'s output at launch time."""
+    tid = rt.program.act[layer]
+    return lambda: rt.view(tid)
+
+
+def _optional(rt, tid):
+    """Function returning the view of tensor `tid`, or None when there is no such tensor."""
+    return (lambda: None) if tid is None else (lambda: rt.view(tid))
+
+
+def _param(rt, layer, suffix):
+    return _optional(rt, rt.program.param.get(f"{layer.name}.{suffix}"))
+
+
+def _buffer(rt, layer, suffix):
+    return _optional(rt, rt.program.buffer.get(f"{layer.name}.{suffix}"))
+
+
+def _param_grad(rt, layer, suffix):
+    return _optional(rt, rt.program.pgrad.get(f"{layer.name}.{suffix}"))
+
+
+@dataclass(frozen=True)
+class _Grads:
+    """The gradients a backward step reads and writes: dy (None for the loss), one dx per
+    input (None where the input needs no gradient) and whether each dx write accumulates."""
+    dy: Callable
+    dx: list
+    accumulate: list
+
+
+def _grads(rt, step) -> _Grads:
+    p, layer = rt.program, step.layer
+    dx_ids = [p.grad.get(x) for x in layer.inputs]
+    return _Grads(_optional(rt, p.grad.get(layer)), [_optional(rt, d) for d in dx_ids],
+                  [d is not None and step.accumulate.get(d, False) for d in dx_ids])
+
+
+# -- the ops, each forward beside its backward ------------------------------------------
+def _data_forward(rt, layer, update_running):
+    y = _act(rt, layer)
+    return lambda algos, ws: y().copy_(rt.images)
+
+
+def _conv_forward(rt, layer, update_running):
+    x, y = _act(rt, layer.inputs[0]), _act(rt, layer)
+    w, b = _param(rt, layer, "weight"), _param(rt, layer, "bias")
+    a = layer.attrs
+    return lambda algos, ws: conv_k.forward(
+        x(), w(), b(), y(), stride=a["stride"], padding=a["padding"], algo=algos["forward"],
+        workspace=ws, precision=rt.precision)
+
+
+def _conv_backward(rt, step):
+    layer, a, g = step.layer, step.layer.attrs, _grads(rt, step)
+    x, w = _act(rt, layer.inputs[0]), _param(rt, layer, "weight")
+    dw, db = _param_grad(rt, layer, "weight"), _param_grad(rt, layer, "bias")
+    return lambda algos, ws: conv_k.backward(
+        x(), w(), g.dy(), g.dx[0](), dw(), db(), stride=a["stride"], padding=a["padding"],
+        algo_data=algos.get("backward_data", "implicit"), algo_weight=algos["backward_weight"],
+        workspace=ws, accumulate=g.accumulate[0], precision=rt.precision)
+
+
+def _bn_forward(rt, layer, update_running):
+    x, y, saved = _act(rt, layer.inputs[0]), _act(rt, layer), _optional(rt, rt.program.saved[layer])
+    w, b = _param(rt, layer, "weight"), _param(rt, layer, "bias")
+    mean, var = _buffer(rt, layer, "running_mean"), _buffer(rt, layer, "running_var")
+    a = layer.attrs
+    return lambda algos, ws: bn_k.forward(
+        x(), w(), b(), y(), mean(), var(), saved(), ws, eps=a.get("eps", 1e-5),
+        momentum=a.get("momentum", 0.1), update_running=update_running and not rt.predicting)
+
+
+def _bn_backward(rt, step):
+    layer, g = step.layer, _grads(rt, step)
+    x, w, saved = _act(rt, layer.inputs[0]), _param(rt, layer, "weight"), _optional(rt, rt.program.saved[layer])
+    dw, db = _param_grad(rt, layer, "weight"), _param_grad(rt, layer, "bias")
+    return lambda algos, ws: bn_k.backward(x(), w(), g.dy(), saved(), g.dx[0](), dw(), db(), ws,
+                                           accumulate=g.accumulate[0])
+
+
+def _bn_workspace(layer, phase) -> int:
+    return bn_k.workspace_bytes(tuple(layer.shape), phase)
+
+
+def _relu_forward(rt, layer, update_running):
+    x, y = _act(rt, layer.inputs[0]), _act(rt, layer)
+    return lambda algos, ws: act_k.forward(x(), y())
+
+
+def _relu_backward(rt, step):
+    y, g = _act(rt, step.layer), _grads(rt, step)
+    return lambda algos, ws: act_k.backward(y(), g.dy(), g.dx[0](), accumulate=g.accumulate[0])
+
+
+def _pool_forward(rt, layer, update_running):
+    x, y, a = _act(rt, layer.inputs[0]), _act(rt, layer), layer.attrs
+    return lambda algos, ws: pool_k.forward(x(), y(), mode=a["mode"], kernel=a["kernel"],
+                                            stride=a["stride"], padding=a["padding"])
+
+
+def _pool_backward(rt, step):
+    # max pooling recomputes its argmax from x; average pooling reads neither x nor y, so
+    # it runs after both were freed
+    layer, a, g = step.layer, step.layer.attrs, _grads(rt, step)
+    x = _act(rt, layer.inputs[0]) if _pool_reads_input(layer) else (lambda: None)
+    return lambda algos, ws: pool_k.backward(
+        x(), None, g.dy(), g.dx[0](), mode=a["mode"], kernel=a["kernel"], stride=a["stride"],
+        padding=a["padding"], accumulate=g.accumulate[0])
+
+
+def _pool_reads_input(layer) -> bool:
+    return layer.attrs["mode"] == "max"
+
+
+def _lrn_forward(rt, layer, update_running):
+    x, y, a = _act(rt, layer.inputs[0]), _act(rt, layer), layer.attrs
+    return lambda algos, ws: lrn_k.forward(x(), y(), size=a["size"], alpha=a["alpha"],
+                                           beta=a["beta"], k=a["k"])
+
+
+def _lrn_backward(rt, step):
+    layer, a, g = step.layer, step.layer.attrs, _grads(rt, step)
+    x = _act(rt, layer.inputs[0])
+    return lambda algos, ws: lrn_k.backward(
+        x(), g.dy(), g.dx[0](), size=a["size"], alpha=a["alpha"], beta=a["beta"], k=a["k"],
+        accumulate=g.accumulate[0])
+
+
+def _fc_forward(rt, layer, update_running):
+    x, y, n = _act(rt, layer.inputs[0]), _act(rt, layer), layer.shape[0]
+    w, b = _param(rt, layer, "weight"), _param(rt, layer, "bias")
+    return lambda algos, ws: linear_k.forward(x().view(n, -1), w(), b(), y(), precision=rt.precision)
+
+
+def _fc_backward(rt, step):
+    layer, g, n = step.layer, _grads(rt, step), step.layer.shape[0]
+    x, w = _act(rt, layer.inputs[0]), _param(rt, layer, "weight")
+    dw, db = _param_grad(rt, layer, "weight"), _param_grad(rt, layer, "bias")
+
+    def flat_dx():
+        dx = g.dx[0]()
+        return None if dx is None else dx.view(n, -1)
+    return lambda algos, ws: linear_k.backward(
+        x().view(n, -1), w(), g.dy(), flat_dx(), dw(), db(), accumulate=g.accumulate[0],
+        precision=rt.precision)
+
+
+def _fc_workspace(layer, phase) -> int:
+    features = 1
+    for s in layer.inputs[0].shape[1:]:
+        features *= s
+    return linear_k.workspace_bytes(layer.shape[0], features, layer.shape[1], phase)
+
+
+def _dropout_forward(rt, layer, update_running):
+    x, y, p = _act(rt, layer.inputs[0]), _act(rt, layer), layer.attrs["p"]
+    return lambda algos, ws: dropout_k.forward(
+        x(), y(), p=0.0 if rt.predicting else p, seed=rt.dropout_seed(layer), offset=0)
+
+
+def _dropout_backward(rt, step):
+    layer, g = step.layer, _grads(rt, step)
+    return lambda algos, ws: dropout_k.backward(
+        g.dy(), g.dx[0](), p=layer.attrs["p"], seed=rt.dropout_seed(layer), offset=0,
+        accumulate=g.accumulate[0])
+
+
+def _add_forward(rt, layer, update_running):
+    xs, y = [_act(rt, x) for x in layer.inputs], _act(rt, layer)
+    return lambda algos, ws: join_k.add_forward([x() for x in xs], y())
+
+
+def _add_backward(rt, step):
+    g = _grads(rt, step)
+    return lambda algos, ws: join_k.add_backward(g.dy(), [dx() for dx in g.dx],
+                                                 accumulate=g.accumulate)
+
+
+def _concat_forward(rt, layer, update_running):
+    xs, y = [_act(rt, x) for x in layer.inputs], _act(rt, layer)
+    return lambda algos, ws: join_k.concat_forward([x() for x in xs], y())
+
+
+def _concat_backward(rt, step):
+    g, channels = _grads(rt, step), [x.shape[1] for x in step.layer.inputs]
+    return lambda algos, ws: join_k.concat_backward(g.dy(), [dx() for dx in g.dx],
+                                                    accumulate=g.accumulate, channels=channels)
+
+
+def _softmax_forward(rt, layer, update_running):
+    x, loss = _act(rt, layer.inputs[0]), _act(rt, layer)
+    labels = _optional(rt, rt.program.labels)
+    return lambda algos, ws: softmax_k.forward(x(), labels(), loss(), ws)
+
+
+def _softmax_backward(rt, step):
+    x, g = _act(rt, step.layer.inputs[0]), _grads(rt, step)
+    labels = _optional(rt, rt.program.labels)
+    return lambda algos, ws: softmax_k.backward(x(), labels(), g.dx[0](),
+                                                accumulate=g.accumulate[0])
+
+
+def _softmax_workspace(layer, phase) -> int:
+    if phase != "forward":
+        return 0
+    n, k = layer.inputs[0].shape
+    return softmax_k.workspace_bytes(n, k)
+
+
+SPECS = {
+    "data": OpSpec(_data_forward),
+    "conv": OpSpec(_conv_forward, _conv_backward, backward_reads_input=True),
+    "bn": OpSpec(_bn_forward, _bn_backward, backward_reads_input=True, recomputable=True,
+                 saves_statistics=True, workspace=_bn_workspace),
+    "relu": OpSpec(_relu_forward, _relu_backward, backward_reads_output=True, recomputable=True),
+    "pool": OpSpec(_pool_forward, _pool_backward, backward_reads_input=_pool_reads_input,
+                   recomputable=True),
+    "lrn": OpSpec(_lrn_forward, _lrn_backward, backward_reads_input=True, recomputable=True),
+    "fc": OpSpec(_fc_forward, _fc_backward, backward_reads_input=True, workspace=_fc_workspace),
+    "dropout": OpSpec(_dropout_forward, _dropout_backward, recomputable=True),
+    "add": OpSpec(_add_forward, _add_backward),
+    "concat": OpSpec(_concat_forward, _concat_backward),
+    "softmax_loss": OpSpec(_softmax_forward, _softmax_backward, backward_reads_input=True,
+                           is_loss=True, workspace=_softmax_workspace),
+}
+
+
+def spec(layer) -> OpSpec:
+    """The OpSpec of a layer."""
+    return SPECS[layer.op]

@@ -27,12 +27,6 @@ def environment() -> dict:
             "command": " ".join(sys.argv)}
 
 
-def gpu_tag() -> str:
-    """The GPU's name as a file-name fragment ("NVIDIA-H200"), "cpu" without one."""
-    name = environment()["gpu"]
-    return "".join(c if c.isalnum() else "-" for c in name).strip("-")
-
-
 def out_path(text: str) -> str:
     """An --out value: a path ending in .json (checked before anything runs)."""
     if not str(text).endswith(".json"):
@@ -68,6 +62,20 @@ def read(path) -> dict:
         data = json.load(f)
     data.pop("environment", None)
     return data
+
+
+def group_main(bench, groups, header: str) -> None:
+    """The command line of one kernel group (kernels_norm.py, kernels_misc.py): --batch,
+    --only (some of `groups`), --out; prints `header`, then each row as it is timed."""
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--batch", type=int, default=32)
+    ap.add_argument("--only", default=",".join(groups))
+    add_out_argument(ap)
+    a = ap.parse_args()
+    print(header, flush=True)
+    rows = bench("cuda", a.batch, tuple(a.only.split(",")), log=lambda s: print(s, flush=True))
+    if write(a.out, {"batch": a.batch, "rows": rows}):
+        print(f"\nwrote {a.out}")
 
 
 def cuda_median_ms(fn, iters: int = 10, warmup: int = 3) -> float:

@@ -16,7 +16,6 @@ a bool mask), torch.optim.SGD (foreach; fused also reported). TF32 on both sides
 rows, exact float32 on both for "ieee". Times: triton.testing.do_bench medians (warmup 25 ms,
 rep 100 ms), everything allocated outside the timed function.
 """
-import argparse
 import os
 import sys
 
@@ -199,17 +198,8 @@ def _fmt(row):
 
 
 def main():
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--batch", type=int, default=32)
-    ap.add_argument("--only", default=",".join(GROUPS))
-    common.add_out_argument(ap)
-    a = ap.parse_args()
-    print(f"{'kernel':<26}{'algo':<24}{'shape':<34}{'tinysn':>9}{'torch':>9}{'ratio':>7}",
-          flush=True)
-    rows = bench("cuda", a.batch, tuple(a.only.split(",")), log=lambda s: print(s, flush=True))
-    path = common.write(a.out, {"batch": a.batch, "rows": rows})
-    if path:
-        print(f"\nwrote {path}")
+    common.group_main(bench, GROUPS, f"{'kernel':<26}{'algo':<24}{'shape':<34}"
+                                     f"{'tinysn':>9}{'torch':>9}{'ratio':>7}")
 
 
 if __name__ == "__main__":

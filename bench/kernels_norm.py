@@ -23,7 +23,6 @@ cat(out=) and slice copies; F.local_response_norm and autograd.grad through it (
 of several torch kernels). Times: triton.testing.do_bench medians (warmup 25 ms, rep 100 ms),
 everything allocated outside the timed function.
 """
-import argparse
 import os
 import sys
 
@@ -231,17 +230,8 @@ def _fmt(row):
 
 
 def main():
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--batch", type=int, default=32)
-    ap.add_argument("--only", default=",".join(GROUPS))
-    common.add_out_argument(ap)
-    a = ap.parse_args()
-    print(f"{'kernel':<22}{'algo':<34}{'shape':<30}{'tinysn':>9}{'torch':>9}{'ratio':>7}"
-          f"{'GB/s':>8}{'/copy':>6}", flush=True)
-    rows = bench("cuda", a.batch, tuple(a.only.split(",")), log=lambda s: print(s, flush=True))
-    path = common.write(a.out, {"batch": a.batch, "rows": rows})
-    if path:
-        print(f"\nwrote {path}")
+    common.group_main(bench, GROUPS, f"{'kernel':<22}{'algo':<34}{'shape':<30}"
+                                     f"{'tinysn':>9}{'torch':>9}{'ratio':>7}{'GB/s':>8}{'/copy':>6}")
 
 
 if __name__ == "__main__":

@@ -1,6 +1,7 @@
 """Training speed at an ordinary batch: tinysn beside the best PyTorch configuration.
 
     PYTHONPATH=. python bench/train.py --model resnet50 [--batch 32] [--out PATH]
+    PYTHONPATH=. python bench/train.py --table bench/results/train-*.json   # README rows
 
 Every configuration runs in this one process and is timed the same way: `--warmup` steps,
 then `--steps` back-to-back training steps between two synchronizations, timed by wall clock;
@@ -146,16 +147,45 @@ def with_rates(result: dict, batch: int) -> dict:
     return result
 
 
+def label(row: dict, model: str = "") -> str:
+    """A configuration's name: "PyTorch eager NCHW", 'tinysn "all", CUDA graph', ...; with
+    `model`, prefixed by it (the first cell of its row in bench/README.md's table)."""
+    if "config" in row:
+        name = f"PyTorch {row['config']}"
+    else:
+        name = f'tinysn "{row["policy"]}", ' + ("CUDA graph" if row["cuda_graph"] else "eager")
+    return f"{model}, {name}" if model else name
+
+
 def describe(row: dict) -> str:
     """One printed line per configuration."""
-    name = row.get("config") or f"tinysn {row['policy']}" + (" graph" if row["cuda_graph"] else "")
     if "images_per_s" not in row:
-        return f"{name:>26}: {row.get('refused') or row.get('error')}"
+        return f"{label(row):>32}: {row.get('refused') or row.get('error')}"
     ratio = f" ({row['ratio_to_best']:.2f}x best)" if "ratio_to_best" in row else ""
     mem = row["max_memory_allocated"]
-    return (f"{name:>26}: {row['images_per_s']:8.1f} images/s{ratio}, "
+    return (f"{label(row):>32}: {row['images_per_s']:8.1f} images/s{ratio}, "
             f"{row['ms_per_step']:.2f} ms/step, max allocated "
             f"{'-' if mem is None else f'{mem / 2**30:.2f} GiB'}")
+
+
+def table_rows(result: dict) -> list:
+    """bench/README.md's training-table rows for one result: configuration, images/s, ratio
+    to the best PyTorch configuration, ms per step, memory (the pool's peak for tinysn, torch's
+    max_memory_allocated for PyTorch)."""
+    best = result["pytorch_best_images_per_s"]
+    rows = []
+    for row in result["pytorch"] + result["tinysn"]:
+        name = label(row, result["model"])
+        if "images_per_s" not in row:
+            why = "refused" if "refused" in row else "failed"
+            reason = row.get("refused") or row.get("error")
+            rows.append(f"| {name} | {why} | | | {reason} |")
+            continue
+        memory = (f"pool peak {row['peak_bytes']:,} B" if "peak_bytes" in row else
+                  f"{row['max_memory_allocated']:,} B allocated")
+        rows.append(f"| {name} | {row['images_per_s']:,.0f} | "
+                    f"{row['images_per_s'] / best:.2f}x | {row['ms_per_step']:.1f} | {memory} |")
+    return rows
 
 
 def parse_args(argv=None):
@@ -188,6 +218,8 @@ def parse_args(argv=None):
 
 
 def main(argv=None) -> dict:
+    if argv is None and sys.argv[1:2] == ["--table"]:
+        return print_tables(sys.argv[2:])
     args = parse_args(argv)
     cuda = torch.cuda.is_available()
     device = torch.device("cuda" if cuda else "cpu")
@@ -218,6 +250,12 @@ def main(argv=None) -> dict:
     if args.out:
         print(f"wrote {args.out}")
     return result
+
+
+def print_tables(paths) -> None:
+    """`train.py --table FILE...`: print bench/README.md's table rows for result files."""
+    for path in paths:
+        print("\n".join(table_rows(common.read(path))))
 
 
 if __name__ == "__main__":

@@ -97,6 +97,9 @@ def test_train_bench_smoke_on_the_cpu(tmp_path):
     assert eager["peak_equals_plan"] and "CUDA" in graph["refused"]
     assert eager["ratio_to_best"] == eager["images_per_s"] / best["images_per_s"]
     assert eager["images_per_s"] == pytest.approx(2 / eager["seconds"])
+    table = train.table_rows(run)
+    assert table[2].startswith(f'| lenet, tinysn "all", eager | {eager["images_per_s"]:,.0f} |')
+    assert table[3].startswith('| lenet, tinysn "all", CUDA graph | refused | | | cuda_graph')
     for row in run["pytorch"]:
         assert torch.allclose(torch.tensor(eager["losses"]), torch.tensor(row["losses"]),
                               rtol=1e-4)

@@ -181,8 +181,9 @@ def table_rows(result: dict) -> list:
             reason = row.get("refused") or row.get("error")
             rows.append(f"| {name} | {why} | | | {reason} |")
             continue
+        allocated = row.get("max_memory_allocated")
         memory = (f"pool peak {row['peak_bytes']:,} B" if "peak_bytes" in row else
-                  f"{row['max_memory_allocated']:,} B allocated")
+                  "-" if allocated is None else f"{allocated:,} B allocated")
         rows.append(f"| {name} | {row['images_per_s']:,.0f} | "
                     f"{row['images_per_s'] / best:.2f}x | {row['ms_per_step']:.1f} | {memory} |")
     return rows

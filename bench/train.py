@@ -50,7 +50,8 @@ def sync(device) -> None:
 
 def timed(step, device, warmup: int, steps: int) -> dict:
     """Run `step` warmup + steps times; time the last `steps` as one wall-clock span between
-    synchronizations. Returns seconds, images/s inputs, the losses and the memory peak."""
+    synchronizations. Returns the span, ms per step, every loss and torch's memory peak
+    over the timed steps."""
     t0 = time.perf_counter()
     losses = [step() for _ in range(warmup)]
     sync(device)

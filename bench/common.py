@@ -1,33 +1,81 @@
-"""Shared by the benchmarks: environment description and JSON output under bench/results/."""
+"""Shared by the benchmarks: the one results writer, timers and the kernel-pair harness.
+
+Every script writes its results through `write(path, payload)`: one JSON object, the payload's
+keys beside an "environment" envelope (gpu, torch, triton, cudnn, python, date, command line),
+at the path the caller gave with `--out` (`add_out_argument`); without `--out` nothing is
+written, so a smoke run can never overwrite a tracked result.
+"""
+import argparse
 import json
 import os
 import platform
+import sys
+import time
 
 import torch
 import triton
 
-RESULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
-
 
 def environment() -> dict:
-    """Which GPU, torch and triton a figure was measured on."""
-    gpu = torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
-    return {"gpu": gpu, "torch": torch.__version__, "triton": triton.__version__,
-            "python": platform.python_version()}
+    """Which GPU, library versions, date and command line a figure was measured with."""
+    cuda = torch.cuda.is_available()
+    return {"gpu": torch.cuda.get_device_name() if cuda else "cpu",
+            "torch": torch.__version__, "triton": triton.__version__,
+            "cudnn": torch.backends.cudnn.version() if cuda else None,
+            "python": platform.python_version(),
+            "date": time.strftime("%Y-%m-%d %H:%M:%S"),
+            "command": " ".join(sys.argv)}
 
 
-def gpu_tag() -> str:
-    name = environment()["gpu"]
-    return "".join(c if c.isalnum() else "-" for c in name).strip("-")
+def out_path(text: str) -> str:
+    """An --out value: a path ending in .json (checked before anything runs)."""
+    if not str(text).endswith(".json"):
+        raise argparse.ArgumentTypeError(f"--out must name a .json file, got {text!r}")
+    return text
 
 
-def write(name: str, payload: dict) -> str:
-    """Write payload (plus the environment) to bench/results/<name>.json; return the path."""
-    os.makedirs(RESULTS, exist_ok=True)
-    path = os.path.join(RESULTS, name + ".json")
+def add_out_argument(parser) -> None:
+    """The `--out PATH` option every benchmark shares."""
+    parser.add_argument("--out", default=None, metavar="PATH", type=out_path,
+                        help="write the results JSON to PATH (default: print only)")
+
+
+def write(path, payload: dict):
+    """Write payload beside the environment envelope to `path` (a .json file); return the
+    path, or None when `path` is None (nothing is written)."""
+    if "environment" in payload:
+        raise ValueError("payload must not carry its own 'environment' key")
+    if path is None:
+        return None
+    out_path(path)
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
     with open(path, "w") as f:
         json.dump({"environment": environment(), **payload}, f, indent=1)
     return path
+
+
+def read(path) -> dict:
+    """The payload of a results file written by `write` (empty when there is none)."""
+    if path is None or not os.path.exists(path):
+        return {}
+    with open(path) as f:
+        data = json.load(f)
+    data.pop("environment", None)
+    return data
+
+
+def group_main(bench, groups, header: str) -> None:
+    """The command line of one kernel group (kernels_norm.py, kernels_misc.py): --batch,
+    --only (some of `groups`), --out; prints `header`, then each row as it is timed."""
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--batch", type=int, default=32)
+    ap.add_argument("--only", default=",".join(groups))
+    add_out_argument(ap)
+    a = ap.parse_args()
+    print(header, flush=True)
+    rows = bench("cuda", a.batch, tuple(a.only.split(",")), log=lambda s: print(s, flush=True))
+    if write(a.out, {"batch": a.batch, "rows": rows}):
+        print(f"\nwrote {a.out}")
 
 
 def cuda_median_ms(fn, iters: int = 10, warmup: int = 3) -> float:

@@ -1,17 +1,15 @@
 """Every kernel and algorithm against PyTorch/cuDNN on ResNet-50 shapes at batch 32.
 
-    PYTHONPATH=. python bench/kernels.py          # on a GPU; writes bench/results/kernels-<gpu>.json
-    PYTHONPATH=. python bench/kernels.py --only misc    # re-run some groups, keep the others' rows
+    PYTHONPATH=. python bench/kernels.py --out k.json              # on a GPU
+    PYTHONPATH=. python bench/kernels.py --only misc --out k.json  # re-run some groups
 
 Runs bench/kernels_conv.py, bench/kernels_norm.py and bench/kernels_misc.py in one process,
 prints one table (ratio = torch time / tinysn time: above 1 means tinysn is faster) and
-writes all rows with the GPU, torch and triton versions (after each group, so a time limit
-that cuts the run short keeps the groups done; "complete" says whether every group ran
-without a group-level error). `--only` re-runs the named groups and keeps the other groups'
-rows from the JSON already there (same GPU).
+writes all rows to --out (after each group, so a time limit that cuts the run short keeps the
+groups done; "complete" says whether every group ran without a group-level error). `--only`
+re-runs the named groups and keeps the other groups' rows from the --out file already there.
 """
 import argparse
-import json
 import os
 import sys
 
@@ -38,10 +36,7 @@ def group_of(row) -> str:
 
 def kept_rows(path, rerun) -> list:
     """Rows of the groups not re-run, from an earlier JSON at `path` (none if absent)."""
-    if not os.path.exists(path):
-        return []
-    with open(path) as f:
-        return [r for r in json.load(f)["rows"] if group_of(r) not in rerun]
+    return [r for r in common.read(path).get("rows", []) if group_of(r) not in rerun]
 
 
 def complete(rows) -> bool:
@@ -63,9 +58,7 @@ def main():
         return 1
     torch.backends.cudnn.allow_tf32 = True
     torch.backends.cuda.matmul.allow_tf32 = True
-    name = f"kernels-{common.gpu_tag()}"
-    rows = kept_rows(os.path.join(common.RESULTS, name + ".json"), only) \
-        if set(only) != set(GROUPS) else []
+    rows = kept_rows(args.out, only) if set(only) != set(GROUPS) else []
     for group, module in GROUPS.items():
         if group not in only:
             continue
@@ -74,7 +67,7 @@ def main():
         except Exception as err:   # one group failing must not lose the others' figures
             print(f"{group} benchmark failed: {type(err).__name__}: {err}")
             rows.append({"kernel": group, "error": f"{type(err).__name__}: {err}"})
-        common.write(name, {"rows": rows, "complete": False})
+        common.write(args.out, {"rows": rows, "complete": False})
     print(f"\n{'kernel':<26} {'algo':<12} {'shape':<34} {'tinysn ms':>10} {'torch ms':>9} "
           f"{'ratio':>6} {'rate':>12}")
     for r in rows:
@@ -85,8 +78,8 @@ def main():
         print(f"{r['kernel']:<26} {str(r.get('algo', '')):<12} {str(r.get('shape', ''))[:34]:<34} "
               f"{r.get('tinysn_ms', float('nan')):>10.4f} {r.get('torch_ms', float('nan')):>9.4f} "
               f"{r.get('ratio', float('nan')):>6.2f} {rate:>12}")
-    path = common.write(name, {"rows": rows, "complete": complete(rows)})
-    print(f"wrote {path}")
+    if common.write(args.out, {"rows": rows, "complete": complete(rows)}):
+        print(f"wrote {args.out}")
     return 0
 
 

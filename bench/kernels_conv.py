@@ -1,7 +1,7 @@
 """Conv kernels (every algorithm of every phase) against cuDNN through torch, ResNet-50 shapes.
 
     PYTHONPATH=. python bench/kernels_conv.py [--phases forward,backward_data] [--shapes 0,2]
-                                               [--batch 32] [--json PATH] [--warm]
+                                               [--batch 32] [--out PATH] [--warm]
 
 bench(device="cuda") -> list of rows {"kernel": "conv.<phase>", "algo", "shape", "tinysn_ms",
 "torch_ms", "ratio" (torch_ms / tinysn_ms), "tflops" (2*N*K*P*Q*C*R*S / tinysn time),
@@ -13,19 +13,15 @@ both sides do the same work. TF32 on both sides. Times: triton.testing.do_bench 
 --warm only compiles and autotunes (used to fill Triton's cache from parallel processes).
 """
 import argparse
-import json
 import os
 import sys
 import time
 
-try:
-    import tinysn  # noqa: F401  (before triton: interpreter switch when there is no GPU)
-except ImportError:
-    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-    import tinysn  # noqa: F401
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+import tinysn  # noqa: E402,F401  (before triton: interpreter switch when there is no GPU)
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
-import triton  # noqa: E402
+from bench import common  # noqa: E402
 from tinysn.kernels import conv  # noqa: E402
 
 # (name, C, H, W, K, R, S, stride, padding) -- ResNet-50 layers
@@ -46,12 +42,7 @@ _TUNED = {"forward": "_conv_fwd", "backward_data": "_conv_bwd_data",
 _TUNED_ALGO = {"transposed": "_conv_bwd_data_t", "flipped": "_conv_fwd"}
 
 
-def _do_bench(fn):
-    return triton.testing.do_bench(fn, warmup=25, rep=100, return_mode="median")
-
-
-def _rel(a, b):
-    return ((a.double() - b.double()).norm() / b.double().norm().clamp_min(1e-30)).item()
+_do_bench, _rel = common.do_bench, common.rel_err
 
 
 def _tuning(phase, algo):
@@ -152,7 +143,7 @@ def main():
     ap.add_argument("--shapes", default=None, help="comma-separated indices into SHAPES")
     ap.add_argument("--batch", type=int, default=32)
     ap.add_argument("--precision", default="tf32")
-    ap.add_argument("--json", default=None)
+    common.add_out_argument(ap)
     ap.add_argument("--warm", action="store_true")
     a = ap.parse_args()
     shapes = None if a.shapes is None else [int(i) for i in a.shapes.split(",")]
@@ -163,16 +154,8 @@ def main():
                  log=lambda s: print(s, flush=True))
     if a.warm:
         return
-    meta = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__,
-            "triton": triton.__version__, "cudnn": torch.backends.cudnn.version(),
-            "batch": a.batch, "precision": a.precision,
-            "date": time.strftime("%Y-%m-%d %H:%M:%S")}
-    path = a.json or os.path.join(os.path.dirname(os.path.abspath(__file__)), "results",
-                                  "kernels_conv.json")
-    os.makedirs(os.path.dirname(path), exist_ok=True)
-    with open(path, "w") as f:
-        json.dump({"meta": meta, "rows": rows}, f, indent=1)
-    print(f"\n{meta}\nwrote {path}\n")
+    path = common.write(a.out, {"batch": a.batch, "precision": a.precision, "rows": rows})
+    print(f"\nwrote {path}\n" if path else "")
     print(f"{'kernel':<21}{'algo':<12}{'shape':<24}{'tinysn':>9}{'torch':>9}{'ratio':>7}"
           f"{'TFLOP/s':>8}")
     for row in rows:

@@ -1,6 +1,6 @@
 """ReLU, fully connected, softmax + cross-entropy, dropout and SGD kernels against torch.
 
-    PYTHONPATH=. python bench/kernels_misc.py [--batch 32] [--only relu,linear,...] [--json PATH]
+    PYTHONPATH=. python bench/kernels_misc.py [--batch 32] [--only relu,linear,...] [--out PATH]
 
 bench(device="cuda") -> list of rows {"kernel", "algo", "shape", "tinysn_ms", "torch_ms",
 "ratio" (torch_ms / tinysn_ms), "gbps" (memory-bound kernels: bytes read + written once, per
@@ -16,11 +16,8 @@ a bool mask), torch.optim.SGD (foreach; fused also reported). TF32 on both sides
 rows, exact float32 on both for "ieee". Times: triton.testing.do_bench medians (warmup 25 ms,
 rep 100 ms), everything allocated outside the timed function.
 """
-import argparse
-import json
 import os
 import sys
-import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import tinysn  # noqa: E402,F401  (before triton: interpreter switch when there is no GPU)
@@ -201,23 +198,8 @@ def _fmt(row):
 
 
 def main():
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--batch", type=int, default=32)
-    ap.add_argument("--only", default=",".join(GROUPS))
-    ap.add_argument("--json", default=None)
-    a = ap.parse_args()
-    print(f"{'kernel':<26}{'algo':<24}{'shape':<34}{'tinysn':>9}{'torch':>9}{'ratio':>7}",
-          flush=True)
-    rows = bench("cuda", a.batch, tuple(a.only.split(",")), log=lambda s: print(s, flush=True))
-    meta = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__,
-            "triton": triton.__version__, "batch": a.batch,
-            "date": time.strftime("%Y-%m-%d %H:%M:%S")}
-    path = a.json or os.path.join(os.path.dirname(os.path.abspath(__file__)), "results",
-                                  "kernels_misc.json")
-    os.makedirs(os.path.dirname(path), exist_ok=True)
-    with open(path, "w") as f:
-        json.dump({"meta": meta, "rows": rows}, f, indent=1)
-    print(f"\n{meta}\nwrote {path}")
+    common.group_main(bench, GROUPS, f"{'kernel':<26}{'algo':<24}{'shape':<34}"
+                                     f"{'tinysn':>9}{'torch':>9}{'ratio':>7}")
 
 
 if __name__ == "__main__":

@@ -12,10 +12,9 @@ parameter state fills the cap). With --reference, the same batch also trains und
 large that nothing moves: the difference is what offload and eviction cost beyond compute.
 The pinned-copy bandwidth of the machine (each way and both at once) is measured for context.
 Conv algorithms are chosen per step from rankings timed on the GPU (measure_rankings).
-Writes bench/results/memory-<gpu or cpu>.json after every model.
+Writes the results to --out after every model.
 """
 import argparse
-import json
 import os
 import sys
 import time
@@ -158,23 +157,21 @@ def main():
                         help="cap on the pinned host arena (the GPU machine's RAM bounds it)")
     parser.add_argument("--reference-models", default=None,
                         help="models that get the --reference run (default: all)")
-    parser.add_argument("--out", default=None, help="results name (default memory-<gpu>)")
+    common.add_out_argument(parser)
     parser.add_argument("--cuda-graph", action="store_true",
                         help="train with Runtime(cuda_graph=True) (the step replayed)")
     parser.add_argument("--merge", action="store_true",
-                        help="keep the other models' rows already in the results file")
+                        help="keep the other models' rows already in the --out file")
     args = parser.parse_args()
     cap = sn.parse_bytes(args.memory)
     real = torch.cuda.is_available() and not args.plan_only
     rows = {}
-    out_name = args.out or f"memory-{common.gpu_tag()}"
-    if args.merge and os.path.exists(os.path.join(common.RESULTS, out_name + ".json")):
-        with open(os.path.join(common.RESULTS, out_name + ".json")) as f:
-            rows.update(json.load(f).get("models", {}))
+    if args.merge:
+        rows.update(common.read(args.out).get("models", {}))
     ref_models = args.reference_models.split(",") if args.reference_models else None
 
     def save():
-        return common.write(out_name, {"memory": args.memory, "models": rows})
+        return common.write(args.out, {"memory": args.memory, "models": rows})
     if real:
         rows["copy_bandwidth"] = copy_bandwidth()
         print("pinned copies:", {k: round(v, 1) for k, v in rows["copy_bandwidth"].items()},
@@ -209,7 +206,8 @@ def main():
         if real:
             train_and_record(rows["deep_resnet"], deep_resnet(n)(16), cap, None,
                              args.host_memory, steps=1, cuda_graph=args.cuda_graph)
-    print(f"wrote {save()}")
+    if save():
+        print(f"wrote {args.out}")
 
 
 def train_and_record(row, net, cap, reference, host_memory, steps=2, cuda_graph=False):

@@ -1,9 +1,9 @@
 """The memory pool against torch's allocators, on a ResNet-50 training step's allocations.
 
-    PYTHONPATH=. python bench/pool.py [--batch 32] [--step-ms 22] [--repeats 15]
+    PYTHONPATH=. python bench/pool.py [--batch 32] [--step-ms 22] [--repeats 15] [--out PATH]
 
-1. Records the allocation pattern of one ResNet-50 training step (batch 32, float32) and
-   writes it to bench/results/resnet50_alloc_pattern.json. The pattern is synthesised from
+1. Records the allocation pattern of one ResNet-50 training step (batch 32, float32) in a
+   temporary file (the cudaMalloc child replays it from there). The pattern is synthesised from
    ResNet-50's real layer output shapes (torchvision v1.5: stride on the 3x3 conv), with a
    simple liveness rule:
      forward, per layer: conv workspace alloc+free (im2col bytes, capped at 64 MiB), output
@@ -23,22 +23,25 @@
    (c) raw cudaMalloc/cudaFree: the same replay in a child process run with
        PYTORCH_NO_CUDA_MEMORY_CACHING=1.
    Each figure is the median over --repeats replays of (replay time / number of allocations),
-   i.e. µs per alloc+free pair, and the whole replay as a % of a ResNet-50 step (22 ms, the
-   PyTorch step at batch 32 quoted in DESIGN.md, unless --step-ms gives a measured one).
+   i.e. µs per alloc+free pair, and the whole replay as a % of a ResNet-50 step (22 ms, a
+   PyTorch eager step at batch 32, unless --step-ms gives one measured on the machine).
    Without CUDA only (a) runs, and the output says so.
-Writes bench/results/pool-<gpu name or cpu>.json.
+Writes the rows and the pattern's statistics to --out.
 """
 import argparse
 import json
 import os
-import platform
+import shutil
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-RESULTS = os.path.join(ROOT, "bench", "results")
+sys.path.insert(0, ROOT)
+import tinysn  # noqa: E402,F401  (before triton: interpreter switch when there is no GPU)
+from bench import common  # noqa: E402
 WS_CAP = 64 << 20          # conv workspace cap (bytes)
 
 
@@ -241,40 +244,27 @@ def child_main(path, repeats):
 
 
 # ---------------------------------------------------------------------------- main
-def versions():
-    import torch
-    try:
-        import triton
-        triton_version = triton.__version__
-    except Exception:                                    # noqa: BLE001
-        triton_version = None
-    return {"torch": torch.__version__, "triton": triton_version,
-            "python": platform.python_version(), "cpu": platform.processor() or platform.machine()}
-
-
 def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--batch", type=int, default=32)
     ap.add_argument("--step-ms", type=float, default=None,
-                    help="measured ResNet-50 step time; default 22 ms (DESIGN.md, PyTorch, batch 32)")
+                    help="measured ResNet-50 step time; default 22 ms (PyTorch eager, batch 32)")
+    common.add_out_argument(ap)
     ap.add_argument("--repeats", type=int, default=15)
     ap.add_argument("--child", metavar="PATTERN_JSON", help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.child:
         return child_main(args.child, args.repeats)
 
-    sys.path.insert(0, ROOT)
-    import tinysn  # noqa: F401  (before triton: interpreter switch when there is no GPU)
     import torch
 
     t_start = time.perf_counter()
     step_ms = args.step_ms if args.step_ms is not None else 22.0
-    step_src = "measured (--step-ms)" if args.step_ms is not None else "DESIGN.md PyTorch step"
+    step_src = "measured (--step-ms)" if args.step_ms is not None else "default"
     layers, events = resnet50_pattern(args.batch)
     stats = pattern_stats(events)
-    os.makedirs(RESULTS, exist_ok=True)
-    pattern_path = os.path.join(RESULTS, "resnet50_alloc_pattern.json" if args.batch == 32
-                                else f"resnet50_b{args.batch}_alloc_pattern.json")
+    pattern_path = os.path.join(tempfile.mkdtemp(prefix="tinysn-pool-"),
+                                f"resnet50_b{args.batch}_alloc_pattern.json")
     with open(pattern_path, "w") as f:
         json.dump({"model": "resnet50", "batch": args.batch, "dtype": "float32",
                    "conv_workspace_cap_bytes": WS_CAP, "stats": stats,
@@ -296,7 +286,6 @@ def main():
     layout = pool_layout(ops, n, capacity)
 
     cuda = torch.cuda.is_available()
-    device_name = torch.cuda.get_device_name(0) if cuda else "cpu"
     notes = []
     if cuda:
         # (b) torch caching allocator, in this process
@@ -340,18 +329,15 @@ def main():
     for note in notes:
         print("note:", note)
 
-    out = {"benchmark": "pool", "device": device_name, "cuda": cuda, **versions(),
+    shutil.rmtree(os.path.dirname(pattern_path))
+    out = {"benchmark": "pool", "cuda": cuda,
            "batch": args.batch, "step_ms": step_ms, "step_ms_source": step_src,
-           "pattern": os.path.relpath(pattern_path, ROOT), "pattern_stats": stats,
+           "pattern_stats": stats,
            "n_alloc": n, "rows": result_rows, "replay_loop_us_per_pair": loop_us,
            "pool_layout": layout, "torch_max_reserved_bytes": torch_reserved, "notes": notes,
            "wall_s": time.perf_counter() - t_start}
-    tag = "cpu" if not cuda else "".join(c if c.isalnum() or c in "-_." else "-"
-                                         for c in device_name).strip("-")
-    path = os.path.join(RESULTS, f"pool-{tag}.json")
-    with open(path, "w") as f:
-        json.dump(out, f, indent=1)
-    print(f"wrote {os.path.relpath(path, ROOT)} ({out['wall_s']:.2f} s)")
+    if common.write(args.out, out):
+        print(f"wrote {args.out} ({out['wall_s']:.2f} s)")
 
 
 if __name__ == "__main__":

@@ -1,12 +1,27 @@
-"""End-to-end training speed: tinysn beside PyTorch eager, same model, batch and process.
+"""Training speed at an ordinary batch: tinysn beside the best PyTorch configuration.
 
-    PYTHONPATH=. python bench/train.py [--model resnet50] [--batch 32] [--policies baseline,all]
+    PYTHONPATH=. python bench/train.py --model resnet50 [--batch 32] [--out PATH]
+    PYTHONPATH=. python bench/train.py --table bench/results/train-*.json   # README rows
 
-For each policy: plans, trains `--steps` iterations on one fixed synthetic batch (the loss must
-fall), and reports images/s from the median CUDA-event time of an iteration after warm-up,
-the pool's measured peak against the plan's, and the bytes moved. PyTorch: torchvision's model
-(or the tinysn graph's torch twin when torchvision is missing), TF32 convolutions, SGD with the
-same hyper-parameters. Writes bench/results/train-<model>-<gpu>.json.
+Every configuration runs in this one process and is timed the same way: `--warmup` steps,
+then `--steps` back-to-back training steps between two synchronizations, timed by wall clock;
+images/s = batch * steps / span. Each step takes its batch from host memory (pinned CPU
+tensors), as a data loader hands it over, and each row records
+`torch.cuda.max_memory_allocated()` over its own steps.
+
+PyTorch trains the tinysn graph's torch twin (`Net.to_torch()`: the same layers and initial
+parameters) with torch.optim.SGD (the same lr, momentum and weight decay), TF32 on for cuDNN
+and matmuls and cudnn.benchmark on, in three configurations: eager NCHW, eager channels-last
+and torch.compile (default mode). The fastest is the reference a user would pick.
+tinysn runs `Runtime` with its default (autotuned) kernels for each policy in `--policies`,
+eagerly and with the step replayed as a CUDA graph; a refused configuration (graph mode for a
+net with dropout) records the reason. Its max_memory_allocated includes the arena, which is
+the whole cap; `peak_bytes` is what the pool used.
+
+The results go to --out after every configuration, so a time limit keeps the rows done; the
+ratio of each tinysn row is to the best PyTorch configuration measured so far. Without CUDA
+the same code runs on the CPU (Triton's interpreter) as a smoke test; torch.compile is
+skipped there, and the JSON says so.
 """
 import argparse
 import os
@@ -16,119 +31,233 @@ import time
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import tinysn as sn  # noqa: E402
 import torch  # noqa: E402
+import torch.nn.functional as F  # noqa: E402
 
 from bench import common  # noqa: E402
 from tinysn.cli import MODELS  # noqa: E402
 
+PYTORCH_CONFIGS = ("eager NCHW", "eager channels-last", "torch.compile")
 
-def torch_images_per_s(model_name, batch, classes, steps, lr, momentum, net):
-    try:
-        import torchvision
-        model = getattr(torchvision.models, model_name)(num_classes=classes)
-        source = f"torchvision.models.{model_name}"
-    except (ImportError, AttributeError):
-        model = net.to_torch()
-        source = "tinysn graph's torch twin"
-    model = model.cuda().train()
-    opt = torch.optim.SGD(model.parameters(), lr=lr, momentum=momentum)
-    images, labels = sn.data.synthetic(net, seed=0, device="cuda")
+
+class Refused(Exception):
+    """tinysn declined a configuration (e.g. graph mode for a net with dropout)."""
+
+
+def sync(device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+
+
+def timed(step, device, warmup: int, steps: int) -> dict:
+    """Run `step` warmup + steps times; time the last `steps` as one wall-clock span between
+    synchronizations. Returns the span, ms per step, every loss and torch's memory peak
+    over the timed steps."""
+    t0 = time.perf_counter()
+    losses = [step() for _ in range(warmup)]
+    sync(device)
+    warmup_s = time.perf_counter() - t0
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats()
+    t0 = time.perf_counter()
+    losses += [step() for _ in range(steps)]
+    sync(device)
+    span = time.perf_counter() - t0
+    return {"warmup_s": warmup_s, "seconds": span, "ms_per_step": span / steps * 1e3,
+            "losses": [float(x) for x in losses],
+            "max_memory_allocated": (torch.cuda.max_memory_allocated()
+                                     if device.type == "cuda" else None)}
+
+
+def host_batch(net, device):
+    """The synthetic batch in host memory (pinned when there is a GPU to copy it to)."""
+    images, labels = sn.data.synthetic(net, seed=0)
+    if device.type == "cuda":
+        images, labels = images.pin_memory(), labels.pin_memory()
+    return images, labels
+
+
+def pytorch_row(net, config, device, args) -> dict:
+    """Time one PyTorch configuration of the net's torch twin."""
+    channels_last = config == "eager channels-last"
+    fmt = torch.channels_last if channels_last else torch.contiguous_format
+    model = net.to_torch().to(device).train().to(memory_format=fmt)
+    opt = torch.optim.SGD(model.parameters(), lr=args.lr, momentum=args.momentum,
+                          weight_decay=args.weight_decay)
+    forward = torch.compile(model) if config == "torch.compile" else model
+    images, labels = host_batch(net, device)
 
     def step():
+        x = images.to(device, non_blocking=True).contiguous(memory_format=fmt)
+        y = labels.to(device, non_blocking=True)
         opt.zero_grad(set_to_none=True)
-        loss = torch.nn.functional.cross_entropy(model(images), labels)
+        loss = F.cross_entropy(forward(x), y)
         loss.backward()
         opt.step()
-    ms = common.cuda_median_ms(step, iters=steps, warmup=3)
-    peak = torch.cuda.max_memory_allocated()
-    del model, opt
-    torch.cuda.empty_cache()
-    return {"source": source, "ms_per_step": ms, "images_per_s": batch / ms * 1e3,
-            "max_memory_allocated": peak}
+        return loss.detach()
+    return timed(step, device, args.warmup, args.steps)
 
 
-def tinysn_run(net, policy, memory, steps, lr, momentum, conv_algos, cuda_graph=False):
+def tinysn_row(net, policy, cuda_graph, device, args) -> dict:
+    """Time tinysn's Runtime under `policy`, eagerly or replaying the step as a CUDA graph."""
     t0 = time.perf_counter()
-    rt = sn.Runtime(net, memory, policy, device="cuda", lr=lr, momentum=momentum,
-                    conv_algos=conv_algos, cuda_graph=cuda_graph)
+    try:
+        rt = sn.Runtime(net, args.memory, policy, device=device, lr=args.lr,
+                        momentum=args.momentum, weight_decay=args.weight_decay,
+                        cuda_graph=cuda_graph)
+    except ValueError as err:
+        raise Refused(str(err)) from None
     setup_s = time.perf_counter() - t0
-    images, labels = sn.data.synthetic(net, seed=0, device="cuda")
-    # warm-up: compiles, tunes and (cuda_graph) captures
-    losses = [rt.step(images, labels) for _ in range(sn.runtime.GRAPH_WARMUP + 1)]
-    times = []
-    for _ in range(steps):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        losses.append(rt.step(images, labels))
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end))
-    ms = sorted(times)[len(times) // 2]
-    out = {"policy": policy, "cuda_graph": cuda_graph, "memory": memory, "ms_per_step": ms,
-           "images_per_s": net.batch / ms * 1e3, "losses": losses,
-           "loss_fell": losses[-1] < losses[0], "peak_bytes": rt.stats.peak_bytes,
-           "planned_peak_bytes": rt.plan.peak_bytes,
-           "peak_equals_plan": rt.stats.peak_bytes == rt.plan.peak_bytes,
-           "bytes_to_host_per_step": rt.plan.bytes_to_host,
-           "bytes_to_device_per_step": rt.plan.bytes_to_device,
-           "recomputed_steps": rt.plan.recomputed_steps, "setup_s": setup_s,
-           "conv_algos": sorted({f"{p}:{a}" for d in rt.plan.conv_algos.values()
-                                 for p, a in d.items()})}
-    del rt
-    torch.cuda.empty_cache()
-    return out
+    images, labels = host_batch(net, device)
+    row = timed(lambda: rt.step(images, labels), device, args.warmup, args.steps)
+    row.update(setup_s=setup_s, peak_bytes=rt.stats.peak_bytes,
+               planned_peak_bytes=rt.plan.peak_bytes,
+               peak_equals_plan=rt.stats.peak_bytes == rt.plan.peak_bytes,
+               bytes_moved_per_step=rt.plan.bytes_to_host + rt.plan.bytes_to_device,
+               conv_algos=sorted({f"{p}:{a}" for d in rt.plan.conv_algos.values()
+                                  for p, a in d.items()}))
+    return row
 
 
-def main():
-    parser = argparse.ArgumentParser()
-    parser.add_argument("--model", default="resnet50", choices=sorted(MODELS))
-    parser.add_argument("--batch", type=int, default=32)
-    parser.add_argument("--memory", default="40GiB")
-    parser.add_argument("--policies", default="baseline,all")
-    parser.add_argument("--steps", type=int, default=10)
-    parser.add_argument("--lr", type=float, default=0.01)
-    parser.add_argument("--momentum", type=float, default=0.9)
-    parser.add_argument("--pin-algos", default=None,
-                        help='pin conv algorithms instead of timing them: "default" '
-                             '(zero-workspace) or e.g. "backward_weight=splitk"')
-    parser.add_argument("--cuda-graph", default="off", choices=("off", "on", "both"),
-                        help="replay the step as a CUDA graph (both: each policy twice)")
-    args = parser.parse_args()
+def guarded(run, **labels) -> dict:
+    """Run one configuration; a refusal or a failure becomes the row's reason, so one
+    configuration cannot hide the others' figures."""
+    try:
+        row = run()
+    except Refused as err:
+        return {**labels, "refused": str(err)[:500]}
+    except Exception as err:  # noqa: BLE001  (recorded, the others still run)
+        return {**labels, "error": f"{type(err).__name__}: {err}"[:500]}
+    finally:
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
+    return {**labels, **row}
+
+
+def with_rates(result: dict, batch: int) -> dict:
+    """Fill in images/s, the best PyTorch configuration and each tinysn row's ratio to it."""
+    for row in result["pytorch"] + result["tinysn"]:
+        if "seconds" in row:
+            row["images_per_s"] = batch / row["ms_per_step"] * 1e3
+    done = [r for r in result["pytorch"] if "images_per_s" in r]
+    best = max(done, key=lambda r: r["images_per_s"], default=None)
+    result["pytorch_best"] = best and best["config"]
+    result["pytorch_best_images_per_s"] = best and best["images_per_s"]
+    for row in result["tinysn"]:
+        if best and "images_per_s" in row:
+            row["ratio_to_best"] = row["images_per_s"] / best["images_per_s"]
+    return result
+
+
+def label(row: dict, model: str = "") -> str:
+    """A configuration's name: "PyTorch eager NCHW", 'tinysn "all", CUDA graph', ...; with
+    `model`, prefixed by it (the first cell of its row in bench/README.md's table)."""
+    if "config" in row:
+        name = f"PyTorch {row['config']}"
+    else:
+        name = f'tinysn "{row["policy"]}", ' + ("CUDA graph" if row["cuda_graph"] else "eager")
+    return f"{model}, {name}" if model else name
+
+
+def describe(row: dict) -> str:
+    """One printed line per configuration."""
+    if "images_per_s" not in row:
+        return f"{label(row):>32}: {row.get('refused') or row.get('error')}"
+    ratio = f" ({row['ratio_to_best']:.2f}x best)" if "ratio_to_best" in row else ""
+    mem = row["max_memory_allocated"]
+    return (f"{label(row):>32}: {row['images_per_s']:8.1f} images/s{ratio}, "
+            f"{row['ms_per_step']:.2f} ms/step, max allocated "
+            f"{'-' if mem is None else f'{mem / 2**30:.2f} GiB'}")
+
+
+def table_rows(result: dict) -> list:
+    """bench/README.md's training-table rows for one result: configuration, images/s, ratio
+    to the best PyTorch configuration, ms per step, memory (the pool's peak for tinysn, torch's
+    max_memory_allocated for PyTorch)."""
+    best = result["pytorch_best_images_per_s"]
+    rows = []
+    for row in result["pytorch"] + result["tinysn"]:
+        name = label(row, result["model"])
+        if "images_per_s" not in row:
+            why = "refused" if "refused" in row else "failed"
+            reason = row.get("refused") or row.get("error")
+            rows.append(f"| {name} | {why} | | | {reason} |")
+            continue
+        allocated = row.get("max_memory_allocated")
+        memory = (f"pool peak {row['peak_bytes']:,} B" if "peak_bytes" in row else
+                  "-" if allocated is None else f"{allocated:,} B allocated")
+        rows.append(f"| {name} | {row['images_per_s']:,.0f} | "
+                    f"{row['images_per_s'] / best:.2f}x | {row['ms_per_step']:.1f} | {memory} |")
+    return rows
+
+
+def parse_args(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--model", default="resnet50", choices=sorted(MODELS))
+    ap.add_argument("--batch", type=int, default=32)
+    ap.add_argument("--memory", default=None,
+                    help="tinysn's device cap, its arena (default: 40GiB on a GPU, 1GiB on CPU)")
+    ap.add_argument("--policies", default="all", help="tinysn policies, comma-separated")
+    ap.add_argument("--steps", type=int, default=20, help="timed steps per configuration")
+    ap.add_argument("--warmup", type=int, default=sn.runtime.GRAPH_WARMUP + 1,
+                    help="untimed steps first (compiles, tunes, captures)")
+    ap.add_argument("--lr", type=float, default=0.01)
+    ap.add_argument("--momentum", type=float, default=0.9)
+    ap.add_argument("--weight-decay", type=float, default=5e-4)
+    ap.add_argument("--no-compile", action="store_true", help="skip torch.compile")
+    common.add_out_argument(ap)
+    args = ap.parse_args(argv)
+    args.memory = args.memory or ("40GiB" if torch.cuda.is_available() else "1GiB")
+    if args.steps < 1 or args.batch < 1:
+        ap.error(f"--steps and --batch must be at least 1, got {args.steps} and {args.batch}")
+    if torch.cuda.is_available() and args.warmup < sn.runtime.GRAPH_WARMUP + 1:
+        ap.error(f"--warmup must be at least {sn.runtime.GRAPH_WARMUP + 1} on a GPU, so "
+                 f"the graphed rows time replays only; got {args.warmup}")
+    for policy in args.policies.split(","):
+        if policy not in sn.sched.plan.POLICIES:
+            ap.error(f"--policies: unknown policy {policy!r}; "
+                     f"known: {', '.join(sn.sched.plan.POLICIES)}")
+    return args
+
+
+def main(argv=None) -> dict:
+    if argv is None and sys.argv[1:2] == ["--table"]:
+        return print_tables(sys.argv[2:])
+    args = parse_args(argv)
+    cuda = torch.cuda.is_available()
+    device = torch.device("cuda" if cuda else "cpu")
     torch.backends.cudnn.allow_tf32 = True
     torch.backends.cuda.matmul.allow_tf32 = True
     torch.backends.cudnn.benchmark = True
     net = MODELS[args.model](batch=args.batch)
-    ref = torch_images_per_s(args.model, args.batch, net.classes, args.steps, args.lr,
-                             args.momentum, net)
-    print(f"pytorch ({ref['source']}): {ref['images_per_s']:.1f} images/s "
-          f"({ref['ms_per_step']:.2f} ms/step)")
-    rows = []
-    graphs = {"off": [False], "on": [True], "both": [False, True]}[args.cuda_graph]
-    for policy in args.policies.split(","):
-        pinned = None if args.pin_algos is None else dict(
-            kv.split("=") for kv in args.pin_algos.split(",") if "=" in kv)
-        for graph in graphs:
-            try:
-                row = tinysn_run(net, policy, args.memory, args.steps, args.lr, args.momentum,
-                                 pinned, graph)
-            except Exception as err:     # keep the other runs' figures
-                rows.append({"policy": policy, "cuda_graph": graph,
-                             "error": f"{type(err).__name__}: {err}"[:500]})
-                print(f"tinysn {policy} cuda_graph={graph}: {rows[-1]['error']}")
-                torch.cuda.empty_cache()
-                continue
-            row["ratio_to_pytorch"] = row["images_per_s"] / ref["images_per_s"]
-            rows.append(row)
-            label = policy + ("+graph" if graph else "")
-            print(f"tinysn {label:>14}: {row['images_per_s']:.1f} images/s "
-                  f"({row['ms_per_step']:.2f} "
-                  f"ms/step, {row['ratio_to_pytorch']:.2f}x PyTorch); peak "
-                  f"{row['peak_bytes']:,} == plan {row['planned_peak_bytes']:,}: "
-                  f"{row['peak_equals_plan']}; loss {row['losses'][0]:.3f} -> "
-                  f"{row['losses'][-1]:.3f}")
-    ref["autotune"] = os.environ.get("TINYSN_AUTOTUNE", "1") != "0"
-    path = common.write(f"train-{args.model}-b{args.batch}-{common.gpu_tag()}",
-                        {"model": args.model, "batch": args.batch, "pytorch": ref, "tinysn": rows})
-    print(f"wrote {path}")
+    skip_compile = args.no_compile or not cuda
+    result = {"model": args.model, "batch": args.batch, "steps": args.steps,
+              "warmup": args.warmup, "timer": "wall clock over the timed steps, synchronized",
+              "sgd": {"lr": args.lr, "momentum": args.momentum,
+                      "weight_decay": args.weight_decay},
+              "torch_compile": "skipped" + (" (--no-compile)" if args.no_compile else
+                                            " (no CUDA: too slow on the CPU)")
+              if skip_compile else "default mode",
+              "autotune": os.environ.get("TINYSN_AUTOTUNE", "1") != "0",
+              "pytorch": [], "tinysn": []}
+    runs = [("pytorch", lambda c=c: pytorch_row(net, c, device, args), {"config": c})
+            for c in PYTORCH_CONFIGS if not (c == "torch.compile" and skip_compile)]
+    runs += [("tinysn", lambda p=p, g=g: tinysn_row(net, p, g, device, args),
+              {"policy": p, "cuda_graph": g})
+             for p in args.policies.split(",") for g in (False, True)]
+    for side, run, labels in runs:
+        result[side].append(guarded(run, **labels))
+        with_rates(result, args.batch)
+        print(describe(result[side][-1]), flush=True)
+        common.write(args.out, result)
+    if args.out:
+        print(f"wrote {args.out}")
+    return result
+
+
+def print_tables(paths) -> None:
+    """`train.py --table FILE...`: print bench/README.md's table rows for result files."""
+    for path in paths:
+        print("\n".join(table_rows(common.read(path))))
 
 
 if __name__ == "__main__":

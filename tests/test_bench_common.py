@@ -1,5 +1,9 @@
 """bench/common.Runner, the timing harness of the kernel benchmarks (run on the CPU here with a
-fake timer; on the GPU it times with triton's do_bench)."""
+fake timer; on the GPU it times with triton's do_bench), its results writer, and
+bench/train.py's CPU path."""
+import json
+
+import pytest
 import torch
 
 from bench import common
@@ -54,6 +58,48 @@ def test_kernels_groups_rerun_keeps_other_rows(tmp_path):
     assert kernels.complete(rows[:3])
     assert not kernels.complete(rows[:2])             # misc missing
     path = tmp_path / "k.json"
-    path.write_text(__import__("json").dumps({"rows": rows}))
+    path.write_text(json.dumps({"rows": rows}))
     assert kernels.kept_rows(str(path), ["misc"]) == rows[:2]
     assert kernels.kept_rows(str(tmp_path / "none.json"), ["misc"]) == []
+
+
+def test_write_puts_the_envelope_beside_the_payload_and_only_where_asked(tmp_path):
+    assert common.write(None, {"rows": [1]}) is None          # no --out: nothing written
+    path = tmp_path / "sub" / "r.json"
+    assert common.write(str(path), {"rows": [1], "batch": 32}) == str(path)
+    data = json.loads(path.read_text())
+    assert set(data["environment"]) == {"gpu", "torch", "triton", "cudnn", "python", "date",
+                                        "command"}
+    assert data["environment"]["torch"] == torch.__version__
+    assert common.read(str(path)) == {"rows": [1], "batch": 32}
+    assert common.read(str(tmp_path / "absent.json")) == {}
+    with pytest.raises(ValueError, match="environment"):
+        common.write(str(path), {"environment": {}})
+    with pytest.raises(Exception, match="must name a .json file"):
+        common.write(str(tmp_path / "r.txt"), {"rows": []})
+    assert not (tmp_path / "r.txt").exists()
+
+
+def test_train_bench_smoke_on_the_cpu(tmp_path):
+    """bench/train.py's CPU path: the same net and SGD settings on both sides give the same
+    losses; the JSON holds each configuration, the best and the ratio to it."""
+    from bench import train
+    out = tmp_path / "train.json"
+    train.main(["--model", "lenet", "--batch", "2", "--steps", "1", "--warmup", "1",
+                "--out", str(out)])
+    run = json.loads(out.read_text())
+    assert run["torch_compile"].startswith("skipped")
+    assert [r["config"] for r in run["pytorch"]] == ["eager NCHW", "eager channels-last"]
+    best = max(run["pytorch"], key=lambda r: r["images_per_s"])
+    assert run["pytorch_best"] == best["config"]
+    assert run["pytorch_best_images_per_s"] == best["images_per_s"]
+    eager, graph = run["tinysn"]
+    assert eager["peak_equals_plan"] and "CUDA" in graph["refused"]
+    assert eager["ratio_to_best"] == eager["images_per_s"] / best["images_per_s"]
+    assert eager["images_per_s"] == pytest.approx(2 / eager["seconds"])
+    table = train.table_rows(run)
+    assert table[2].startswith(f'| lenet, tinysn "all", eager | {eager["images_per_s"]:,.0f} |')
+    assert table[3].startswith('| lenet, tinysn "all", CUDA graph | refused | | | cuda_graph')
+    for row in run["pytorch"]:
+        assert torch.allclose(torch.tensor(eager["losses"]), torch.tensor(row["losses"]),
+                              rtol=1e-4)

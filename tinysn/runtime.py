@@ -14,7 +14,7 @@ the arena.
 Every launch reads its tensors through `Tensor.view()`, which raises if a tensor is freed,
 dropped or still in flight, so a scheduling bug cannot silently compute wrong numbers.
 
-With `cuda_graph=True` the step is captured once as a CUDA graph and replayed (DESIGN.md:
+With `cuda_graph=True` the step is captured once as a CUDA graph and replayed (docs/design.md:
 launching a Triton kernel from Python costs ~16 us of host time, a replayed one ~1 us). The
 plan makes that possible: every allocation, offset, copy, event and algorithm of a step is
 the same every iteration. The first `GRAPH_WARMUP` steps run eagerly (they compile and tune

@@ -54,7 +54,7 @@ workspace bytes, fastest-expected first:
                  chunks in a fixed order. More programs when K*C*R*S is small.
   db (bias gradient) is a separate fixed-order reduce kernel over dY (one program per k).
 
-Rules (notes/kernel-contract.md): nothing is allocated here; workspace is a 1-D uint8 or
+Rules (docs/kernels.md): nothing is allocated here; workspace is a 1-D uint8 or
 float32 tensor of at least `workspace_bytes(...)` bytes; outputs are overwritten (dx is added
 to when accumulate=True); every result is deterministic (no atomics; split-K reduces through
 the workspace). backward() runs the data gradient first, then the weight gradient, through the
@@ -74,7 +74,7 @@ paddings are runtime values (Triton still specialises the value 1). In-tile offs
 32-bit, relative to a 64-bit base per program (its first image); the launchers reject shapes
 where a tile's span of images could overflow that (never for real layers).
 
-Performance notes, per version, with the measurements: notes/conv-perf.md.
+Design and shortfalls: docs/kernels.md; measurements: bench/README.md.
 """
 import functools
 import inspect
@@ -261,7 +261,7 @@ def _cfg(bm, bn, bk, warps, stages, pix=True, group_m=8):
 
 
 # Configs: (BLOCK_M, BLOCK_N, BLOCK_K, warps, stages, PIX). Kept: the ones that won or came
-# within a few percent on the ResNet-50 shapes on the H200 (notes/conv-perf.md, v2). None
+# within a few percent on the ResNet-50 shapes on the H200. None
 # spills registers on sm_90 (compiler resource report, triton 3.6 and 3.9).
 # forward: M = output pixels (large), N = output channels (64..512)
 _FWD_CONFIGS = [

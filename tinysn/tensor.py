@@ -14,8 +14,8 @@ Moves run on copy streams with one CUDA event per move; on the CPU they are plai
 synchronous copies. By default a move waits for the work queued on the compute stream and
 freeing a block waits on the host for a copy still touching it (safe on its own); the
 Runtime passes exact event lists and `sync=False` instead, because its plan knows which
-events each block's next writer needs (sched/plan.py). A lock count marks tensors the
-running layer uses: the LRU tensor cache may not evict a locked tensor.
+events each block's next writer needs (sched/plan.py). (The LRU cache's rule that the running
+layer's tensors are never evicted is the planner's: sched/plan.py keeps them out of reach.)
 """
 from __future__ import annotations
 
@@ -41,7 +41,7 @@ class Tensor:
     """A named tensor whose storage is a block of a device Arena or a pinned host Arena."""
 
     __slots__ = ("id", "name", "shape", "dtype", "kind", "nbytes", "state", "block",
-                 "host_block", "event", "locks", "_device_arena", "_host_arena", "_view")
+                 "host_block", "event", "_device_arena", "_host_arena", "_view")
 
     def __init__(self, name: str, shape, dtype=torch.float32, kind: str = "data", id: int = -1):
         if kind not in KINDS:
@@ -56,7 +56,6 @@ class Tensor:
         self.block = None          # device block while it has one
         self.host_block = None     # host block while it has one
         self.event = None          # the event of the last move
-        self.locks = 0
         self._device_arena = None
         self._host_arena = None
         self._view = None
@@ -89,8 +88,6 @@ class Tensor:
         wait for a copy still touching them (without it, the caller orders the next use)."""
         if self.state in ("unallocated", "freed"):
             raise RuntimeError(f"cannot free {self.name}: it is {self.state}")
-        if self.locks:
-            raise RuntimeError(f"cannot free {self.name}: it is locked by the running layer")
         if sync and self.state in ("offloading", "prefetching"):
             self.event.synchronize()    # never hand out a block a copy still touches
         if self.block is not None:
@@ -106,15 +103,6 @@ class Tensor:
             raise RuntimeError(f"cannot drop {self.name}: it is {self.state}")
         self.free()
         self.state = "dropped"
-
-    # -- locking for the LRU tensor cache ----------------------------------------------------
-    def lock(self) -> None:
-        self.locks += 1
-
-    def unlock(self) -> None:
-        if self.locks == 0:
-            raise RuntimeError(f"unlock of {self.name}, which is not locked")
-        self.locks -= 1
 
     # -- moves ---------------------------------------------------------------------------
     def offload(self, host_arena, copy_stream=None, host_block=None, waits=()) -> None:

@@ -9,16 +9,6 @@ from tinysn.errors import OutOfMemory
 from tinysn.pool import Block, BlockAllocator
 
 
-class FakeEvent:
-    """Stands in for a torch.cuda.Event: the state machine decides when it completes."""
-
-    def __init__(self):
-        self.done = False
-
-    def query(self):
-        return self.done
-
-
 class AllocatorMachine(RuleBasedStateMachine):
     """Drive BlockAllocator and a one-byte-per-block bitmap model side by side."""
 
@@ -30,7 +20,6 @@ class AllocatorMachine(RuleBasedStateMachine):
         self.alloc_ = BlockAllocator(nblocks * bb + extra, block_bytes=bb)
         self.bitmap = bytearray(nblocks)        # 1 = used
         self.live = {}                          # id -> Block (model's view)
-        self.pending = {}                       # id -> FakeEvent
         self.freed = []                         # blocks freed (for double-free checks)
         self.peak = 0
         self.last_peak = 0
@@ -64,17 +53,9 @@ class AllocatorMachine(RuleBasedStateMachine):
         del self.live[block.id]
         self.freed.append(block)
 
-    def model_reclaim(self):
-        freed = 0
-        for bid in [b for b, ev in self.pending.items() if ev.done]:
-            del self.pending[bid]
-            freed += self.live[bid].nbytes
-            self.model_release(self.live[bid])
-        return freed
-
     def snapshot(self):
         a = self.alloc_
-        return (a.free_runs(), a.in_use, a.peak, a.pending_bytes, a.n_used_nodes,
+        return (a.free_runs(), a.in_use, a.peak, a.n_used_nodes,
                 a.n_free_nodes, a.largest_free, [tuple(b) for b in a.used_blocks()])
 
     # ---------------------------------------------------------------- rules
@@ -91,20 +72,14 @@ class AllocatorMachine(RuleBasedStateMachine):
     def alloc_one(self, nbytes):
         need = -(-nbytes // self.bb)
         before = self.snapshot()
-        had_completed = any(ev.done for ev in self.pending.values())
         start = self.model_first_fit(need)
-        if start is None and had_completed:
-            self.model_reclaim()                # the allocator reclaims before giving up
-            event("alloc reclaimed deferred frees")
-            start = self.model_first_fit(need)
         if start is None:
             with pytest.raises(OutOfMemory) as err:
                 self.alloc_.alloc(nbytes)
             event("alloc raised OutOfMemory")
             msg = str(err.value)
             assert str(nbytes) in msg and str(self.alloc_.largest_free) in msg
-            if not had_completed:
-                assert self.snapshot() == before, "a failed alloc changed the allocator"
+            assert self.snapshot() == before, "a failed alloc changed the allocator"
             return
         block = self.alloc_.alloc(nbytes)
         assert block.offset == start * self.bb, "not first fit"
@@ -115,45 +90,15 @@ class AllocatorMachine(RuleBasedStateMachine):
         self.live[block.id] = block
         self.peak = max(self.peak, self.model_in_use())
 
-    def _ready(self):
-        return [bid for bid in sorted(self.live) if bid not in self.pending]
-
-    @precondition(lambda self: any(bid not in self.pending for bid in self.live))
+    @precondition(lambda self: self.live)
     @rule(data=st.data())
     def free(self, data):
-        ready = self._ready()
-        ids = data.draw(st.lists(st.sampled_from(ready), min_size=1, max_size=2, unique=True),
+        ids = data.draw(st.lists(st.sampled_from(sorted(self.live)), min_size=1, max_size=2, unique=True),
                         label="free ids")
         for bid in ids:
             block = self.live[bid]
             self.alloc_.free(block)
             self.model_release(block)
-
-    @precondition(lambda self: any(bid not in self.pending for bid in self.live))
-    @rule(data=st.data())
-    def free_after(self, data):
-        bid = data.draw(st.sampled_from(self._ready()), label="free_after id")
-        event = FakeEvent()
-        self.alloc_.free_after(self.live[bid], event)
-        self.pending[bid] = event
-        # still allocated: freeing it again now is an error that changes nothing
-        before = self.snapshot()
-        with pytest.raises(ValueError):
-            self.alloc_.free(self.live[bid])
-        assert self.snapshot() == before
-
-    @precondition(lambda self: any(not ev.done for ev in self.pending.values()))
-    @rule(data=st.data())
-    def complete_event(self, data):
-        bid = data.draw(st.sampled_from(sorted(b for b, ev in self.pending.items() if not ev.done)))
-        self.pending[bid].done = True
-        assert self.live[bid] in self.alloc_.used_blocks(), "reclaimed before reclaim()"
-
-    @precondition(lambda self: any(ev.done for ev in self.pending.values()))
-    @rule()
-    def reclaim(self):
-        expected = self.model_reclaim()
-        assert self.alloc_.reclaim() == expected
 
     @precondition(lambda self: self.freed)
     @rule(data=st.data())
@@ -188,7 +133,6 @@ class AllocatorMachine(RuleBasedStateMachine):
         assert a.capacity == self.nblocks * self.bb
         assert a.in_use == self.model_in_use()
         assert a.in_use + a.free_bytes == a.capacity
-        assert a.pending_bytes == sum(self.live[b].nbytes for b in self.pending)
         assert a.n_used_nodes == len(self.live)
 
     @invariant()
@@ -287,28 +231,6 @@ def test_out_of_memory_message_and_no_change():
     assert (a.free_runs(), a.in_use, a.peak, a.n_used_nodes) == before
     assert a.alloc(1000).offset == 0               # and it still works
 
-
-def test_deferred_free_and_reclaim_on_pressure():
-    a = BlockAllocator(4 * 1024)
-    x, y = a.alloc(2048), a.alloc(2048)
-    ev = FakeEvent()
-    a.free_after(x, ev)
-    assert a.pending_bytes == 2048 and a.in_use == 4096
-    assert a.reclaim() == 0 and a.in_use == 4096
-    with pytest.raises(OutOfMemory, match="waiting on events"):
-        a.alloc(1024)                              # event not complete: nothing to reclaim
-    with pytest.raises(ValueError):
-        a.free_after(x, ev)                        # already deferred
-    ev.done = True
-    z = a.alloc(1024)                              # alloc reclaims, then fits
-    assert z.offset == 0 and a.pending_bytes == 0 and a.in_use == 3072
-    with pytest.raises(ValueError):
-        a.free(x)
-    with pytest.raises(ValueError):
-        a.free_after(y, object())                  # no .query()
-    a.free(y)
-    a.free(z)
-    assert a.free_runs() == [(0, 4096)] and a.peak == 4096
 
 
 def test_speed_smoke():

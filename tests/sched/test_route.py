@@ -5,7 +5,7 @@ from hypothesis import given, settings, strategies as st
 
 from tinysn import models
 from tinysn.graph import Net
-from tinysn.sched.route import backward_order, forward_order, steps
+from tinysn.sched.route import forward_order
 
 
 def alg1_recursive(net):
@@ -61,7 +61,6 @@ def test_fig6_nested_fans():
     assert names(order) == ["a", "b", "c", "d", "e", "f", "g", "h", "i", "j", "loss"]
     pos = {layer.name: k for k, layer in enumerate(order)}
     assert all(pos[p] < pos["i"] for p in ("e", "g", "h"))
-    assert names(backward_order(net)) == names(order)[::-1]
     assert order == alg1_recursive(net)
 
 
@@ -90,16 +89,6 @@ def test_join_waits_for_its_last_input():
     s = net.add(short, long, name="sum")
     net.softmax_loss(net.fc(s, 3, name="fc"), name="loss")
     assert names(forward_order(net)) == ["x", "short", "l1", "r1", "l2", "r2", "sum", "fc", "loss"]
-
-
-def test_steps_numbering():
-    net = fig6_net()
-    st_ = steps(net)
-    n = len(net.layers)
-    assert [s[0] for s in st_] == list(range(1, 2 * n + 1))
-    assert [s[2] for s in st_] == ["forward"] * n + ["backward"] * n
-    assert [s[1] for s in st_[:n]] == forward_order(net)
-    assert [s[1] for s in st_[n:]] == backward_order(net)
 
 
 def test_residual_joins():
@@ -173,7 +162,6 @@ def test_random_dags(net):
     order = forward_order(net)
     assert_valid_route(net, order)
     assert order == alg1_recursive(net)
-    assert backward_order(net) == order[::-1]
 
 
 def test_long_chain_no_recursion_limit():
@@ -185,7 +173,6 @@ def test_long_chain_no_recursion_limit():
     t = time.perf_counter()
     order = forward_order(net)
     assert order == net.layers
-    assert len(steps(net)) == 2 * len(net.layers)
     assert time.perf_counter() - t < 2.0
 
 

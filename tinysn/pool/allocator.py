@@ -15,9 +15,8 @@ operations:
 - first fit is one C-speed scan of `_lens` (itertools.compress over a map), O(#free runs);
 - free finds its neighbours with one bisect on `_starts` and merges in place.
 
-Deferred free: `free_after(block, event)` keeps the block allocated (and counted) until
-`event.query()` is true — a CUDA event recorded after the last kernel that reads the block.
-`reclaim()` frees every completed one; an `alloc` that would fail reclaims first and retries.
+Nothing here waits for the GPU: a freed block may still be read by queued kernels or copies;
+the plan orders its next writer after them with events (sched/plan.py, sched/offload.py).
 """
 from __future__ import annotations
 
@@ -72,7 +71,7 @@ class BlockAllocator:
     """First-fit allocator over `capacity_bytes` (rounded down) in units of `block_bytes`."""
 
     __slots__ = ("_small", "_bb", "_nblocks", "_starts", "_lens", "_used", "_used_blocks", "_peak_blocks",
-                 "_next_id", "_pending", "_pending_blocks", "__weakref__")
+                 "_next_id", "__weakref__")
 
     def __init__(self, capacity_bytes, block_bytes: int = 1024, small_bytes: int = 0):
         """`small_bytes` > 0 places requests of at most that many bytes by first fit from
@@ -105,15 +104,13 @@ class BlockAllocator:
         self._used_blocks = 0
         self._peak_blocks = 0
         self._next_id = 0
-        self._pending: dict[int, tuple[Block, object]] = {}   # id -> (block, event), in order
-        self._pending_blocks = 0
 
     # ------------------------------------------------------------------ alloc / free
     def alloc(self, nbytes) -> Block:
         """Return a Block of at least `nbytes` at the lowest offset that fits.
 
-        Raises ValueError for nbytes <= 0 and OutOfMemory when no free run is long enough
-        (after reclaiming completed deferred frees); a failed request changes nothing else.
+        Raises ValueError for nbytes <= 0 and OutOfMemory when no free run is long enough;
+        a failed request changes nothing.
         """
         if type(nbytes) is not int or nbytes <= 0:
             nbytes = _request(nbytes)
@@ -129,11 +126,7 @@ class BlockAllocator:
         else:
             i = next(compress(count(), map(need.__le__, lens)), -1)
             if i < 0:
-                if self._pending and self.reclaim():
-                    lens = self._lens
-                    i = next(compress(count(), map(need.__le__, lens)), -1)
-                if i < 0:
-                    raise self._oom(nbytes, need)
+                raise self._oom(nbytes, need)
         starts = self._starts
         start = starts[i]
         rest = lens[i] - need
@@ -149,9 +142,6 @@ class BlockAllocator:
         """First fit from the top: the end of the highest free run that is long enough."""
         lens = self._lens
         i = next((j for j in range(len(lens) - 1, -1, -1) if lens[j] >= need), -1)
-        if i < 0 and self._pending and self.reclaim():
-            lens = self._lens
-            i = next((j for j in range(len(lens) - 1, -1, -1) if lens[j] >= need), -1)
         if i < 0:
             raise self._oom(nbytes, need)
         start = self._starts[i] + lens[i] - need
@@ -176,19 +166,16 @@ class BlockAllocator:
     def free(self, block: Block) -> None:
         """Give `block` back now; it merges with free neighbours.
 
-        ValueError if the block is not live in this allocator (double free, a block of
-        another allocator, or one already handed to free_after).
+        ValueError if the block is not live in this allocator (double free, or a block of
+        another allocator).
         """
         try:
             live = self._used.get(block.id)
         except AttributeError:
             live = None
-        if live is not block or (self._pending and block.id in self._pending):
+        if live is not block:
             # slow path: an equal copy of a live block is fine; anything else is an error
-            bid = self._check_live(block)
-            if bid in self._pending:
-                raise ValueError(f"{block!r} is already waiting on an event (free_after); "
-                                 "it is freed by reclaim(), not free()")
+            self._check_live(block)
         self._release(block.id)
 
     def _check_live(self, block) -> int:
@@ -222,34 +209,6 @@ class BlockAllocator:
             starts.insert(k, start)
             lens.insert(k, n)
         return n
-
-    # ------------------------------------------------------------------ deferred free
-    def free_after(self, block: Block, event) -> None:
-        """Free `block` once `event.query()` is true; until then it stays allocated."""
-        bid = self._check_live(block)
-        if bid in self._pending:
-            raise ValueError(f"{block!r} is already waiting on an event (free_after)")
-        if not callable(getattr(event, "query", None)):
-            raise ValueError(f"free_after needs an event with .query(), got {event!r}")
-        self._pending[bid] = (block, event)
-        self._pending_blocks += block.nbytes // self._bb
-
-    def reclaim(self) -> int:
-        """Free every deferred block whose event has completed; return the bytes freed."""
-        if not self._pending:
-            return 0
-        done = [bid for bid, (_, event) in self._pending.items() if event.query()]
-        freed = 0
-        for bid in done:
-            del self._pending[bid]
-            freed += self._release(bid)
-        self._pending_blocks -= freed
-        return freed * self._bb
-
-    @property
-    def pending_bytes(self) -> int:
-        """Bytes held by blocks waiting on an event (included in in_use)."""
-        return self._pending_blocks * self._bb
 
     # ------------------------------------------------------------------ figures
     @property
@@ -293,7 +252,7 @@ class BlockAllocator:
         return [(s * bb, n * bb) for s, n in zip(self._starts, self._lens)]
 
     def used_blocks(self) -> list[Block]:
-        """The live blocks (deferred ones included), by offset."""
+        """The live blocks, by offset."""
         return sorted(self._used.values(), key=operator.attrgetter("offset"))
 
     def owns(self, block) -> bool:
@@ -305,12 +264,11 @@ class BlockAllocator:
         bb = self._bb
         free = self.free_bytes
         largest = self.largest_free
-        pending = f", {self.pending_bytes} of them waiting on events" if self._pending else ""
         return OutOfMemory(
             f"cannot allocate {nbytes} bytes ({format_bytes(nbytes)}; {need * bb} in "
             f"{bb}-byte blocks): {free} bytes free ({format_bytes(free)}), largest free run "
             f"{largest} bytes ({format_bytes(largest)}), capacity {self.capacity} bytes "
-            f"({format_bytes(self.capacity)}), {self.in_use} bytes in use{pending}")
+            f"({format_bytes(self.capacity)}), {self.in_use} bytes in use")
 
     def __repr__(self) -> str:
         return (f"BlockAllocator(capacity={self.capacity}, block_bytes={self._bb}, "

@@ -51,12 +51,6 @@ class Arena:
     def free(self, block: Block) -> None:
         self.allocator.free(block)
 
-    def free_after(self, block: Block, event) -> None:
-        self.allocator.free_after(block, event)
-
-    def reclaim(self) -> int:
-        return self.allocator.reclaim()
-
     def view(self, block: Block, shape, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         """A tensor of `shape`/`dtype` aliasing bytes [offset, offset + numel*itemsize).
 

@@ -151,7 +151,3 @@ class RecomputeSchedule:
             present = {t for t in now if self.keep_after(t, step.index)}
         for tid in self.uses:
             self.uses[tid] = sorted(set(self.uses[tid]))
-
-    def count(self) -> int:
-        """Extra forward steps the recomputation costs in one iteration."""
-        return sum(len(v) for v in self.rebuild.values())

@@ -37,17 +37,3 @@ def forward_order(net) -> list:
         missing = {layer.name for layer in net.layers} - {layer.name for layer in route}
         raise ValueError(f"layers not reachable from the data layer: {sorted(missing)[:5]}")
     return route
-
-
-def backward_order(net) -> list:
-    """The forward route reversed."""
-    return forward_order(net)[::-1]
-
-
-def steps(net) -> list[tuple[int, object, str]]:
-    """(step, layer, "forward" | "backward"): forward steps 1..L, backward steps L+1..2L."""
-    fwd = forward_order(net)
-    n = len(fwd)
-    out = [(i + 1, layer, "forward") for i, layer in enumerate(fwd)]
-    out += [(n + i + 1, layer, "backward") for i, layer in enumerate(reversed(fwd))]
-    return out

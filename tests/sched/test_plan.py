@@ -135,3 +135,22 @@ def test_host_memory_caps_the_host_arena():
         sn.plan(net, "12GiB", "offload", host_memory="1GiB")
     capped = sn.max_batch(sn.models.resnet50, "12GiB", "all", host_memory="8GiB")
     assert 64 < capped < sn.max_batch(sn.models.resnet50, "12GiB", "all")
+
+
+def test_placement_table_rows_never_overlap():
+    """Placements that are on the device across a common step boundary never share a byte,
+    and offloaded tensors' stays end "to host": the table is the plan's memory map."""
+    net = sn.models.alexnet(batch=8, classes=10, input_shape=(3, 67, 67))
+    plan = sn.plan(net, "1GiB", "offload")
+    rows = plan.placements()
+    assert len(rows) > len(net.layers) and any(r["ends"] == "to host" for r in rows)
+
+    def span(r):
+        return (-1, len(plan.steps)) if r["first"] == "setup" else (r["first"], r["last"])
+    for i, a in enumerate(rows):
+        for b in rows[i + 1:]:
+            (a0, a1), (b0, b1) = span(a), span(b)
+            if a0 < b1 and b0 < a1:
+                assert (a["offset"] + a["bytes"] <= b["offset"]
+                        or b["offset"] + b["bytes"] <= a["offset"]), (a, b)
+    assert plan.placement_table().count("\n") == len(rows)

@@ -168,6 +168,43 @@ class Plan:
                         f"{s.live_tensors:>5}")
         return "\n".join(rows)
 
+    def placements(self) -> list:
+        """One row per device placement of a tensor in one iteration (a tensor that leaves
+        the device and comes back has a row per stay): name, offset, bytes, the first and
+        last executed step it is there, and how the stay ends ("freed", "dropped",
+        "to host", or "kept" for tensors that live across iterations)."""
+        rows, open_rows = [], {}
+        for op in self.setup:
+            open_rows[op.tensor] = {"tensor": self.tensors[op.tensor].name, "offset": op.offset,
+                                    "bytes": self.tensors[op.tensor].nbytes, "first": "setup",
+                                    "last": "setup", "ends": "kept"}
+        rows += open_rows.values()
+        ends = {Free: "freed", Drop: "dropped", Release: "to host", Evict: "to host"}
+        for step in self.steps:
+            for op in step.ops:
+                if isinstance(op, (Alloc, Prefetch)):
+                    row = {"tensor": self.tensors[op.tensor].name, "offset": op.offset,
+                           "bytes": self.tensors[op.tensor].nbytes, "first": step.index,
+                           "last": step.index, "ends": "kept"}
+                    open_rows[op.tensor] = row
+                    rows.append(row)
+                elif type(op) in ends and op.tensor in open_rows:
+                    open_rows.pop(op.tensor)["ends"] = ends[type(op)]
+                elif isinstance(op, Launch):
+                    for row in open_rows.values():
+                        if row["first"] != "setup":
+                            row["last"] = step.index
+        return rows
+
+    def placement_table(self) -> str:
+        """`placements()` as text, by offset within each stay (like llm.c's activation
+        table): where every tensor lives in the pool and for how long."""
+        lines = [f"{'tensor':<32} {'offset':>14} {'bytes':>14} {'first':>6} {'last':>6}  ends"]
+        for r in self.placements():
+            lines.append(f"{r['tensor'][:32]:<32} {r['offset']:>14,} {r['bytes']:>14,} "
+                         f"{r['first']!s:>6} {r['last']!s:>6}  {r['ends']}")
+        return "\n".join(lines)
+
     def summary(self) -> str:
         return (f"{self.policy}: peak {format_bytes(self.peak_bytes)} of cap "
                 f"{format_bytes(self.capacity)}; to host {format_bytes(self.bytes_to_host)}, "
@@ -383,11 +420,15 @@ class _Planner:
         assert self.host.in_use == 0, (f"planner bug: {self.host.in_use} host bytes still "
                                        f"allocated after the iteration")
         self._insert_marks()
-        return Plan(p.net, self.policy, self.dev.capacity, p.momentum_value, self.tensors, setup, self.steps,
-                    self.dev.peak, self.extent, setup_bytes, max(self.host.peak, 1),
-                    self.to_host, self.to_device,
-                    sum(1 for s in self.steps if s.phase == "recompute"),
-                    self.conv_algos, self.recompute, p, self.small_bytes, self.n_slots)
+        return Plan(
+            net=p.net, policy=self.policy, capacity=self.dev.capacity, momentum=p.momentum_value,
+            tensors=self.tensors, setup=setup, steps=self.steps, peak_bytes=self.dev.peak,
+            required_bytes=self.extent, setup_bytes=setup_bytes,
+            host_bytes=max(self.host.peak, 1), bytes_to_host=self.to_host,
+            bytes_to_device=self.to_device,
+            recomputed_steps=sum(1 for s in self.steps if s.phase == "recompute"),
+            conv_algos=self.conv_algos, uses_recompute=self.recompute, program=p,
+            small_bytes=self.small_bytes, event_slots=self.n_slots)
 
     def _run_step(self, step):
         ops = []
@@ -510,9 +551,8 @@ class _Planner:
             self.cache.touch(tid)
 
     def _alloc(self, tid, ops):
-        self._current_ops = ops
         info = self.tensors[tid]
-        block = self._dev_alloc(info.nbytes, info.name)
+        block = self._dev_alloc(info.nbytes, info.name, ops)
         self.dblock[tid] = block
         self.loc[tid] = "gpu"
         ops.append(Alloc(tid, block.offset))
@@ -523,26 +563,26 @@ class _Planner:
                 and tid not in self.dropped):
             self.cache.touch(tid)
 
-    def _dev_alloc(self, nbytes, name):
-        """Allocate on the device, evicting LRU activations first under the cache policy."""
+    def _dev_alloc(self, nbytes, name, ops):
+        """Allocate on the device; under the cache policy, evict LRU activations (appending
+        the Evict operations to `ops`) until the request fits."""
         while True:
             try:
                 block = self.dev.alloc(nbytes)
                 self.extent = max(self.extent, block.offset + block.nbytes)
                 return block
             except OutOfMemory as err:
-                if self.cache is None or not self._evict_one():
+                if self.cache is None or not self._evict_one(ops):
                     raise OutOfMemory(
                         f"plan does not fit ({self.policy}): step {len(self.steps)} "
                         f"({self.where}) needs {nbytes:,} bytes for {name}; the cap of "
                         f"{self.dev.capacity:,} bytes leaves {self.dev.free_bytes:,} free "
                         f"(largest free run {self.dev.largest_free:,}). {err}") from None
 
-    def _evict_one(self) -> bool:
+    def _evict_one(self, ops) -> bool:
         for tid in self.cache.victims(self.locked):
             if self.loc.get(tid) != "gpu":
                 continue
-            ops = self._current_ops
             if tid in self.hblock:
                 ops.append(Evict(tid, None, None, ()))
             else:
@@ -600,8 +640,7 @@ class _Planner:
             self.cache.remove(tid)
 
     def _prefetch(self, tid, ops):
-        self._current_ops = ops
-        block = self._dev_alloc(self.tensors[tid].nbytes, self.tensors[tid].name)
+        block = self._dev_alloc(self.tensors[tid].nbytes, self.tensors[tid].name, ops)
         self.dblock[tid] = block
         self.loc[tid] = "prefetching"
         pos, waits = self.dev_freed.take(block.offset, block.end)
@@ -651,13 +690,11 @@ class _Planner:
         info = TensorInfo(len(self.tensors), f"{layer.name}.workspace", (size,),
                           torch.uint8, "workspace", layer, "workspace")
         self.tensors.append(info)
-        self._current_ops = ops
         self._alloc(info.id, ops)
         return info.id
 
     def _workspace(self, step, ops):
         """Choose conv algorithms and allocate the step's workspace (None if it needs none)."""
-        self._current_ops = ops
         layer = step.layer
         if self.policy == "baseline":
             algos = None

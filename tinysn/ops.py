@@ -35,6 +35,14 @@ def _no_workspace(layer, phase) -> int:
     return 0
 
 
+def _streamed(layer, phase) -> tuple:
+    """(flops, bytes) of an elementwise-like layer: it reads its inputs and writes its output
+    (forward), or reads dy (and what it saved) and writes dx (backward): memory-bound."""
+    ins = sum(4 * x.numel for x in layer.inputs)
+    out = 4 * layer.numel
+    return (layer.numel, ins + out) if phase == "forward" else (layer.numel, 2 * (ins + out))
+
+
 @dataclass(frozen=True)
 class OpSpec:
     """What one layer op needs from the scheduler and how the runtime launches it.
@@ -48,6 +56,8 @@ class OpSpec:
     saves_statistics       writes a saved-statistics tensor and running buffers (batch norm)
     workspace              (layer, "forward" | "backward") -> bytes of scratch its kernels
                            need (conv's depend on the algorithm: sched/workspace.py)
+    cost                   (layer, "forward" | "backward") -> (flops, bytes moved to and
+                           from device memory): the planner's step-time model (sched/timing.py)
     forward, backward      launcher factories (module docstring); backward None: no backward
     """
     forward: Callable
@@ -58,6 +68,7 @@ class OpSpec:
     is_loss: bool = False
     saves_statistics: bool = False
     workspace: Callable = _no_workspace
+    cost: Callable = _streamed
 
     def reads_input(self, layer) -> bool:
         """True when the layer's backward kernel needs its forward inputs."""
@@ -148,6 +159,17 @@ def _bn_backward(rt, step):
                                            accumulate=g.accumulate[0])
 
 
+def _conv_cost(layer, phase) -> tuple:
+    n, k, p, q = layer.shape
+    c, r, s = layer.inputs[0].shape[1], *layer.attrs["kernel"]
+    macs = n * k * p * q * c * r * s
+    x, w, y = 4 * layer.inputs[0].numel, 4 * k * c * r * s, 4 * layer.numel
+    if phase == "forward":
+        return 2 * macs, x + w + y
+    gradients = 2 if layer.inputs[0].op != "data" else 1   # the data gradient, if any
+    return 2 * macs * gradients, 2 * (x + w + y)
+
+
 def _bn_workspace(layer, phase) -> int:
     return bn_k.workspace_bytes(tuple(layer.shape), phase)
 
@@ -215,6 +237,13 @@ def _fc_backward(rt, step):
         precision=rt.precision)
 
 
+def _fc_cost(layer, phase) -> tuple:
+    n, out = layer.shape
+    x = layer.inputs[0].numel // n
+    flops, data = 2 * n * x * out, 4 * (n * x + x * out + n * out)
+    return (flops, data) if phase == "forward" else (2 * flops, 2 * data)
+
+
 def _fc_workspace(layer, phase) -> int:
     features = 1
     for s in layer.inputs[0].shape[1:]:
@@ -279,14 +308,15 @@ def _softmax_workspace(layer, phase) -> int:
 
 SPECS = {
     "data": OpSpec(_data_forward),
-    "conv": OpSpec(_conv_forward, _conv_backward, backward_reads_input=True),
+    "conv": OpSpec(_conv_forward, _conv_backward, backward_reads_input=True, cost=_conv_cost),
     "bn": OpSpec(_bn_forward, _bn_backward, backward_reads_input=True, recomputable=True,
                  saves_statistics=True, workspace=_bn_workspace),
     "relu": OpSpec(_relu_forward, _relu_backward, backward_reads_output=True, recomputable=True),
     "pool": OpSpec(_pool_forward, _pool_backward, backward_reads_input=_pool_reads_input,
                    recomputable=True),
     "lrn": OpSpec(_lrn_forward, _lrn_backward, backward_reads_input=True, recomputable=True),
-    "fc": OpSpec(_fc_forward, _fc_backward, backward_reads_input=True, workspace=_fc_workspace),
+    "fc": OpSpec(_fc_forward, _fc_backward, backward_reads_input=True, workspace=_fc_workspace,
+                 cost=_fc_cost),
     "dropout": OpSpec(_dropout_forward, _dropout_backward, recomputable=True),
     "add": OpSpec(_add_forward, _add_backward),
     "concat": OpSpec(_concat_forward, _concat_backward),

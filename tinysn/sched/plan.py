@@ -168,6 +168,14 @@ class Plan:
                         f"{s.live_tensors:>5}")
         return "\n".join(rows)
 
+    @property
+    def predicted_step_s(self) -> float:
+        """Seconds one iteration takes on an H200 by the step-time model (sched/timing.py):
+        kernels by roofline, copies at pinned bandwidth, overlapped as the plan's events
+        allow. `timing.simulate(plan, model)` gives the whole timeline, for other models."""
+        from .timing import simulate
+        return simulate(self).step_s
+
     def placements(self) -> list:
         """One row per device placement of a tensor in one iteration (a tensor that leaves
         the device and comes back has a row per stay): name, offset, bytes, the first and

@@ -1,0 +1,59 @@
+"""The step-time model: its queues follow the plan's dependencies and its figures add up."""
+import pytest
+
+import tinysn as sn
+from tinysn.sched import timing
+from tinysn.sched.plan import Prefetch
+
+NET = dict(batch=16, classes=10, input_shape=(3, 64, 64))
+
+
+def model(**changes):
+    base = dict(flops_per_s=1e12, bytes_per_s=1e11, to_host_bytes_per_s=1e9,
+                to_device_bytes_per_s=1e9, launch_s=1e-6)
+    return timing.DeviceModel(**{**base, **changes})
+
+
+def test_nothing_moved_is_the_sum_of_kernels():
+    plan = sn.plan(sn.models.resnet(blocks=[1, 1, 1, 1], **NET), "1GiB", "liveness")
+    tl = timing.simulate(plan, model(launch_s=0.0))
+    kernels = [e for e in tl.events if e[0] == "compute"]
+    assert len(kernels) == sum(1 for s in plan.steps)
+    assert tl.step_s == pytest.approx(sum(e[3] - e[2] for e in kernels))
+    assert tl.to_host_s == tl.to_device_s == 0 and tl.bound_by == "compute"
+
+
+def test_launch_cost_bounds_tiny_kernels():
+    plan = sn.plan(sn.models.resnet(blocks=[1, 1, 1, 1], **NET), "1GiB", "liveness")
+    tl = timing.simulate(plan, model(flops_per_s=1e30, bytes_per_s=1e30, launch_s=1e-3))
+    assert tl.step_s == pytest.approx(1e-3 * len(plan.steps))
+
+
+def test_copies_overlap_compute_and_slow_links_bind():
+    net = sn.models.resnet(blocks=[1, 1, 1, 1], **NET)
+    plan = sn.plan(net, "1GiB", "offload")
+    compute = timing.simulate(plan, model(launch_s=0.0)).compute_s
+    rate = plan.bytes_to_host / (compute / 2)          # copies each way take half the compute
+    both = timing.simulate(plan, model(launch_s=0.0, to_host_bytes_per_s=rate,
+                                       to_device_bytes_per_s=rate))
+    assert max(both.compute_s, both.to_host_s) <= both.step_s
+    assert both.step_s < both.compute_s + both.to_host_s + both.to_device_s   # overlapped
+    slow = timing.simulate(plan, model(to_host_bytes_per_s=1e6, to_device_bytes_per_s=1e6))
+    assert slow.bound_by == "pcie" and slow.step_s >= plan.bytes_to_host / 1e6
+    prefetches = [op for s in plan.steps for op in s.ops if isinstance(op, Prefetch)]
+    assert len([e for e in slow.events if e[0] == "to_device"]) == len(prefetches)
+
+
+def test_plan_predicts_its_step_time():
+    plan = sn.plan(sn.models.resnet50(batch=32), "12GiB", "all")
+    assert plan.predicted_step_s == timing.simulate(plan).step_s > 0
+
+
+def test_compute_waits_for_its_prefetches():
+    """With a slow host-to-device link the backward pass stalls on each prefetch: the last
+    kernel cannot end before the last prefetch has landed."""
+    plan = sn.plan(sn.models.resnet(blocks=[1, 1, 1, 1], **NET), "1GiB", "offload")
+    tl = timing.simulate(plan, model(to_device_bytes_per_s=1e6))
+    last_kernel = max(e[3] for e in tl.events if e[0] == "compute")
+    last_prefetch = max(e[3] for e in tl.events if e[0] == "to_device")
+    assert last_kernel > last_prefetch

@@ -1,0 +1,120 @@
+"""The planner's step-time model: how long one iteration of a plan takes on a GPU.
+
+A plan fixes every kernel, copy and event of an iteration, so its time can be worked out
+before anything runs. Three queues run concurrently, as in the runtime: the compute stream
+(kernels, in plan order), the device-to-host copy stream (Offload, Evict) and the
+host-to-device copy stream (Prefetch). Each kernel costs the larger of its arithmetic time
+and its memory time (a roofline: OpSpec.cost gives flops and bytes), and cannot start before
+the host has issued it (Python's launch cost, or a graph replay's); each copy costs its bytes
+over the measured pinned bandwidth of its direction. Dependencies are exactly the plan's:
+
+    Offload / Evict   after the compute queued so far and the events in `waits`
+    Prefetch          after the events in `waits` (not after compute: it overlaps it)
+    Wait              compute waits for that tensor's prefetch
+    Sync              compute waits for those copy events
+    Mark              records the compute stream's time in an event slot
+
+The iteration ends when all three queues are drained (the runtime joins them). The result is
+a `Timeline`: the predicted step time, what bound it, and every kernel and copy with its
+start and end (what a stream timeline of the plan draws).
+
+The device figures are a model, not a measurement: `DeviceModel.h200()` states the numbers it
+assumes and where they come from; bench/memory.py and bench/train.py print the prediction
+beside the measured step time, so its error is visible.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from ..ops import spec
+from .plan import Evict, Launch, Mark, Offload, Prefetch, Sync, Wait
+
+
+@dataclass(frozen=True)
+class DeviceModel:
+    """What one GPU does per second, as the step-time model sees it."""
+    flops_per_s: float        # dense arithmetic the conv and fc kernels reach
+    bytes_per_s: float        # device-memory bandwidth the memory-bound kernels reach
+    to_host_bytes_per_s: float
+    to_device_bytes_per_s: float
+    launch_s: float           # host time to issue one kernel (eager Python launch)
+
+    @classmethod
+    def h200(cls, graphed: bool = False) -> "DeviceModel":
+        """An NVIDIA H200 with tinysn's kernels. Arithmetic at 100 TFLOP/s: the rate at which
+        ResNet-50 at batch 897 trained with nothing moved (1,353 images/s, about 12.3 GFLOP
+        an image per iteration, bench/README); memory-bound kernels at about 3 TB/s (69-102%
+        of the copy bandwidth, bench/kernels.py); pinned copies at 55 GB/s each way
+        (bench/memory.py); 16 us of Python per kernel launch, 1 us replayed from a graph."""
+        return cls(flops_per_s=100e12, bytes_per_s=3.0e12, to_host_bytes_per_s=55e9,
+                   to_device_bytes_per_s=55e9, launch_s=1e-6 if graphed else 16e-6)
+
+
+@dataclass
+class Timeline:
+    """One iteration as the model predicts it."""
+    step_s: float
+    compute_s: float          # busy time of the compute stream (kernels alone)
+    to_host_s: float          # busy time of each copy stream
+    to_device_s: float
+    events: list = field(default_factory=list)   # (stream, name, start_s, end_s)
+
+    @property
+    def bound_by(self) -> str:
+        """The queue that would take longest on its own: "compute", "pcie" or "host"."""
+        pcie = max(self.to_host_s, self.to_device_s)
+        return "compute" if self.compute_s >= pcie else "pcie"
+
+
+def kernel_seconds(plan, launch: Launch, model: DeviceModel) -> float:
+    """Roofline time of one Launch: its layer's kernels (plus the SGD updates a backward
+    step applies to the layer's parameters)."""
+    program = plan.program
+    if isinstance(launch.key, tuple):                 # ("recompute", layer index)
+        layer, phase = program.net.layers[launch.key[1]], "forward"
+    else:
+        step = program.steps[launch.key]
+        layer, phase = step.layer, step.phase
+    flops, nbytes = spec(layer).cost(layer, phase)
+    if phase == "backward":
+        momentum = 2 if program.momentum else 0
+        params = sum(program.tensors[program.param[f"{layer.name}.{s}"]].nbytes
+                     for s in layer.params)
+        nbytes += params * (3 + momentum)              # read w, dw (and m); write w (and m)
+    return max(flops / model.flops_per_s, nbytes / model.bytes_per_s)
+
+
+def simulate(plan, model: DeviceModel | None = None) -> Timeline:
+    """Walk the plan's operations on three simulated queues (module docstring)."""
+    model = model or DeviceModel.h200()
+    host = compute = to_host = to_device = 0.0
+    busy = {"compute": 0.0, "to_host": 0.0, "to_device": 0.0}
+    slots, arrived, events = {}, {}, []
+    for step in plan.steps:
+        for op in step.ops:
+            if isinstance(op, Launch):
+                host += model.launch_s
+                start = max(compute, host)
+                compute = start + kernel_seconds(plan, op, model)
+                busy["compute"] += compute - start
+                events.append(("compute", f"{step.phase} {step.layer}", start, compute))
+            elif isinstance(op, (Offload, Evict)) and op.host_offset is not None:
+                start = max([to_host, compute] + [slots[w] for w in op.waits])
+                to_host = start + plan.tensors[op.tensor].nbytes / model.to_host_bytes_per_s
+                busy["to_host"] += to_host - start
+                slots[op.slot] = to_host
+                events.append(("to_host", plan.tensors[op.tensor].name, start, to_host))
+            elif isinstance(op, Prefetch):
+                start = max([to_device] + [slots[w] for w in op.waits])
+                to_device = start + plan.tensors[op.tensor].nbytes / model.to_device_bytes_per_s
+                busy["to_device"] += to_device - start
+                slots[op.slot] = arrived[op.tensor] = to_device
+                events.append(("to_device", plan.tensors[op.tensor].name, start, to_device))
+            elif isinstance(op, Wait):
+                compute = max(compute, arrived[op.tensor])
+            elif isinstance(op, Sync):
+                compute = max([compute] + [slots[w] for w in op.slots])
+            elif isinstance(op, Mark):
+                slots[op.slot] = compute
+    return Timeline(step_s=max(compute, to_host, to_device, host), compute_s=busy["compute"],
+                    to_host_s=busy["to_host"], to_device_s=busy["to_device"], events=events)

@@ -11,7 +11,10 @@ and the layer-wise bound (the batch at which the largest single layer's memory p
 parameter state fills the cap). With --reference, the same batch also trains under a cap so
 large that nothing moves: the difference is what offload and eviction cost beyond compute.
 The pinned-copy bandwidth of the machine (each way and both at once) is measured for context.
-Conv algorithms are chosen per step from rankings timed on the GPU (measure_rankings).
+Conv algorithms are chosen per step from rankings timed on the GPU (measure_rankings),
+inside the pool. Every device byte counts: batches are fed from pinned host memory, torch's
+peak statistics are reset before Runtime() and `process_peak_bytes` (the process's
+max_memory_allocated, everything it held included) is recorded beside the pool's peak.
 Writes bench/results/memory-<gpu or cpu>.json after every model.
 """
 import argparse
@@ -107,11 +110,14 @@ def copy_bandwidth(nbytes=1 << 30) -> dict:
 def train_for_real(net, memory, host_memory=None, steps=2, cuda_graph=False):
     """Plan (conv rankings timed on the GPU first), train warm-up + `steps` timed iterations
     (with cuda_graph, the warm-up includes the eager steps and the capture), report."""
+    torch.cuda.empty_cache()
+    torch.cuda.reset_peak_memory_stats()
+    held_before = torch.cuda.memory_allocated()
     t0 = time.perf_counter()
     rt = sn.Runtime(net, memory, "all", device="cuda", lr=0.01, momentum=0.0,
                     host_memory=host_memory, cuda_graph=cuda_graph)
     setup_s = time.perf_counter() - t0
-    images, labels = sn.data.synthetic(net, seed=0, device="cuda")
+    images, labels = (t.pin_memory() for t in sn.data.synthetic(net, seed=0))  # from the host
     warmup = sn.runtime.GRAPH_WARMUP + 1 if cuda_graph else 1
     losses = [rt.step(images, labels) for _ in range(warmup)]
     torch.cuda.synchronize()
@@ -122,6 +128,7 @@ def train_for_real(net, memory, host_memory=None, steps=2, cuda_graph=False):
         torch.cuda.synchronize()
         times.append(time.perf_counter() - t0)
     s = min(times)
+    process_peak = torch.cuda.max_memory_allocated()   # the whole process, since the reset
     moved = rt.plan.bytes_to_host + rt.plan.bytes_to_device
     algos = {}
     for phases in rt.plan.conv_algos.values():
@@ -131,6 +138,9 @@ def train_for_real(net, memory, host_memory=None, steps=2, cuda_graph=False):
     out = {"memory": memory, "cuda_graph": cuda_graph, "peak_bytes": rt.stats.peak_bytes,
            "planned_peak_bytes": rt.plan.peak_bytes,
            "peak_equals_plan": rt.stats.peak_bytes == rt.plan.peak_bytes,
+           "process_peak_bytes": process_peak, "process_held_before_bytes": held_before,
+           "process_peak_within_cap":
+               process_peak <= sn.parse_bytes(memory) + sn.runtime.PROCESS_SLACK_BYTES,
            "setup_seconds_incl_rankings": setup_s,
            "seconds_per_step": s, "images_per_s": net.batch / s, "losses": losses,
            "bytes_moved_per_step": moved, "transfer_gb_per_s": moved / s / 1e9,
@@ -220,7 +230,8 @@ def train_and_record(row, net, cap, reference, host_memory, steps=2, cuda_graph=
         try:
             row[key] = r = train_for_real(net, memory, host_memory, steps, cuda_graph)
             print(f"  {key} ({memory}): peak {r['peak_bytes']:,} == plan: "
-                  f"{r['peak_equals_plan']}, {r['images_per_s']:.1f} images/s, "
+                  f"{r['peak_equals_plan']}, process peak {r['process_peak_bytes']:,}, "
+                  f"{r['images_per_s']:.1f} images/s, "
                   f"{r['transfer_gb_per_s']:.1f} GB/s moved, losses "
                   f"{[round(x, 3) for x in r['losses']]}", flush=True)
         except Exception as err:

@@ -1,14 +1,16 @@
 """Largest trainable batch under a memory cap, planned and then trained for real.
 
     PYTHONPATH=. python bench/memory.py [--memory 12GiB] [--models resnet50,...] [--plan-only]
-                                        [--deep] [--deep-n N] [--reference 120GiB]
+                                        [--deep] [--deep-n N] [--reference 120GiB] [--pytorch]
 
 For each model: the largest batch that policy "all" plans under the cap (sn.max_batch, plain
 SGD without a momentum buffer, as the PyTorch reference figures were measured), then real
 training steps at that batch on the GPU: the pool's measured peak against the plan's, images/s
 and the host<->device bandwidth achieved. Also the deepest ResNet [6, 32, n, 6] at batch 16,
 and the layer-wise bound (the batch at which the largest single layer's memory plus the
-parameter state fills the cap). With --reference, the same batch also trains under a cap so
+parameter state fills the cap). With --pytorch, PyTorch eager's largest batch (and deepest
+ResNet) in the same cap and run, counted the same way: every device byte of the process
+(torch.cuda.set_per_process_memory_fraction), batches fed from the host. With --reference, the same batch also trains under a cap so
 large that nothing moves: the difference is what offload and eviction cost beyond compute.
 The pinned-copy bandwidth of the machine (each way and both at once) is measured for context.
 Conv algorithms are chosen per step from rankings timed on the GPU (measure_rankings),
@@ -18,6 +20,7 @@ max_memory_allocated, everything it held included) is recorded beside the pool's
 Writes bench/results/memory-<gpu or cpu>.json after every model.
 """
 import argparse
+import gc
 import json
 import os
 import sys
@@ -45,12 +48,19 @@ def layerwise_bound(model_fn, cap: int) -> int:
         persistent = sum(t.nbytes for t in prog.tensors if t.persistent)
         return persistent + recompute.layer_peak(prog, lambda s: 0)
 
-    lo, hi = 0, 1
-    while need(hi) <= cap:
+    return largest(lambda batch: need(batch) <= cap)
+
+
+def largest(fits, start: int = 1, limit: int = 1 << 16) -> int:
+    """The largest k in [1, limit] with fits(k) (0 if none), for a `fits` that holds up to
+    some k and not beyond: doubling from `start`, then bisection."""
+    lo, hi = 0, start
+    while hi <= limit and fits(hi):
         lo, hi = hi, hi * 2
+    hi = min(hi, limit + 1)
     while hi - lo > 1:
         mid = (lo + hi) // 2
-        lo, hi = (mid, hi) if need(mid) <= cap else (lo, mid)
+        lo, hi = (mid, hi) if fits(mid) else (lo, mid)
     return lo
 
 
@@ -66,15 +76,56 @@ def deepest_resnet(memory, batch=16, policy="all", host_memory=None):
             return True
         except sn.OutOfMemory:
             return False
-    lo, hi = 1, 64
-    while fits(hi):
-        lo, hi = hi, hi * 2
-    while hi - lo > 1:
-        mid = (lo + hi) // 2
-        lo, hi = (mid, hi) if fits(mid) else (lo, mid)
-    net = deep_resnet(lo)(batch)
-    convs_fcs = sum(1 for layer in net.layers if layer.op in ("conv", "fc"))
-    return lo, convs_fcs
+    n = largest(fits, start=64)
+    return n, conv_fc_layers(deep_resnet(n)(batch))
+
+
+def conv_fc_layers(net) -> int:
+    return sum(1 for layer in net.layers if layer.op in ("conv", "fc"))
+
+
+def pytorch_peak(net, model_name, cap: int):
+    """PyTorch eager, two plain SGD steps of `net`'s twin (common.torch_model) with every
+    device byte of the process under `cap` (torch.cuda.set_per_process_memory_fraction: torch
+    refuses to reserve more), batches fed from pinned host memory as tinysn's are: the
+    process's max_memory_allocated, or None when it runs out of memory."""
+    torch.cuda.empty_cache()
+    torch.cuda.reset_peak_memory_stats()
+    torch.cuda.set_per_process_memory_fraction(
+        min(1.0, cap / torch.cuda.get_device_properties(0).total_memory))
+    model = opt = None
+    peak = None
+    try:
+        model = common.torch_model(model_name, net)[0].cuda().train()
+        opt = torch.optim.SGD(model.parameters(), lr=0.01)
+        images, labels = (t.pin_memory() for t in sn.data.synthetic(net, seed=0))
+        for _ in range(2):
+            opt.zero_grad(set_to_none=True)
+            logits = model(images.cuda(non_blocking=True))
+            torch.nn.functional.cross_entropy(logits, labels.cuda(non_blocking=True)).backward()
+            del logits
+            opt.step()
+        torch.cuda.synchronize()
+        peak = torch.cuda.max_memory_allocated()
+    except torch.cuda.OutOfMemoryError:
+        pass
+    model = opt = None
+    gc.collect()
+    torch.cuda.empty_cache()
+    torch.cuda.set_per_process_memory_fraction(1.0)
+    return peak
+
+
+def pytorch_largest(make_net, model_name, cap: int, start: int = 1) -> dict:
+    """The largest k for which PyTorch trains make_net(k) under `cap` (pytorch_peak), and
+    the process peak it reached there."""
+    peaks = {}
+
+    def fits(k):
+        peaks[k] = pytorch_peak(make_net(k), model_name, cap)
+        return peaks[k] is not None
+    k = largest(fits, start=start)
+    return {"largest": k, "process_peak_bytes": peaks.get(k)}
 
 
 def copy_bandwidth(nbytes=1 << 30) -> dict:
@@ -173,6 +224,9 @@ def main():
                         help="train with Runtime(cuda_graph=True) (the step replayed)")
     parser.add_argument("--merge", action="store_true",
                         help="keep the other models' rows already in the results file")
+    parser.add_argument("--pytorch", action="store_true",
+                        help="also PyTorch's largest batch (deep ResNet: depth) in the same cap, "
+                             "the whole process counted and fed from the host")
     args = parser.parse_args()
     cap = sn.parse_bytes(args.memory)
     real = torch.cuda.is_available() and not args.plan_only
@@ -207,18 +261,27 @@ def main():
             reference = args.reference if ref_models is None or name in ref_models else None
             train_and_record(row, fn(batch=best), cap, reference, args.host_memory,
                              cuda_graph=args.cuda_graph)
+            if args.pytorch:
+                row["pytorch"] = pytorch_largest(lambda b, fn=fn: fn(batch=b), name, cap,
+                                                 start=PYTORCH_12GIB.get(name) or 1)
+                print(f"  pytorch: max batch {row['pytorch']['largest']}", flush=True)
             save()
     if args.deep or args.deep_n:
         n, layers = ((args.deep_n, None) if args.deep_n else
                      deepest_resnet(cap, host_memory=args.host_memory))
         if layers is None:
-            layers = sum(1 for layer in deep_resnet(n)(16).layers if layer.op in ("conv", "fc"))
+            layers = conv_fc_layers(deep_resnet(n)(16))
         rows["deep_resnet"] = {"blocks": [6, 32, n, 6], "batch": 16, "conv_fc_layers": layers,
                                "pytorch_12gib_reference_layers": PYTORCH_12GIB["deep_resnet_layers"]}
         print(f"deepest ResNet [6, 32, {n}, 6] at batch 16: {layers} conv/fc layers", flush=True)
         if real:
             train_and_record(rows["deep_resnet"], deep_resnet(n)(16), cap, None,
                              args.host_memory, steps=1, cuda_graph=args.cuda_graph)
+        if real and args.pytorch:
+            torch_deep = pytorch_largest(lambda k: deep_resnet(k)(16), "deep_resnet", cap, start=8)
+            torch_deep["conv_fc_layers"] = conv_fc_layers(deep_resnet(torch_deep["largest"])(16))
+            rows["deep_resnet"]["pytorch"] = torch_deep
+            print(f"  pytorch: {torch_deep['conv_fc_layers']} conv/fc layers", flush=True)
     print(f"wrote {save()}")
 
 

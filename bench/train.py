@@ -23,17 +23,11 @@ from bench import common  # noqa: E402
 from tinysn.cli import MODELS  # noqa: E402
 
 
-def torch_images_per_s(model_name, batch, classes, steps, lr, momentum, net):
+def torch_images_per_s(model_name, batch, steps, lr, momentum, net):
     """PyTorch's images/s and its process peak, fed from pinned host memory as tinysn is."""
     torch.cuda.empty_cache()
     torch.cuda.reset_peak_memory_stats()
-    try:
-        import torchvision
-        model = getattr(torchvision.models, model_name)(num_classes=classes)
-        source = f"torchvision.models.{model_name}"
-    except (ImportError, AttributeError):
-        model = net.to_torch()
-        source = "tinysn graph's torch twin"
+    model, source = common.torch_model(model_name, net)
     model = model.cuda().train()
     opt = torch.optim.SGD(model.parameters(), lr=lr, momentum=momentum)
     images, labels = (t.pin_memory() for t in sn.data.synthetic(net, seed=0))
@@ -106,7 +100,7 @@ def main():
     torch.backends.cuda.matmul.allow_tf32 = True
     torch.backends.cudnn.benchmark = True
     net = MODELS[args.model](batch=args.batch)
-    ref = torch_images_per_s(args.model, args.batch, net.classes, args.steps, args.lr,
+    ref = torch_images_per_s(args.model, args.batch, args.steps, args.lr,
                              args.momentum, net)
     print(f"pytorch ({ref['source']}): {ref['images_per_s']:.1f} images/s "
           f"({ref['ms_per_step']:.2f} ms/step)")

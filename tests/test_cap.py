@@ -116,6 +116,27 @@ def test_impossible_caps_fail_in_one_line_before_anything_is_allocated():
         assert ("host_memory=" in message) == ("host_memory" in kwargs)
 
 
+def test_cli_train_with_an_impossible_cap_prints_one_line(capsys):
+    from tinysn.cli import main
+
+    assert main(["train", "--memory", "10TiB", "--steps", "1", "--device", "cpu"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "more than this machine has" in err
+
+
+def test_largest_bisects_to_the_last_k_that_fits():
+    from bench.memory import largest
+
+    calls = []
+
+    def fits(k):
+        calls.append(k)
+        return k <= 37
+    assert largest(fits) == 37 and largest(fits, start=64) == 37
+    assert largest(lambda k: False) == 0 and largest(lambda k: True, limit=100) == 100
+    assert len(calls) < 30
+
+
 # -- the batch ------------------------------------------------------------------------------
 def test_batch_checks_catch_every_non_finite_value_and_accept_huge_finite_ones():
     net = block_net(batch=2, p=0.0)

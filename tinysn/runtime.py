@@ -145,7 +145,7 @@ class Runtime:
         for tid in self.program.momentum.values():
             self.tensors[tid].view().zero_()
         self.cuda_graph = cuda_graph
-        self._graph = self._graph_key = None
+        self._graph = self._graph_key = self._pool_batch = None
         self._graph_moved = (0, 0)          # bytes each captured step copies (to host, device)
 
     def _plan_in_pool(self, memory, **options):
@@ -214,15 +214,18 @@ class Runtime:
 
     def _batch_in_pool(self):
         """Views of the data tensor's planned block and of the labels tensor, where a replay
-        reads its batch. The data tensor's view is the one its launches use (a copy of a
-        tensor onto itself is no operation, so the captured walk copies nothing)."""
-        data = self.program.act[next(x for x in self.net.layers if x.op == "data")]
-        ops = [*self.plan.setup, *(op for step in self.plan.steps for op in step.ops)]
-        offset = next(op[2] for op in ops if op[0] == "alloc" and op[1] == data)
-        t, views = self.tensors[data], self._views[data]
-        if offset not in views:
-            views[offset] = self.arena.buffer[offset:offset + t.nbytes].view(t.dtype).view(t.shape)
-        return views[offset], self.tensors[self.program.labels].view()
+        reads its batch (found once). The data tensor's view is the one its launches use (a
+        copy of a tensor onto itself is no operation, so the captured walk copies nothing)."""
+        if self._pool_batch is None:
+            data = self.program.act[next(x for x in self.net.layers if x.op == "data")]
+            ops = [*self.plan.setup, *(op for step in self.plan.steps for op in step.ops)]
+            offset = next(op[2] for op in ops if op[0] == "alloc" and op[1] == data)
+            t, views = self.tensors[data], self._views[data]
+            if offset not in views:
+                raw = self.arena.buffer[offset:offset + t.nbytes]
+                views[offset] = raw.view(t.dtype).view(t.shape)
+            self._pool_batch = views[offset], self.tensors[self.program.labels].view()
+        return self._pool_batch
 
     def _capture(self, key):
         """Record one walk of the plan as a CUDA graph (nothing runs while it records)."""

@@ -2,7 +2,7 @@
 # Everything the GPU figures need, in few calls on the device machine (budgeted: each stage
 # has its own time limit, and results are copied to $OUT after every stage).
 #   PYTHONPATH=. bash bench/gpu_run.sh STAGE...
-# stages: streams tests runtime kernels train memory-a memory-b
+# stages: streams tests runtime cap kernels train memory-a memory-b
 set -u
 export PYTHONPATH=${PYTHONPATH:-.}
 export PYTHONUNBUFFERED=1
@@ -22,6 +22,8 @@ for stage in "$@"; do
     tests)    TINYSN_AUTOTUNE=0 timeout ${TESTS_S:-420} python3 -m pytest -q -rfE --durations=10 -p no:benchmark -m gpu -n ${TEST_WORKERS:-14} -p no:cacheprovider tests 2>&1 | tee "bench/results/gpu-tests-$GPU.txt" | tail -30 ;;
     # the runtime's gpu tests alone (graph mode, streams, tensor moves): quick, after runtime changes
     runtime)  TINYSN_AUTOTUNE=0 timeout ${RUNTIME_S:-240} python3 -m pytest -q -rfE -p no:benchmark -m gpu -p no:cacheprovider tests/test_runtime.py tests/sched tests/test_tensor.py 2>&1 | tee "bench/results/gpu-tests-runtime-$GPU.txt" | tail -40 ;;
+    # the process-wide cap (tests/test_cap.py) with autotuning ON: tuning must stay in the cap
+    cap)      timeout ${CAP_S:-300} python3 -m pytest -q -s -rfE -p no:benchmark -m gpu -p no:cacheprovider tests/test_cap.py 2>&1 | tee "bench/results/gpu-tests-cap-$GPU.txt" | tail -30 ;;
     kernels)  timeout ${KERNELS_S:-330} python3 bench/kernels.py ${KERNELS_ONLY:+--only $KERNELS_ONLY} 2>&1 | tail -70 ;;
     train)    TINYSN_AUTOTUNE=0 timeout 200 python3 bench/train.py --model resnet50 --batch 32 --policies baseline,all --pin-algos backward_weight=splitk --steps 10 --cuda-graph both 2>&1 | tail -12 ;;
     memory-a) TINYSN_AUTOTUNE=0 timeout 420 python3 bench/memory.py $MEM --models resnet50,vgg16,inception_v4 --reference 120GiB --reference-models resnet50 2>&1 | tail -20 ;;

@@ -165,9 +165,9 @@ def _accumulate(dst, src, n, BLOCK: tl.constexpr):
     tl.store(dst + offs, tl.load(dst + offs, mask=m) + tl.load(src + offs, mask=m), mask=m)
 
 
-def test_host_restore_puts_in_place_arguments_back_after_tuning():
-    """Through triton's own autotuner: many timed launches of an accumulating kernel, then
-    the real one; the output holds one accumulation, as with restore_value."""
+def test_host_restore_puts_in_place_arguments_back_after_tuning(device):
+    """Through triton's own autotuner (on the GPU when there is one): many timed launches of
+    an accumulating kernel, then the real one; the output holds one accumulation."""
     runs = []
 
     def fake_bench(kernel_call, quantiles):
@@ -179,11 +179,13 @@ def test_host_restore_puts_in_place_arguments_back_after_tuning():
     configs = [triton.Config({"BLOCK": 16}), triton.Config({"BLOCK": 32})]
     tuner = triton.autotune(configs, key=["n"], pre_hook=HostRestore(["dst"]),
                             do_bench=fake_bench)(_accumulate)
-    dst, src = torch.arange(40, dtype=torch.float32), torch.ones(40)
+    dst = torch.arange(40, dtype=torch.float32, device=device)
+    src = torch.ones(40, device=device)
     want = dst + src
     tuner[lambda meta: (triton.cdiv(40, meta["BLOCK"]),)](dst, src, 40)
     assert len(runs) == 2                     # both configs were timed (6 launches)
     assert torch.equal(dst, want)
+    assert torch.equal(src, torch.ones(40, device=device))
 
 
 # -- on the GPU: the whole process inside the cap ------------------------------------------

@@ -102,6 +102,12 @@ def test_arena_over_a_buffer_allocates_nothing_and_aliases_it():
         Arena(1024, buffer=torch.zeros(1024))
 
 
+def test_pinned_requests_count_as_torch_rounds_them():
+    from tinysn.pool.arena import pinned_bytes
+
+    assert [pinned_bytes(n) for n in (1, 1024, 1025, 60 << 30)] == [1, 1024, 2048, 64 << 30]
+
+
 def test_impossible_caps_fail_in_one_line_before_anything_is_allocated():
     too_much = f"{available_bytes('cpu') // 2**30 + 64}GiB"
     with pytest.raises(sn.OutOfMemory) as err:

@@ -577,7 +577,8 @@ def _check_machine(memory, host_memory, device) -> None:
     `host_memory` more than the host can pin: before anything is planned or allocated."""
     check_available(parse_bytes(memory), device, f"memory={memory!r}")
     if host_memory is not None:
-        check_available(parse_bytes(host_memory), "cpu", f"host_memory={host_memory!r}")
+        check_available(parse_bytes(host_memory), "cpu", f"host_memory={host_memory!r}",
+                        pinned=device.type == "cuda")
 
 
 def _pick_device(device) -> torch.device:

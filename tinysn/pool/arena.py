@@ -19,7 +19,7 @@ from ..errors import OutOfMemory
 from ..units import format_bytes, parse_bytes
 from .allocator import Block, BlockAllocator
 
-__all__ = ["Arena", "available_bytes", "check_available"]
+__all__ = ["Arena", "available_bytes", "check_available", "pinned_bytes"]
 
 
 def available_bytes(device) -> int:
@@ -40,9 +40,18 @@ def available_bytes(device) -> int:
     return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
 
 
-def check_available(nbytes: int, device, what: str) -> None:
-    """Raise OutOfMemory (one line) when `nbytes` of `device` memory cannot be had at all."""
+def pinned_bytes(nbytes: int) -> int:
+    """What a pinned buffer of `nbytes` really takes: torch's pinned-memory allocator rounds
+    a request up to a power of two (60 GiB takes a 64 GiB block)."""
+    return 1 << max(nbytes - 1, 0).bit_length()
+
+
+def check_available(nbytes: int, device, what: str, pinned: bool = False) -> None:
+    """Raise OutOfMemory (one line) when `nbytes` of `device` memory (pinned: as torch
+    rounds it) cannot be had at all."""
     have = available_bytes(device)
+    if pinned:
+        nbytes = pinned_bytes(nbytes)
     if nbytes > have:
         where = "GPU memory free" if torch.device(device).type == "cuda" else "RAM available"
         raise OutOfMemory(f"{what} of {nbytes:,} bytes ({format_bytes(nbytes)}) is more than "
@@ -70,7 +79,7 @@ class Arena:
         pin = bool(pinned and torch.cuda.is_available())
         if buffer is None:
             check_available(self.allocator.capacity, self.device,
-                            "a pinned host arena" if pin else f"an arena on {self.device}")
+                            "a pinned host arena" if pin else f"an arena on {self.device}", pin)
             buffer = torch.empty(self.allocator.capacity, dtype=torch.uint8,
                                  device=self.device, pin_memory=pin)
         else:

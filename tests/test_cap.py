@@ -76,6 +76,37 @@ def test_cache_dir_follows_the_environment_and_clear_removes_it(tmp_path, monkey
     assert cache.cache_dir() == cache.Path.home() / ".cache" / "tinysn"
 
 
+def test_measure_rankings_times_inside_the_scratch_and_keeps_them(tmp_path, monkeypatch):
+    """The timing loop on the CPU interpreter (the clock faked: im2col and splitk "win"):
+    every algorithm launches on views of the scratch, the order comes back fastest first and
+    a second call reads the file instead of timing."""
+    from tinysn.kernels import _common
+
+    launched = []
+
+    def fake_bench(fn, rep_ms=20):
+        fn()
+        launched.append(1)
+        return 1.0 if len(launched) % 2 == 0 else 2.0
+    monkeypatch.setattr(_common, "bench_ms", fake_bench)
+    monkeypatch.setattr(workspace, "rankings_path", lambda device: tmp_path / "r.json")
+    net = sn.Net(input_shape=(2, 6, 6), classes=3, batch=2)
+    net.softmax_loss(net.fc(net.conv(net.data(), 4, kernel=3, padding=1, name="c"), 3))
+    scratch = Arena("1MiB")
+    scratch.buffer.fill_(7)
+    rankings = workspace.measure_rankings(net, scratch.buffer, progress=False)
+    g = workspace.conv_geometry(net["c"])
+    assert set(rankings) == {(*g, ph) for ph in workspace.PHASES}
+    assert len(launched) == sum(len(conv.algos(*g, ph)) for ph in workspace.PHASES)
+    for ph in workspace.PHASES:
+        assert sorted(rankings[(*g, ph)]) == sorted(conv.algos(*g, ph))
+    assert rankings[(*g, "forward")] == ["im2col", "implicit"]       # the second timed won
+    assert not bool((scratch.buffer == 7).all()), "nothing was written in the scratch"
+    count = len(launched)
+    assert workspace.measure_rankings(net, scratch.buffer, progress=False) == rankings
+    assert len(launched) == count
+
+
 def test_timing_geometry_halves_the_batch_until_it_fits():
     net = small_resnet(batch=64)
     g = workspace.net_geometries(net)[0]             # the stem: 3 -> 64 channels at 64x64

@@ -78,6 +78,17 @@ def group_main(bench, groups, header: str) -> None:
         print(f"\nwrote {a.out}")
 
 
+def torch_model(model_name, net):
+    """(module, source) of PyTorch's version of a tinysn model: torchvision's when it has
+    one, else the tinysn graph's torch twin (e.g. inception_v4, the deep ResNet)."""
+    try:
+        import torchvision
+        return (getattr(torchvision.models, model_name)(num_classes=net.classes),
+                f"torchvision.models.{model_name}")
+    except (ImportError, AttributeError):
+        return net.to_torch(), "tinysn graph's torch twin"
+
+
 def cuda_median_ms(fn, iters: int = 10, warmup: int = 3) -> float:
     """Median milliseconds of fn() over `iters` runs, timed with CUDA events after warm-up."""
     for _ in range(warmup):

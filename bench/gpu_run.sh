@@ -2,7 +2,7 @@
 # Every GPU figure in few calls on the device machine; each stage has its own time limit and
 # writes its results straight into $OUT (never into the tracked bench/results/).
 #   PYTHONPATH=. OUT=/some/dir bash bench/gpu_run.sh STAGE...
-# stages: streams tests runtime kernels pool train memory-a memory-b deep-graph
+# stages: streams tests runtime cap kernels pool train memory-a memory-b deep-graph
 # Copy a result into bench/results/ by hand once it is checked, one file per configuration.
 set -u
 export PYTHONPATH=${PYTHONPATH:-.}
@@ -27,6 +27,8 @@ for stage in "$@"; do
     tests)    TINYSN_AUTOTUNE=0 timeout ${TESTS_S:-420} python3 -m pytest -q -rfE --durations=10 -p no:benchmark -m gpu -n ${TEST_WORKERS:-14} -p no:cacheprovider tests 2>&1 | tee "$OUT/gpu-tests-$GPU.txt" | tail -30 ;;
     # the runtime's gpu tests alone (graph mode, streams, tensor moves): quick, after runtime changes
     runtime)  TINYSN_AUTOTUNE=0 timeout ${RUNTIME_S:-240} python3 -m pytest -q -rfE -p no:benchmark -m gpu -p no:cacheprovider tests/test_runtime.py tests/sched tests/test_tensor.py 2>&1 | tail -40 ;;
+    # the process-wide cap (tests/test_cap.py) with autotuning ON: tuning must stay in the cap
+    cap)      timeout ${CAP_S:-300} python3 -m pytest -q -s -rfE -p no:benchmark -m gpu -p no:cacheprovider tests/test_cap.py 2>&1 | tee "$OUT/gpu-tests-cap-$GPU.txt" | tail -30 ;;
     kernels)  timeout ${KERNELS_S:-330} python3 bench/kernels.py ${KERNELS_ONLY:+--only $KERNELS_ONLY} --out "$OUT/kernels-$GPU.json" 2>&1 | tail -70 ;;
     pool)     timeout 120 python3 bench/pool.py --out "$OUT/pool-$GPU.json" 2>&1 | tail -12 ;;
     # batch 32, each model in its own process and time limit (default kernels, autotuned):

@@ -1,20 +1,27 @@
 """Largest trainable batch under a memory cap, planned and then trained for real.
 
     PYTHONPATH=. python bench/memory.py [--memory 12GiB] [--models resnet50,...] [--plan-only]
-                                        [--deep] [--deep-n N] [--reference 120GiB]
+                                        [--deep] [--deep-n N] [--reference 120GiB] [--pytorch]
 
 For each model: the largest batch that policy "all" plans under the cap (sn.max_batch, plain
 SGD without a momentum buffer, as the PyTorch reference figures were measured), then real
 training steps at that batch on the GPU: the pool's measured peak against the plan's, images/s
 and the host<->device bandwidth achieved. Also the deepest ResNet [6, 32, n, 6] at batch 16,
 and the layer-wise bound (the batch at which the largest single layer's memory plus the
-parameter state fills the cap). With --reference, the same batch also trains under a cap so
+parameter state fills the cap). With --pytorch, PyTorch eager's largest batch (and deepest
+ResNet) in the same cap and run, counted the same way: every device byte of the process
+(torch.cuda.set_per_process_memory_fraction), batches fed from the host. With --reference, the same batch also trains under a cap so
 large that nothing moves: the difference is what offload and eviction cost beyond compute.
 The pinned-copy bandwidth of the machine (each way and both at once) is measured for context.
-Conv algorithms are chosen per step from rankings timed on the GPU (measure_rankings).
+Conv algorithms are chosen per step from rankings timed on the GPU (measure_rankings),
+inside the pool. Every device byte counts: batches are fed from pinned host memory, torch's
+peak statistics are reset before Runtime() and `process_peak_bytes` (the process's
+max_memory_allocated, everything it held included) is recorded beside the pool's peak.
 Writes the results to --out after every model.
 """
 import argparse
+import gc
+import json
 import os
 import sys
 import time
@@ -41,12 +48,19 @@ def layerwise_bound(model_fn, cap: int) -> int:
         persistent = sum(t.nbytes for t in prog.tensors if t.persistent)
         return persistent + recompute.layer_peak(prog, lambda s: 0)
 
-    lo, hi = 0, 1
-    while need(hi) <= cap:
+    return largest(lambda batch: need(batch) <= cap)
+
+
+def largest(fits, start: int = 1, limit: int = 1 << 16) -> int:
+    """The largest k in [1, limit] with fits(k) (0 if none), for a `fits` that holds up to
+    some k and not beyond: doubling from `start`, then bisection."""
+    lo, hi = 0, start
+    while hi <= limit and fits(hi):
         lo, hi = hi, hi * 2
+    hi = min(hi, limit + 1)
     while hi - lo > 1:
         mid = (lo + hi) // 2
-        lo, hi = (mid, hi) if need(mid) <= cap else (lo, mid)
+        lo, hi = (mid, hi) if fits(mid) else (lo, mid)
     return lo
 
 
@@ -62,15 +76,56 @@ def deepest_resnet(memory, batch=16, policy="all", host_memory=None):
             return True
         except sn.OutOfMemory:
             return False
-    lo, hi = 1, 64
-    while fits(hi):
-        lo, hi = hi, hi * 2
-    while hi - lo > 1:
-        mid = (lo + hi) // 2
-        lo, hi = (mid, hi) if fits(mid) else (lo, mid)
-    net = deep_resnet(lo)(batch)
-    convs_fcs = sum(1 for layer in net.layers if layer.op in ("conv", "fc"))
-    return lo, convs_fcs
+    n = largest(fits, start=64)
+    return n, conv_fc_layers(deep_resnet(n)(batch))
+
+
+def conv_fc_layers(net) -> int:
+    return sum(1 for layer in net.layers if layer.op in ("conv", "fc"))
+
+
+def pytorch_peak(net, model_name, cap: int):
+    """PyTorch eager, two plain SGD steps of `net`'s twin (common.torch_model) with every
+    device byte of the process under `cap` (torch.cuda.set_per_process_memory_fraction: torch
+    refuses to reserve more), batches fed from pinned host memory as tinysn's are: the
+    process's max_memory_allocated, or None when it runs out of memory."""
+    torch.cuda.empty_cache()
+    torch.cuda.reset_peak_memory_stats()
+    torch.cuda.set_per_process_memory_fraction(
+        min(1.0, cap / torch.cuda.get_device_properties(0).total_memory))
+    model = opt = None
+    peak = None
+    try:
+        model = common.torch_model(model_name, net)[0].cuda().train()
+        opt = torch.optim.SGD(model.parameters(), lr=0.01)
+        images, labels = (t.pin_memory() for t in sn.data.synthetic(net, seed=0))
+        for _ in range(2):
+            opt.zero_grad(set_to_none=True)
+            logits = model(images.cuda(non_blocking=True))
+            torch.nn.functional.cross_entropy(logits, labels.cuda(non_blocking=True)).backward()
+            del logits
+            opt.step()
+        torch.cuda.synchronize()
+        peak = torch.cuda.max_memory_allocated()
+    except torch.cuda.OutOfMemoryError:
+        pass
+    model = opt = None
+    gc.collect()
+    torch.cuda.empty_cache()
+    torch.cuda.set_per_process_memory_fraction(1.0)
+    return peak
+
+
+def pytorch_largest(make_net, model_name, cap: int, start: int = 1) -> dict:
+    """The largest k for which PyTorch trains make_net(k) under `cap` (pytorch_peak), and
+    the process peak it reached there."""
+    peaks = {}
+
+    def fits(k):
+        peaks[k] = pytorch_peak(make_net(k), model_name, cap)
+        return peaks[k] is not None
+    k = largest(fits, start=start)
+    return {"largest": k, "process_peak_bytes": peaks.get(k)}
 
 
 def copy_bandwidth(nbytes=1 << 30) -> dict:
@@ -106,11 +161,14 @@ def copy_bandwidth(nbytes=1 << 30) -> dict:
 def train_for_real(net, memory, host_memory=None, steps=2, cuda_graph=False):
     """Plan (conv rankings timed on the GPU first), train warm-up + `steps` timed iterations
     (with cuda_graph, the warm-up includes the eager steps and the capture), report."""
+    torch.cuda.empty_cache()
+    torch.cuda.reset_peak_memory_stats()
+    held_before = torch.cuda.memory_allocated()
     t0 = time.perf_counter()
     rt = sn.Runtime(net, memory, "all", device="cuda", lr=0.01, momentum=0.0,
                     host_memory=host_memory, cuda_graph=cuda_graph)
     setup_s = time.perf_counter() - t0
-    images, labels = sn.data.synthetic(net, seed=0, device="cuda")
+    images, labels = (t.pin_memory() for t in sn.data.synthetic(net, seed=0))  # from the host
     warmup = sn.runtime.GRAPH_WARMUP + 1 if cuda_graph else 1
     losses = [rt.step(images, labels) for _ in range(warmup)]
     torch.cuda.synchronize()
@@ -121,6 +179,7 @@ def train_for_real(net, memory, host_memory=None, steps=2, cuda_graph=False):
         torch.cuda.synchronize()
         times.append(time.perf_counter() - t0)
     s = min(times)
+    process_peak = torch.cuda.max_memory_allocated()   # the whole process, since the reset
     moved = rt.plan.bytes_to_host + rt.plan.bytes_to_device
     algos = {}
     for phases in rt.plan.conv_algos.values():
@@ -130,6 +189,9 @@ def train_for_real(net, memory, host_memory=None, steps=2, cuda_graph=False):
     out = {"memory": memory, "cuda_graph": cuda_graph, "peak_bytes": rt.stats.peak_bytes,
            "planned_peak_bytes": rt.plan.peak_bytes,
            "peak_equals_plan": rt.stats.peak_bytes == rt.plan.peak_bytes,
+           "process_peak_bytes": process_peak, "process_held_before_bytes": held_before,
+           "process_peak_within_cap":
+               process_peak <= sn.parse_bytes(memory) + sn.runtime.PROCESS_SLACK_BYTES,
            "setup_seconds_incl_rankings": setup_s,
            "seconds_per_step": s, "images_per_s": net.batch / s, "losses": losses,
            "bytes_moved_per_step": moved, "transfer_gb_per_s": moved / s / 1e9,
@@ -162,6 +224,9 @@ def main():
                         help="train with Runtime(cuda_graph=True) (the step replayed)")
     parser.add_argument("--merge", action="store_true",
                         help="keep the other models' rows already in the --out file")
+    parser.add_argument("--pytorch", action="store_true",
+                        help="also PyTorch's largest batch (deep ResNet: depth) in the same cap, "
+                             "the whole process counted and fed from the host")
     args = parser.parse_args()
     cap = sn.parse_bytes(args.memory)
     real = torch.cuda.is_available() and not args.plan_only
@@ -194,18 +259,27 @@ def main():
             reference = args.reference if ref_models is None or name in ref_models else None
             train_and_record(row, fn(batch=best), cap, reference, args.host_memory,
                              cuda_graph=args.cuda_graph)
+            if args.pytorch:
+                row["pytorch"] = pytorch_largest(lambda b, fn=fn: fn(batch=b), name, cap,
+                                                 start=PYTORCH_12GIB.get(name) or 1)
+                print(f"  pytorch: max batch {row['pytorch']['largest']}", flush=True)
             save()
     if args.deep or args.deep_n:
         n, layers = ((args.deep_n, None) if args.deep_n else
                      deepest_resnet(cap, host_memory=args.host_memory))
         if layers is None:
-            layers = sum(1 for layer in deep_resnet(n)(16).layers if layer.op in ("conv", "fc"))
+            layers = conv_fc_layers(deep_resnet(n)(16))
         rows["deep_resnet"] = {"blocks": [6, 32, n, 6], "batch": 16, "conv_fc_layers": layers,
                                "pytorch_12gib_reference_layers": PYTORCH_12GIB["deep_resnet_layers"]}
         print(f"deepest ResNet [6, 32, {n}, 6] at batch 16: {layers} conv/fc layers", flush=True)
         if real:
             train_and_record(rows["deep_resnet"], deep_resnet(n)(16), cap, None,
                              args.host_memory, steps=1, cuda_graph=args.cuda_graph)
+        if real and args.pytorch:
+            torch_deep = pytorch_largest(lambda k: deep_resnet(k)(16), "deep_resnet", cap, start=8)
+            torch_deep["conv_fc_layers"] = conv_fc_layers(deep_resnet(torch_deep["largest"])(16))
+            rows["deep_resnet"]["pytorch"] = torch_deep
+            print(f"  pytorch: {torch_deep['conv_fc_layers']} conv/fc layers", flush=True)
     if save():
         print(f"wrote {args.out}")
 
@@ -218,7 +292,8 @@ def train_and_record(row, net, cap, reference, host_memory, steps=2, cuda_graph=
         try:
             row[key] = r = train_for_real(net, memory, host_memory, steps, cuda_graph)
             print(f"  {key} ({memory}): peak {r['peak_bytes']:,} == plan: "
-                  f"{r['peak_equals_plan']}, {r['images_per_s']:.1f} images/s, "
+                  f"{r['peak_equals_plan']}, process peak {r['process_peak_bytes']:,}, "
+                  f"{r['images_per_s']:.1f} images/s, "
                   f"{r['transfer_gb_per_s']:.1f} GB/s moved, losses "
                   f"{[round(x, 3) for x in r['losses']]}", flush=True)
         except Exception as err:

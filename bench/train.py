@@ -6,8 +6,9 @@
 Every configuration runs in this one process and is timed the same way: `--warmup` steps,
 then `--steps` back-to-back training steps between two synchronizations, timed by wall clock;
 images/s = batch * steps / span. Each step takes its batch from host memory (pinned CPU
-tensors), as a data loader hands it over, and each row records
-`torch.cuda.max_memory_allocated()` over its own steps.
+tensors), as a data loader hands it over, and each row records `process_peak_bytes`:
+`torch.cuda.max_memory_allocated()` from a reset before its model or Runtime is built to the
+end of its steps (the whole process counted, on both sides).
 
 PyTorch trains the tinysn graph's torch twin (`Net.to_torch()`: the same layers and initial
 parameters) with torch.optim.SGD (the same lr, momentum and weight decay), TF32 on for cuDNN
@@ -15,8 +16,8 @@ and matmuls and cudnn.benchmark on, in three configurations: eager NCHW, eager c
 and torch.compile (default mode). The fastest is the reference a user would pick.
 tinysn runs `Runtime` with its default (autotuned) kernels for each policy in `--policies`,
 eagerly and with the step replayed as a CUDA graph; a refused configuration (graph mode for a
-net with dropout) records the reason. Its max_memory_allocated includes the arena, which is
-the whole cap; `peak_bytes` is what the pool used.
+net with dropout) records the reason. Its process peak includes the arena, which is the
+whole cap; `peak_bytes` is what the pool used.
 
 The results go to --out after every configuration, so a time limit keeps the rows done; the
 ratio of each tinysn row is to the best PyTorch configuration measured so far. Without CUDA
@@ -50,22 +51,20 @@ def sync(device) -> None:
 
 def timed(step, device, warmup: int, steps: int) -> dict:
     """Run `step` warmup + steps times; time the last `steps` as one wall-clock span between
-    synchronizations. Returns the span, ms per step, every loss and torch's memory peak
-    over the timed steps."""
+    synchronizations. Returns the span, ms per step, every loss and the process's device
+    memory peak since the caller reset it (before building the model or the Runtime)."""
     t0 = time.perf_counter()
     losses = [step() for _ in range(warmup)]
     sync(device)
     warmup_s = time.perf_counter() - t0
-    if device.type == "cuda":
-        torch.cuda.reset_peak_memory_stats()
     t0 = time.perf_counter()
     losses += [step() for _ in range(steps)]
     sync(device)
     span = time.perf_counter() - t0
     return {"warmup_s": warmup_s, "seconds": span, "ms_per_step": span / steps * 1e3,
             "losses": [float(x) for x in losses],
-            "max_memory_allocated": (torch.cuda.max_memory_allocated()
-                                     if device.type == "cuda" else None)}
+            "process_peak_bytes": (torch.cuda.max_memory_allocated()
+                                   if device.type == "cuda" else None)}
 
 
 def host_batch(net, device):
@@ -76,8 +75,16 @@ def host_batch(net, device):
     return images, labels
 
 
+def reset_peak(device) -> None:
+    """Start a row's process peak: cached blocks handed back, torch's peak statistics reset."""
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats()
+
+
 def pytorch_row(net, config, device, args) -> dict:
     """Time one PyTorch configuration of the net's torch twin."""
+    reset_peak(device)
     channels_last = config == "eager channels-last"
     fmt = torch.channels_last if channels_last else torch.contiguous_format
     model = net.to_torch().to(device).train().to(memory_format=fmt)
@@ -99,6 +106,7 @@ def pytorch_row(net, config, device, args) -> dict:
 
 def tinysn_row(net, policy, cuda_graph, device, args) -> dict:
     """Time tinysn's Runtime under `policy`, eagerly or replaying the step as a CUDA graph."""
+    reset_peak(device)
     t0 = time.perf_counter()
     try:
         rt = sn.Runtime(net, args.memory, policy, device=device, lr=args.lr,
@@ -163,16 +171,16 @@ def describe(row: dict) -> str:
     if "images_per_s" not in row:
         return f"{label(row):>32}: {row.get('refused') or row.get('error')}"
     ratio = f" ({row['ratio_to_best']:.2f}x best)" if "ratio_to_best" in row else ""
-    mem = row["max_memory_allocated"]
+    mem = row["process_peak_bytes"]
     return (f"{label(row):>32}: {row['images_per_s']:8.1f} images/s{ratio}, "
-            f"{row['ms_per_step']:.2f} ms/step, max allocated "
+            f"{row['ms_per_step']:.2f} ms/step, process peak "
             f"{'-' if mem is None else f'{mem / 2**30:.2f} GiB'}")
 
 
 def table_rows(result: dict) -> list:
     """bench/README.md's training-table rows for one result: configuration, images/s, ratio
     to the best PyTorch configuration, ms per step, memory (the pool's peak for tinysn, torch's
-    max_memory_allocated for PyTorch)."""
+    process peak for PyTorch)."""
     best = result["pytorch_best_images_per_s"]
     rows = []
     for row in result["pytorch"] + result["tinysn"]:
@@ -182,7 +190,7 @@ def table_rows(result: dict) -> list:
             reason = row.get("refused") or row.get("error")
             rows.append(f"| {name} | {why} | | | {reason} |")
             continue
-        allocated = row.get("max_memory_allocated")
+        allocated = row.get("process_peak_bytes", row.get("max_memory_allocated"))  # TODO-GPU
         memory = (f"pool peak {row['peak_bytes']:,} B" if "peak_bytes" in row else
                   "-" if allocated is None else f"{allocated:,} B allocated")
         rows.append(f"| {name} | {row['images_per_s']:,.0f} | "

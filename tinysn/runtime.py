@@ -1,9 +1,22 @@
 """Runtime: owns the arenas and executes the plan, step by step, every iteration.
 
-`Runtime(net, memory, policy)` plans first (so a cap that is too small fails before any
-memory is taken or any kernel runs), then creates the device arena of exactly `memory`
-bytes and a pinned host arena of the size the plan needs, places the persistent tensors
-(parameters, batch-norm statistics, optimizer state) and initialises the parameters.
+`Runtime(net, memory, policy)` first refuses a `memory` or `host_memory` larger than the
+machine has, then plans (so a cap that is too small fails before any memory is taken or any
+kernel runs), then creates the device arena of exactly `memory` bytes. Under policy "all"
+the conv algorithms are ranked by speed inside that arena while it is still empty (or read
+from the on-disk cache, sched/workspace.py) and the plan is made again with those rankings.
+Then a pinned host arena of the size the plan needs, the persistent tensors (parameters,
+batch-norm statistics, optimizer state) placed, and the parameters initialised.
+
+Every device byte is in the cap. `rt.stats.process_peak_bytes` is
+`torch.cuda.max_memory_allocated()` since the Runtime's construction began (the constructor
+resets torch's peak statistics for its device; reset them again to measure a later span).
+Fed from the host, it stays within `memory + PROCESS_SLACK_BYTES`: the arena is one torch
+allocation of `memory` bytes, which torch's caching allocator may round up, and nothing else
+is allocated outside it: conv ranking runs in the arena, Triton autotuning saves the tensors
+it must restore to host memory (kernels/_common.py) and times without a cache-flush buffer,
+and a graph replay reads the batch from the pool. Bytes the process held before count too,
+and so does a GPU batch passed to `step` (the caller's memory, not the pool's).
 
 `step(images, labels)` runs one iteration: it walks the plan's steps and, for each, performs
 its operations in order: allocations and frees through the arena's allocator (which must
@@ -20,13 +33,14 @@ plan makes that possible: every allocation, offset, copy, event and algorithm of
 the same every iteration. The first `GRAPH_WARMUP` steps run eagerly (they compile and tune
 every kernel; the capture must not), the next one captures the plan's walk (the allocator and
 every check run in Python as always, so the captured pass verifies peak == plan) and replays
-it; later steps copy the batch into static buffers and replay. Changing lr, momentum or
-weight_decay triggers a new capture (they are launch arguments). Not for nets with dropout
-(p > 0): its mask seed changes every iteration. The static batch buffers (images and labels)
-live outside the pool: a graph reads fixed addresses.
+it; later steps copy the batch into the pool's data and labels tensors at their planned offsets
+(the plan is static, so the graph reads fixed addresses inside the pool) and replay. Changing
+lr, momentum or weight_decay triggers a new capture (they are launch arguments). Not for nets
+with dropout (p > 0): its mask seed changes every iteration.
 """
 from __future__ import annotations
 
+import math
 import zlib
 from dataclasses import dataclass, field
 
@@ -34,11 +48,13 @@ import torch
 
 from .kernels import sgd as sgd_k
 from .ops import spec
-from .pool.arena import Arena
+from .pool.arena import Arena, check_available
 from .sched import plan as plan_mod
+from .sched import workspace
 from .sched.plan import (Alloc, Drop, Evict, Free, Launch, Mark, Offload, Prefetch, Release,
                          Sync, Wait)
 from .tensor import Tensor
+from .units import parse_bytes
 
 
 @dataclass
@@ -52,9 +68,21 @@ class Stats:
     recomputed_steps: int = 0
     conv_algos: dict = field(default_factory=dict)
     iterations: int = 0
+    device: object = field(default=None, repr=False)
+
+    @property
+    def process_peak_bytes(self):
+        """torch.cuda.max_memory_allocated() of the device: the whole process's peak since
+        the Runtime's construction began (or a later reset); None on the CPU."""
+        if self.device is None or self.device.type != "cuda":
+            return None
+        return torch.cuda.max_memory_allocated(self.device)
 
 
 GRAPH_WARMUP = 2   # eager steps before a capture (compiles, autotuning, first-call caches)
+# What max_memory_allocated may show beyond `memory` (see the module docstring): torch's
+# rounding of the arena's one allocation (under 2 MiB) with room to spare.
+PROCESS_SLACK_BYTES = 4 << 20
 
 
 def _mask_seed(seed: int, iteration: int, layer_index: int) -> int:
@@ -80,17 +108,16 @@ class Runtime:
             raise ValueError(f"seed must be a non-negative int, got {seed!r}")
         if precision not in (None, "tf32", "ieee"):
             raise ValueError(f"precision must be None, 'tf32' or 'ieee', got {precision!r}")
-        if device.type == "cuda" and policy == "all" and conv_algos is None:
-            from .sched.workspace import measure_rankings
-            measure_rankings(net, device)
-        self.plan = plan_mod.plan(net, memory, policy, momentum=momentum, conv_algos=conv_algos,
-                                  layout=layout, host_memory=host_memory)
+        _check_machine(memory, host_memory, device)
+        if device.type == "cuda":
+            torch.cuda.reset_peak_memory_stats(device)
         self.net, self.policy, self.device = net, policy, device
+        self._plan_in_pool(memory, momentum=momentum, conv_algos=conv_algos, layout=layout,
+                           host_memory=host_memory)
         self.lr, self.momentum, self.weight_decay, self.seed = lr, momentum, weight_decay, seed
         self.precision = precision
         self.program = self.plan.program
-        self.stats = Stats(conv_algos=self.plan.conv_algos)
-        self.arena = Arena(self.plan.capacity, device, small_bytes=self.plan.small_bytes)
+        self.stats = Stats(conv_algos=self.plan.conv_algos, device=device)
         moves = self.plan.bytes_to_host + self.plan.bytes_to_device
         self.host = Arena(self.plan.host_bytes if moves else 1024, "cpu",
                           pinned=device.type == "cuda")
@@ -112,12 +139,36 @@ class Runtime:
         for tid in self.program.momentum.values():
             self.view(tid).zero_()
         self.cuda_graph = cuda_graph
-        self._graph = self._graph_key = self._static = None
+        self._graph = self._graph_key = self._pool_batch = None
         self._graph_moved = (0, 0)          # bytes each captured step copies (to host, device)
+
+    def _plan_in_pool(self, memory, **options):
+        """Set self.plan, self.rankings and self.arena (exactly `memory` bytes, empty).
+
+        Under policy "all" on a GPU the conv rankings come from the disk cache or, when a
+        shape is missing there, are timed inside the new arena before anything is placed;
+        the first plan (default rankings) has already shown that the cap is large enough.
+        """
+        dynamic = self.device.type == "cuda" and self.policy == "all" \
+            and options["conv_algos"] is None
+        self.rankings = workspace.cached_rankings(self.net, self.device) if dynamic else None
+        self.plan = plan_mod.plan(self.net, memory, self.policy, rankings=self.rankings, **options)
+        self.arena = Arena(self.plan.capacity, self.device, small_bytes=self.plan.small_bytes)
+        if dynamic and self.rankings is None:
+            self.rankings = workspace.measure_rankings(self.net, self.arena.buffer)
+            self.plan = plan_mod.plan(self.net, memory, self.policy, rankings=self.rankings,
+                                      **options)
+            self.arena = Arena(self.plan.capacity, self.device, buffer=self.arena.buffer,
+                               small_bytes=self.plan.small_bytes)
 
     # -- the public surface -----------------------------------------------------------
     def step(self, images, labels) -> float:
-        """One training iteration (forward, backward, SGD update); returns the mean loss."""
+        """One training iteration (forward, backward, SGD update); returns the mean loss.
+
+        CPU tensors (pinned or not, e.g. from a DataLoader) are copied straight into the
+        pool's data and labels tensors: feeding from the host keeps every device byte inside
+        the cap. A GPU tensor passed in stays the caller's memory, outside the pool.
+        """
         self._check_batch(images, labels)
         if self.cuda_graph and self.stats.iterations >= GRAPH_WARMUP:
             self._replay(images, labels)
@@ -154,18 +205,31 @@ class Runtime:
         """Graph mode: (re)capture when needed, then copy the batch in and replay the step."""
         key = (self.lr, self.momentum, self.weight_decay)
         if self._graph is None or self._graph_key != key:
-            self._capture(images, labels, key)
-        self._static[0].copy_(images)
-        self._static[1].copy_(labels)
+            self._capture(key)
+        pool_images, pool_labels = self._batch_in_pool()
+        pool_images.copy_(images, non_blocking=images.is_pinned())
+        pool_labels.copy_(labels, non_blocking=labels.is_pinned())
         self._graph.replay()
         self.stats.bytes_to_host += self._graph_moved[0]
         self.stats.bytes_to_device += self._graph_moved[1]
 
-    def _capture(self, images, labels, key):
+    def _batch_in_pool(self):
+        """Views of the data tensor's planned block and of the labels tensor, where a replay
+        reads its batch (found once). The data tensor's view is the one its launches use (a
+        copy of a tensor onto itself is no operation, so the captured walk copies nothing)."""
+        if self._pool_batch is None:
+            data = self.program.act[next(x for x in self.net.layers if x.op == "data")]
+            ops = [*self.plan.setup, *(op for step in self.plan.steps for op in step.ops)]
+            offset = next(op.offset for op in ops if isinstance(op, Alloc) and op.tensor == data)
+            t, views = self.tensors[data], self._views[data]
+            if offset not in views:
+                raw = self.arena.buffer[offset:offset + t.nbytes]
+                views[offset] = raw.view(t.dtype).view(t.shape)
+            self._pool_batch = views[offset], self.tensors[self.program.labels].view()
+        return self._pool_batch
+
+    def _capture(self, key):
         """Record one walk of the plan as a CUDA graph (nothing runs while it records)."""
-        if self._static is None:
-            self._static = (torch.empty(images.shape, dtype=images.dtype, device=self.device),
-                            torch.empty(labels.shape, dtype=labels.dtype, device=self.device))
         self._graph = None
         torch.cuda.synchronize(self.device)
         moved = (self.stats.bytes_to_host, self.stats.bytes_to_device)
@@ -174,7 +238,7 @@ class Runtime:
             stream = torch.cuda.current_stream(self.device)
             self.to_host_stream.wait_stream(stream)      # the copy streams join the capture
             self.to_device_stream.wait_stream(stream)
-            self._walk(*self._static)
+            self._walk(*self._batch_in_pool())
         self._graph_moved = (self.stats.bytes_to_host - moved[0],
                              self.stats.bytes_to_device - moved[1])
         self.stats.bytes_to_host, self.stats.bytes_to_device = moved
@@ -244,7 +308,7 @@ class Runtime:
                              f"{getattr(labels, 'dtype', type(labels).__name__)}")
         if tuple(labels.shape) != (net.batch,):
             raise ValueError(f"labels must have shape ({net.batch},), got {tuple(labels.shape)}")
-        low, high = int(labels.min()), int(labels.max())
+        low, high = (int(v) for v in torch.aminmax(labels))   # a GPU tensor: two scalars
         if low < 0 or high >= net.classes:
             raise ValueError(f"labels must lie in [0, {net.classes}), got values in [{low}, {high}]")
 
@@ -256,7 +320,9 @@ class Runtime:
                              f"{getattr(images, 'dtype', type(images).__name__)}")
         if tuple(images.shape) != want:
             raise ValueError(f"images must have shape {want}, got {tuple(images.shape)}")
-        if not bool(torch.isfinite(images).all()):
+        # a float64 sum of float32 values overflows only if one is inf or NaN; on a GPU
+        # tensor it allocates one scalar, where isfinite() would allocate the batch's size
+        if not math.isfinite(images.sum(dtype=torch.float64)):
             raise ValueError("images contain NaN or infinite values")
 
     # -- memory operations ------------------------------------------------------------
@@ -379,6 +445,15 @@ def _check_graph_request(cuda_graph, device, net) -> None:
                          "seed changes every iteration")
     if device.type != "cuda":
         raise ValueError(f"cuda_graph=True needs a CUDA device, got {device}")
+
+
+def _check_machine(memory, host_memory, device) -> None:
+    """OutOfMemory (one line) when `memory` is more than the device can give, or
+    `host_memory` more than the host can pin: before anything is planned or allocated."""
+    check_available(parse_bytes(memory), device, f"memory={memory!r}")
+    if host_memory is not None:
+        check_available(parse_bytes(host_memory), "cpu", f"host_memory={host_memory!r}",
+                        pinned=device.type == "cuda")
 
 
 def _pick_device(device) -> torch.device:

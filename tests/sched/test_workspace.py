@@ -16,28 +16,26 @@ def conv_net():
 
 @pytest.fixture
 def im2col_fastest():
-    """Pretend timings said im2col beats implicit GEMM for c2's forward."""
+    """Rankings as if timings said im2col beats implicit GEMM for c2's forward."""
     net = conv_net()
     geometry = workspace.conv_geometry(net["c2"])
-    saved = dict(workspace._RANKINGS)
-    workspace.record_ranking(geometry, "forward", ["im2col", "implicit"])
-    yield net, conv.algos(*geometry, "forward")["im2col"]
-    workspace._RANKINGS.clear()
-    workspace._RANKINGS.update(saved)
+    rankings = {(*geometry, "forward"): ["im2col", "implicit"]}
+    return net, conv.algos(*geometry, "forward")["im2col"], rankings
 
 
 def test_roomy_cap_takes_the_faster_workspace_algorithm(im2col_fastest):
-    net, ws = im2col_fastest
+    net, ws, rankings = im2col_fastest
     assert ws > 0
-    p = sn.plan(net, "64MiB", "all")
+    p = sn.plan(net, "64MiB", "all", rankings=rankings)
     assert p.conv_algos["c2"]["forward"] == "im2col"
+    assert sn.plan(net, "64MiB", "all").conv_algos["c2"]["forward"] == "implicit"   # default
 
 
 def test_tight_cap_falls_back_to_what_fits(im2col_fastest):
-    net, ws = im2col_fastest
+    net, ws, rankings = im2col_fastest
     pinned = sn.plan(net, "64MiB", "all", conv_algos={})
     assert pinned.conv_algos["c2"]["forward"] == "implicit"
-    tight = sn.plan(net, pinned.required_bytes, "all")
+    tight = sn.plan(net, pinned.required_bytes, "all", rankings=rankings)
     step = next(s for s in tight.steps if s.layer == "c2" and s.phase == "forward")
     assert step.algos["forward"] == "implicit"       # no room for im2col's workspace there
 

@@ -3,6 +3,7 @@
 Kernels take torch views of the arena (contiguous float32) and write into outputs that the
 caller preallocated; nothing here allocates device memory.
 """
+import inspect
 import os
 
 import torch
@@ -46,16 +47,76 @@ def autotune_configs(configs, interpreted_config):
     return list(configs) if TUNE else list(configs[:1])
 
 
-def autotune(configs, interpreted_config, **kwargs):
+def autotune(configs, interpreted_config, restore=(), **kwargs):
     """`triton.autotune` over `autotune_configs(configs, interpreted_config)`. The autotuner
     keeps the full GPU list as `all_configs`, so that tests can pin each config in turn
-    (tests/kernels/configs.py) whatever this run tunes over."""
+    (tests/kernels/configs.py) whatever this run tunes over.
+
+    Tuning allocates no device memory (tinysn's cap covers every device byte): `restore`
+    names the arguments a kernel updates in place (tuning runs it many times), which
+    `HostRestore` saves to host memory and puts back, instead of triton's `restore_value`
+    (a device clone); and timing goes through `bench_ms` (triton's do_bench allocates a
+    256 MiB cache-flush buffer)."""
+    kwargs = dict(kwargs)
+    if restore:
+        kwargs["pre_hook"] = HostRestore(restore)
+    if not INTERPRET and "do_bench" in inspect.signature(triton.autotune).parameters:
+        kwargs.setdefault("do_bench", bench_ms)
+
     def wrap(fn):
         tuner = triton.autotune(configs=autotune_configs(configs, interpreted_config),
                                 **kwargs)(fn)
         tuner.all_configs = list(configs)
         return tuner
     return wrap
+
+
+class HostRestore:
+    """An autotuner pre_hook that keeps in-place arguments intact through tuning, in host
+    memory. Triton calls it before every benchmarked launch, then once with
+    `reset_only=True` after the last one: the first call copies the named tensors to the
+    host, the final call copies them back. In between the kernel runs on its own output
+    (an accumulation adds up): the timing is the same, the contents are restored after."""
+
+    def __init__(self, names):
+        self.names = list(names)
+        self.saved = None
+
+    def __call__(self, args, reset_only=False):
+        if reset_only:
+            for name, value in (self.saved or {}).items():
+                args[name].copy_(value)
+            self.saved = None
+        elif self.saved is None:
+            self.saved = {name: args[name].to("cpu", copy=True) for name in self.names
+                          if args.get(name) is not None}
+
+
+def bench_ms(fn, quantiles=None, warmup_ms: float = 5, rep_ms: float = 20):
+    """Milliseconds per call of `fn` on the GPU from CUDA events: the median, or a list of
+    `quantiles` (triton's do_bench interface). Allocates no device memory: there is no L2
+    flush between calls, so small kernels time as they run inside a training step, warm."""
+    fn()
+    torch.cuda.synchronize()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(3):
+        fn()
+    end.record()
+    end.synchronize()
+    estimate = max(start.elapsed_time(end) / 3, 1e-3)
+    for _ in range(max(1, int(warmup_ms / estimate))):
+        fn()
+    events = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
+              for _ in range(min(1000, max(1, int(rep_ms / estimate))))]
+    for a, b in events:
+        a.record()
+        fn()
+        b.record()
+    torch.cuda.synchronize()
+    times = sorted(a.elapsed_time(b) for a, b in events)
+    pick = lambda q: times[min(len(times) - 1, round(q * (len(times) - 1)))]  # noqa: E731
+    return pick(0.5) if quantiles is None else [pick(q) for q in quantiles]
 
 
 def check_tensor(name: str, t: torch.Tensor, shape=None, dtype=torch.float32) -> None:

@@ -77,7 +77,6 @@ where a tile's span of images could overflow that (never for real layers).
 Design and shortfalls: docs/kernels.md; measurements: bench/README.md.
 """
 import functools
-import inspect
 
 import torch
 import triton
@@ -315,14 +314,9 @@ def _fwd_macs(a):
 
 
 def _autotune(configs, key, macs_fn, restore=None, small=None):
-    kw = dict(key=key)
-    if restore:
-        kw["restore_value"] = restore
+    kw = dict(key=key, restore=restore or ())
     if not INTERPRET:
         kw["prune_configs_by"] = {"early_config_prune": _prune(macs_fn)}
-        if "do_bench" in inspect.signature(triton.autotune).parameters:
-            kw["do_bench"] = lambda fn, quantiles: triton.testing.do_bench(
-                fn, warmup=5, rep=20, quantiles=quantiles)
     return autotune(configs, small or _SMALL_CONFIG, **kw)
 
 
@@ -618,7 +612,7 @@ def _bwd_data_macs(a):
 
 
 _conv_bwd_data = _autotune(_DATA_CONFIGS, _KEY, _bwd_data_macs)(_conv_bwd_data_kernel)
-# accumulate=True reads dx: autotuning must restore it after each timed trial
+# accumulate=True reads dx: autotuning must restore it after timing
 _conv_bwd_data_acc = _autotune(_DATA_CONFIGS, _KEY, _bwd_data_macs,
                                restore=["dx_ptr"])(_conv_bwd_data_kernel)
 

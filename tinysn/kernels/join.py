@@ -20,8 +20,8 @@ four slices (grid axis 1 picks the slice), so a two-way concat is one launch, li
 Every output element is computed by one lane in a fixed order, so the results do not depend
 on the autotuned block size (bitwise deterministic). Autotuning benchmarks a kernel several
 times, so kernels that update in place (y chained over >4 inputs, accumulating gradients)
-declare restore_value: the tuner saves and restores those tensors (a temporary copy, on the
-first call of a shape only).
+declare restore: the tuner saves those tensors to host memory and puts them back after
+timing (on the first call of a shape only; _common.HostRestore).
 
 No workspace: workspace_bytes(...) is 0.
 """
@@ -50,7 +50,7 @@ def workspace_bytes(*args, **kwargs) -> int:
 
 
 @autotune(_GPU_CONFIGS, _SMALL_CONFIG, key=["n"],
-                 restore_value=["y_ptr"])
+                 restore=["y_ptr"])
 @triton.jit
 def _sum_kernel(y_ptr, a0, a1, a2, a3, n, NUM: tl.constexpr, BLOCK: tl.constexpr):
     """y = ((a0 + a1) + a2) + a3 over the first NUM inputs (y may alias a0)."""
@@ -67,7 +67,7 @@ def _sum_kernel(y_ptr, a0, a1, a2, a3, n, NUM: tl.constexpr, BLOCK: tl.constexpr
 
 
 @autotune(_GPU_CONFIGS, _SMALL_CONFIG, key=["n"],
-                 restore_value=["d0", "d1", "d2", "d3"])
+                 restore=["d0", "d1", "d2", "d3"])
 @triton.jit
 def _fanout_kernel(g_ptr, d0, d1, d2, d3, n, NUM: tl.constexpr,
                    ACC0: tl.constexpr, ACC1: tl.constexpr, ACC2: tl.constexpr,
@@ -145,9 +145,9 @@ def _slices_kernel(wide, n0, n1, n2, n3, ch0, ch1, ch2, ch3, off0, off1, off2, o
 
 
 _concat_fwd = autotune(_GPU_CONFIGS, _SMALL_CONFIG, key=["row_max", "HW"],
-                       restore_value=["wide"])(_slices_kernel)
+                       restore=["wide"])(_slices_kernel)
 _concat_bwd = autotune(_GPU_CONFIGS, _SMALL_CONFIG, key=["row_max", "HW"],
-                       restore_value=["n0", "n1", "n2", "n3"])(_slices_kernel)
+                       restore=["n0", "n1", "n2", "n3"])(_slices_kernel)
 
 
 # ----------------------------------------------------------------------------- helpers

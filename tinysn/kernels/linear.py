@@ -52,7 +52,7 @@ _SMALL_CONFIG = _cfg(16, 16, 16, 1, 1, group_m=2)
 
 
 @autotune(_GPU_CONFIGS, _SMALL_CONFIG,
-                 key=["M", "N", "K", "MODE"], restore_value=["c_ptr"])
+                 key=["M", "N", "K", "MODE"], restore=["c_ptr"])
 @triton.jit
 def _gemm_kernel(a_ptr, b_ptr, c_ptr, bias_ptr, rowsum_ptr, M, N, K,
                  sam, sak, sbk, sbn, scm,

@@ -87,7 +87,7 @@ def _lrn_fwd_kernel(x, y, C, HW, alpha_n, beta, k, SIZE: tl.constexpr, LO: tl.co
 
 
 @autotune(_GPU_BWD_CONFIGS, _SMALL_CONFIG,
-                 key=["C", "HW", "SIZE"], restore_value=["dx"])
+                 key=["C", "HW", "SIZE"], restore=["dx"])
 @triton.jit
 def _lrn_bwd_kernel(x, dy, dx, C, HW, alpha_n, beta, k, SIZE: tl.constexpr, LO: tl.constexpr,
                     HI: tl.constexpr, ACC: tl.constexpr, BLOCK: tl.constexpr, CB: tl.constexpr):

@@ -36,7 +36,7 @@ stay alive (y is not read by the max backward; the parameter is kept for a unifo
 Determinism: every output (and every dx) element is produced by one lane in a fixed order
 (window scan; candidate windows i, j ascending), so the autotuned block sizes do not change
 a bit of the results; the global-pool sum is a cross-lane reduction, so its tile is fixed.
-The backward kernel declares restore_value=["dx"] so that autotuning an accumulating launch
+The backward kernel declares restore=["dx"] so that autotuning an accumulating launch
 (it runs the kernel several times) does not add twice.
 """
 import triton
@@ -217,7 +217,7 @@ def _pool_global_fwd_kernel(x, y, planes, HW, IS_MAX: tl.constexpr, INDEX64: tl.
 
 
 @autotune(_BWD_GPU, _BWD_SMALL,
-                 key=["total", "H", "W", "KH", "KW", "SH", "SW"], restore_value=["dx"])
+                 key=["total", "H", "W", "KH", "KW", "SH", "SW"], restore=["dx"])
 @triton.heuristics({"BLOCK": lambda a: max(2, a["LANES"] // a["CELLP"])})
 @triton.jit
 def _pool_bwd_kernel(x, dy, dx, total, H, W, OH, OW, NBH, NBW, OBH, OBW,

@@ -230,7 +230,7 @@ def small_bytes_for(capacity: int) -> int:
 
 def plan(net, memory, policy: str = "all", *, momentum: float = 0.0, conv_algos=None,
          checkpoints=offload.DEFAULT_CHECKPOINTS, block_bytes: int = 1024,
-         layout: str = "auto", host_memory=None) -> Plan:
+         layout: str = "auto", host_memory=None, rankings=None) -> Plan:
     """Dry-run one training iteration of `net` under a `memory` cap and `policy`.
 
     Raises OutOfMemory naming the first step that does not fit. `conv_algos` pins conv
@@ -238,7 +238,9 @@ def plan(net, memory, policy: str = "all", *, momentum: float = 0.0, conv_algos=
     `layout` is "auto" (plain first fit, then small requests from the top if that
     fragments too much), "first_fit" or "two_ended" (force one). `host_memory` caps the
     pinned host arena (default: unbounded); when copies would overflow it, policy "all"
-    turns to recomputation and the others raise OutOfMemory.
+    turns to recomputation and the others raise OutOfMemory. `rankings` orders the conv
+    algorithms of policy "all" fastest first (workspace.measure_rankings; default: least
+    workspace first), so a plan is a function of its arguments alone.
     """
     if layout not in ("auto", "first_fit", "two_ended"):
         raise ValueError(f"layout must be 'auto', 'first_fit' or 'two_ended', got {layout!r}")
@@ -252,7 +254,7 @@ def plan(net, memory, policy: str = "all", *, momentum: float = 0.0, conv_algos=
         """Plain first fit; if that fragments too much, small requests from the top."""
         def run(small):
             return _Planner(program, capacity, policy, conv_algos, checkpoints, block_bytes,
-                            drops, small, host_capacity).run()
+                            drops, small, host_capacity, rankings).run()
         if layout != "auto":
             return run(small_bytes_for(capacity) if layout == "two_ended" else 0)
         try:
@@ -329,7 +331,7 @@ class _Planner:
     """Simulates one iteration through a BlockAllocator and writes down every operation."""
 
     def __init__(self, program, capacity, policy, conv_algos, checkpoints, block_bytes,
-                 drops=None, small_bytes=0, host_capacity=HOST_CAPACITY):
+                 drops=None, small_bytes=0, host_capacity=HOST_CAPACITY, rankings=None):
         self.program = program
         self.policy = policy
         self.tensors = list(program.tensors)
@@ -341,7 +343,8 @@ class _Planner:
         self.always_offload = policy in ("offload", "recompute")
         self.recompute = drops is not None
         self.drops = drops
-        self.chooser = workspace.AlgoChooser(dynamic=policy == "all", pinned=conv_algos)
+        self.chooser = workspace.AlgoChooser(dynamic=policy == "all", pinned=conv_algos,
+                                             rankings=rankings)
         self.producer = {program.act[layer]: layer for layer in program.order}
         self.loc, self.dblock, self.hblock = {}, {}, {}
         self.locked = set()

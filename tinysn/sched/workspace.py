@@ -3,23 +3,27 @@
 A convolution has several algorithms; the faster ones need scratch memory. At every conv
 step the planner asks for the fastest algorithm whose workspace fits in the memory that is
 free at that step *after* every other decision of the step, and gives that memory back right
-after the kernel. Speed ranks come from timing each algorithm once per shape on the GPU
-(cached per process); without a GPU a fixed preference (the kernel module's own order)
-stands in. A Runtime option pins the algorithms instead, which makes results bitwise
+after the kernel. "Fastest" comes from `rankings`, an explicit argument of the plan:
+{(x_shape, w_shape, stride, padding, phase): [algo, ...] fastest first}, measured on the GPU
+by `measure_rankings` inside the (still empty) training pool and kept on disk per GPU, triton
+and torch version. A shape the rankings leave out takes the fixed preference order: least
+workspace first. A Runtime option pins the algorithms instead, which makes results bitwise
 comparable across policies (algorithms differ in summation order, never in math).
 
 Other layers' workspaces (batch-norm partial sums, the loss reduction) are fixed sizes.
 """
 from __future__ import annotations
 
-from ..kernels import INTERPRET
+import json
+import os
+import sys
+
+from .. import cache
 from ..kernels import conv as conv_k
 from ..ops import spec
 
 PHASES = ("forward", "backward_data", "backward_weight")
 DEFAULT_ALGOS = {"forward": "implicit", "backward_data": "implicit", "backward_weight": "onepass"}
-
-_RANKINGS: dict = {}   # (x_shape, w_shape, stride, padding, phase) -> [algo, ...] fastest first
 
 
 def conv_geometry(layer):
@@ -29,25 +33,24 @@ def conv_geometry(layer):
     return x_shape, w_shape, tuple(layer.attrs["stride"]), tuple(layer.attrs["padding"])
 
 
+def net_geometries(net) -> list:
+    """The distinct conv geometries of `net`, in layer order."""
+    return list(dict.fromkeys(conv_geometry(layer) for layer in net.layers if layer.op == "conv"))
+
+
 def fixed_workspace(layer, phase: str) -> int:
     """Workspace bytes of a non-conv layer's step (phase "forward" or "backward")."""
     return spec(layer).workspace(layer, phase)
 
 
-def ranking(geometry, phase: str) -> list:
-    """Algorithms for one conv phase, fastest first (measured when timings were recorded)."""
-    key = (*geometry, phase)
-    if key in _RANKINGS:
-        return _RANKINGS[key]
+def ranking(geometry, phase: str, rankings=None) -> list:
+    """Algorithms for one conv phase, fastest first: from `rankings` when it has this shape,
+    else the fixed preference order (least workspace first, ties in the kernel module's order)."""
+    measured = (rankings or {}).get((*geometry, phase))
+    if measured is not None:
+        return list(measured)
     valid = conv_k.algos(*geometry, phase)
-    if INTERPRET:   # on the CPU interpreter the extra passes of workspace algorithms cost most
-        return sorted(valid, key=valid.get)
-    return list(valid)
-
-
-def record_ranking(geometry, phase: str, algos_fastest_first) -> None:
-    """Store a measured speed order for one conv shape and phase."""
-    _RANKINGS[(*geometry, phase)] = list(algos_fastest_first)
+    return sorted(valid, key=valid.get)
 
 
 class AlgoChooser:
@@ -55,15 +58,17 @@ class AlgoChooser:
 
     `pinned` is None (dynamic when `dynamic` is True, else the defaults) or a dict
     phase -> algorithm name that holds for every conv (a phase left out keeps its default).
+    `rankings` orders the algorithms of the dynamic choice (see `ranking`).
     """
 
-    def __init__(self, dynamic: bool, pinned=None):
+    def __init__(self, dynamic: bool, pinned=None, rankings=None):
         if pinned is not None:
             bad = set(pinned) - set(PHASES)
             if bad:
                 raise ValueError(f"conv_algos phases must be among {PHASES}, got {sorted(bad)}")
         self.dynamic = dynamic and pinned is None
         self.fixed = {**DEFAULT_ALGOS, **(pinned or {})}
+        self.rankings = rankings
 
     def choose(self, layer, phases, free_bytes: int):
         """Return ({phase: algo}, workspace bytes) for a conv step running `phases`."""
@@ -72,7 +77,8 @@ class AlgoChooser:
         for phase in phases:
             valid = conv_k.algos(*geometry, phase)
             if self.dynamic:
-                algo = next((a for a in ranking(geometry, phase) if valid.get(a, 1 << 62) <= free_bytes),
+                order = ranking(geometry, phase, self.rankings)
+                algo = next((a for a in order if valid.get(a, 1 << 62) <= free_bytes),
                             DEFAULT_ALGOS[phase])
             else:
                 algo = self.fixed[phase]
@@ -83,92 +89,147 @@ class AlgoChooser:
         return chosen, need
 
 
-def measure_rankings(net, device, cap_bytes=None, rep_ms: int = 20) -> dict:
-    """Time every valid algorithm of every conv shape in `net` once on the GPU; cache the order.
-
-    Runs before the training pool exists, in one scratch Arena sized for the largest conv
-    (released afterwards). Shapes already measured in this process are skipped. Returns
-    {(geometry..., phase): {algo: milliseconds}} for the shapes timed now.
-    """
+def rankings_path(device):
+    """The file that keeps conv rankings measured on `device`'s GPU model with this triton,
+    torch and TINYSN_AUTOTUNE setting (rankings of other setups are not mixed in)."""
     import torch
     import triton
 
+    from ..kernels._common import TUNE
+
+    gpu = "".join(c if c.isalnum() else "-" for c in torch.cuda.get_device_name(device))
+    name = f"{gpu}-triton{triton.__version__}-torch{torch.__version__}-autotune{int(TUNE)}.json"
+    return cache.cache_dir() / "conv-rankings" / name
+
+
+def _key_text(key) -> str:
+    return json.dumps([list(key[0]), list(key[1]), list(key[2]), list(key[3]), key[4]])
+
+
+def _key_from_text(text: str) -> tuple:
+    x, w, stride, padding, phase = json.loads(text)
+    return tuple(x), tuple(w), tuple(stride), tuple(padding), phase
+
+
+def load_rankings(path) -> dict:
+    """Rankings stored at `path` ({} when there is no file)."""
+    if not os.path.exists(path):
+        return {}
+    with open(path) as f:
+        return {_key_from_text(k): list(v) for k, v in json.load(f).items()}
+
+
+def save_rankings(path, rankings: dict) -> None:
+    """Merge `rankings` into the file at `path` (written whole, then renamed into place)."""
+    merged = {**load_rankings(path), **rankings}
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    tmp = f"{path}.{os.getpid()}.tmp"
+    with open(tmp, "w") as f:
+        json.dump({_key_text(k): v for k, v in sorted(merged.items(), key=str)}, f, indent=0)
+    os.replace(tmp, path)
+
+
+def cached_rankings(net, device):
+    """The rankings of every conv shape of `net` from the disk cache, or None when any is
+    missing (then `measure_rankings` must time them)."""
+    stored = load_rankings(rankings_path(device))
+    wanted = [(*g, phase) for g in net_geometries(net) for phase in PHASES]
+    if any(key not in stored for key in wanted):
+        return None
+    return {key: stored[key] for key in wanted}
+
+
+def measure_rankings(net, scratch, rep_ms: int = 20, progress: bool = True) -> dict:
+    """Rankings of every conv shape of `net`: from the disk cache, the rest timed on the GPU.
+
+    `scratch` is a uint8 CUDA tensor whose bytes are free (the Runtime passes its empty
+    device pool), so timing allocates nothing outside the memory cap. Each shape is timed at
+    its full batch when its buffers and largest workspace fit in `scratch`, else at the
+    largest halved batch that fits (the order is what counts). New rankings are added to the
+    cache (`rankings_path`). A notice and a progress bar go to stderr while timing.
+    """
+    path = rankings_path(scratch.device)
+    stored = load_rankings(path)
+    todo = [g for g in net_geometries(net) if any((*g, ph) not in stored for ph in PHASES)]
+    if todo:
+        from tqdm import tqdm
+
+        print(f"tinysn: timing conv algorithms for {len(todo)} conv shapes, once per GPU model "
+              f"(kept in {path})", file=sys.stderr, flush=True)
+        measured = {}
+        for g in tqdm(todo, desc="conv rankings", unit="shape", file=sys.stderr,
+                      disable=not progress):
+            for phase, times in _time_geometry(g, scratch, rep_ms).items():
+                measured[(*g, phase)] = sorted(times, key=times.get)
+        save_rankings(path, measured)
+        stored.update(measured)
+    return {(*g, ph): stored[(*g, ph)] for g in net_geometries(net) for ph in PHASES
+            if (*g, ph) in stored}
+
+
+def _numel(shape) -> int:
+    out = 1
+    for s in shape:
+        out *= s
+    return out
+
+
+def _buffer_shapes(geometry):
+    """Shapes of the tensors one conv geometry is timed with: x, dx, w, dw, y, dy, db."""
+    x, w, s, p = geometry
+    y = conv_k.out_shape(x, w, s, p)
+    return {"x": x, "dx": x, "w": w, "dw": w, "y": y, "dy": y, "db": (w[0],)}
+
+
+def timing_geometry(geometry, capacity: int, block_bytes: int = 1024):
+    """`geometry` at the largest batch (full, or halved until it fits, at least 1) whose timing
+    buffers and largest workspace fit together in `capacity` bytes of blocks."""
+    def need(g):
+        blocks = [-(-4 * _numel(sh) // block_bytes) * block_bytes for sh in _buffer_shapes(g).values()]
+        ws = max(max(conv_k.algos(*g, ph).values()) for ph in PHASES)
+        return sum(blocks) + -(-ws // block_bytes) * block_bytes
+
+    x, w, s, p = geometry
+    n = x[0]
+    while n > 1 and need(((n, *x[1:]), w, s, p)) > capacity:
+        n //= 2
+    return (n, *x[1:]), w, s, p
+
+
+def _time_geometry(geometry, scratch, rep_ms) -> dict:
+    """{phase: {algo: ms}} for one conv geometry, timed on a sub-arena over `scratch`."""
+    import torch
+
+    from ..kernels._common import bench_ms
     from ..pool.arena import Arena
 
-    geometries = []
-    for layer in net.layers:
-        if layer.op == "conv":
-            g = conv_geometry(layer)
-            if g not in geometries and any((*g, ph) not in _RANKINGS for ph in PHASES):
-                geometries.append(g)
-    if not geometries:
-        return {}
-
-    def numel(shape):
-        out = 1
-        for s in shape:
-            out *= s
-        return out
-
-    def needs(g):
-        x, w, s, p = g
-        y = conv_k.out_shape(x, w, s, p)
-        ws = max(max(conv_k.algos(*g, ph).values()) for ph in PHASES)
-        return x, w, y, ws
-
-    total = 0
-    for g in geometries:
-        x, w, y, ws = needs(g)
-        if cap_bytes is not None:
-            ws = min(ws, cap_bytes)
-        total = max(total, 4 * (2 * numel(x) + 2 * numel(w) + 2 * numel(y) + w[0]) + ws + 8 * 1024)
-    arena = Arena(total, device)
-    timings = {}
-    gen = torch.Generator(device=device).manual_seed(0)
-    for g in geometries:
-        x_shape, w_shape, y_shape, _ = needs(g)
-        blocks = []
-
-        def buf(shape, dtype=torch.float32):
-            block = arena.alloc(max(numel(shape) * 4, 1))
-            blocks.append(block)
-            t = arena.view(block, shape, dtype)
-            return t
-
-        x, dx = buf(x_shape), buf(x_shape)
-        w, dw = buf(w_shape), buf(w_shape)
-        y, dy = buf(y_shape), buf(y_shape)
-        db = buf((w_shape[0],))
-        for t in (x, w, dy):
-            t.copy_(torch.randn(t.shape, generator=gen, device=device))
-        stride, padding = g[2], g[3]
-        for phase in PHASES:
-            result = {}
-            for algo, size in conv_k.algos(*g, phase).items():
-                if cap_bytes is not None and size > cap_bytes:
-                    continue
-                ws = None
-                if size:
-                    if size > arena.allocator.largest_free:
-                        continue
-                    ws_block = arena.alloc(size)
-                    ws = arena.view(ws_block, (size,), torch.uint8)
-                if phase == "forward":
-                    fn = lambda: conv_k.forward(x, w, None, y, stride=stride, padding=padding,  # noqa: E731
-                                                algo=algo, workspace=ws)
-                elif phase == "backward_data":
-                    fn = lambda: conv_k.backward_data(dy, w, dx, stride=stride, padding=padding,  # noqa: E731
-                                                      algo=algo, workspace=ws)
-                else:
-                    fn = lambda: conv_k.backward_weight(x, dy, dw, db, stride=stride,  # noqa: E731
-                                                        padding=padding, algo=algo, workspace=ws)
-                result[algo] = triton.testing.do_bench(fn, warmup=5, rep=rep_ms, return_mode="median")
-                if size:
-                    arena.free(ws_block)
-            timings[(*g, phase)] = result
-            record_ranking(g, phase, sorted(result, key=result.get))
-        for block in blocks:
-            arena.free(block)
-    del arena
-    torch.cuda.empty_cache()
-    return timings
+    arena = Arena(scratch.numel(), scratch.device, buffer=scratch)
+    g = timing_geometry(geometry, arena.capacity, arena.block_bytes)
+    gen = torch.Generator(device=scratch.device).manual_seed(0)
+    t = {}
+    for name, shape in _buffer_shapes(g).items():
+        t[name] = arena.view(arena.alloc(max(4 * _numel(shape), 1)), shape)
+        if name in ("x", "w", "dy"):
+            t[name].normal_(generator=gen)
+    stride, padding = g[2], g[3]
+    launch = {
+        "forward": lambda algo, ws: conv_k.forward(
+            t["x"], t["w"], None, t["y"], stride=stride, padding=padding, algo=algo, workspace=ws),
+        "backward_data": lambda algo, ws: conv_k.backward_data(
+            t["dy"], t["w"], t["dx"], stride=stride, padding=padding, algo=algo, workspace=ws),
+        "backward_weight": lambda algo, ws: conv_k.backward_weight(
+            t["x"], t["dy"], t["dw"], t["db"], stride=stride, padding=padding, algo=algo,
+            workspace=ws),
+    }
+    times = {}
+    for phase in PHASES:
+        times[phase] = {}
+        for algo, size in conv_k.algos(*g, phase).items():
+            if size > arena.allocator.largest_free:
+                continue
+            block = arena.alloc(size) if size else None
+            ws = arena.view(block, (size,), torch.uint8) if size else None
+            times[phase][algo] = bench_ms(lambda: launch[phase](algo, ws), rep_ms=rep_ms)
+            if block is not None:
+                arena.free(block)
+    return times

@@ -11,6 +11,8 @@ hand out exactly the offsets the plan predicted, so the measured peak equals the
 copies between the arenas on two copy streams (one each way, ordered against the kernels by
 the events the plan names; the host never waits mid-step), and kernel launches on views of
 the arena.
+Setting `rt.recorder` to a `tinysn.trace.Recorder` times every kernel and copy of the
+steps walked from then on (a Chrome trace); left at None, the walk records nothing.
 Every launch reads its tensors through `Tensor.view()`, which raises if a tensor is freed,
 dropped or still in flight, so a scheduling bug cannot silently compute wrong numbers.
 
@@ -120,6 +122,7 @@ class Runtime:
         self.cuda_graph = cuda_graph
         self._graph = self._graph_key = self._static = None
         self._graph_moved = (0, 0)          # bytes each captured step copies (to host, device)
+        self.recorder = None                # a tinysn.trace.Recorder times each walked step
 
     # -- the public surface -----------------------------------------------------------
     def step(self, images, labels) -> float:
@@ -136,8 +139,12 @@ class Runtime:
         self.tensors[self.program.labels].view().copy_(labels)
         self._images = images
         trace = []
+        rec = self.recorder
+        if rec is not None and not rec.begin(self):
+            rec = None
         for step in self.plan.steps:
             for op in step.ops:
+                start = None if rec is None else rec.before(op)
                 if op[0] == "kernel":
                     self._launch[op[1]](op[2], op[3])
                     trace.append({"step": step.index, "layer": step.layer, "phase": step.phase,
@@ -145,6 +152,8 @@ class Runtime:
                                   "live_tensors": self.arena.allocator.n_used_nodes})
                 else:
                     self._ops[op[0]](*op[1:])
+                if rec is not None:
+                    rec.after(start, op, step, self)
         self._images = None
         self._join_copies()
         self.stats.trace = trace

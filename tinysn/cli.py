@@ -9,20 +9,12 @@
   cache  shows or clears the kernel tuning cache (location: $TINYSN_CACHE_DIR, else
          ~/.cache/tinysn).
 
-policies (each adds to the one before):
-  baseline   every tensor lives the whole iteration (the paper's baseline)
-  liveness   frees each tensor after its last use
-  offload    + copies checkpoint layers' outputs to pinned host memory and back (always)
-  recompute  + drops cheap layers' outputs and recomputes them in the backward pass
-  all        + keeps tensors on the GPU while they fit (LRU cache: copies only when short)
-             and picks each convolution's algorithm by the workspace it can afford
-
 Bad arguments give one line on stderr and exit status 2, before any work.
 """
 from __future__ import annotations
 
 import argparse
-import importlib.util
+import importlib
 import json
 import math
 import os
@@ -40,6 +32,16 @@ MODELS = {"lenet": models.lenet, "alexnet": models.alexnet, "vgg16": models.vgg1
           "densenet121": models.densenet121}
 PLOT_SUFFIXES = (".png", ".pdf", ".svg")
 SEARCH_LIMIT = 2**44        # the smallest-cap search gives up above 16 TiB
+POLICY_HELP = """\
+policies (each adds to the one before):
+  baseline   every tensor lives the whole iteration (the paper's baseline)
+  liveness   frees each tensor after its last use
+  offload    + copies each conv's output to pinned host memory as it is produced, and
+             back just before the backward pass reads it (always)
+  recompute  + drops cheap layers' outputs and recomputes them in the backward pass
+  all        + keeps tensors on the GPU while they fit (LRU cache: copies only when short)
+             and picks each convolution's algorithm by the workspace it can afford
+"""
 
 
 class UsageError(Exception):
@@ -54,7 +56,13 @@ class _Parser(argparse.ArgumentParser):
 
 
 class _Formatter(argparse.ArgumentDefaultsHelpFormatter, argparse.RawDescriptionHelpFormatter):
-    """--help shows each option's default and keeps the description's layout."""
+    """--help shows each option's default (a None default is described in the help text)
+    and keeps the description's layout."""
+
+    def _get_help_string(self, action):
+        if action.default is None:
+            return action.help
+        return super()._get_help_string(action)
 
 
 def _checked(read, example):
@@ -91,13 +99,14 @@ def _rate(text):
 
 
 def _parser():
-    parser = _Parser(prog="tinysn", description=__doc__, formatter_class=_Formatter)
+    parser = _Parser(prog="tinysn", description=__doc__, epilog=POLICY_HELP,
+                     formatter_class=_Formatter)
     parser.add_argument("--version", action="version", version=_version())
     sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
     _train_parser(sub.add_parser("train", help="train a model under a memory cap",
-                                 formatter_class=_Formatter))
+                                 epilog=POLICY_HELP, formatter_class=_Formatter))
     _plan_parser(sub.add_parser("plan", help="dry-run the scheduler (no kernels, no GPU)",
-                                formatter_class=_Formatter))
+                                epilog=POLICY_HELP, formatter_class=_Formatter))
     cache = sub.add_parser("cache", help="show or clear the kernel tuning cache",
                            formatter_class=_Formatter)
     cache.add_argument("--clear", action="store_true", help="delete every cached entry")
@@ -118,7 +127,7 @@ def _common_args(p, model, batch, memory):
 def _train_parser(p):
     _common_args(p, "lenet", 32, "512MiB")
     p.add_argument("--policy", choices=POLICIES, default="all",
-                   help="memory policy (see `tinysn --help`)")
+                   help="memory policy (below)")
     p.add_argument("--data", choices=["digits", "synthetic"], default=None,
                    help="digits for lenet (default), synthetic for the zoo models")
     p.add_argument("--steps", type=_checked(_count(1), "--steps 20"), default=None,
@@ -146,7 +155,7 @@ def _train_parser(p):
 def _plan_parser(p):
     _common_args(p, "alexnet", 200, "12GiB")
     p.add_argument("--policy", choices=POLICIES + ("every",), default="every",
-                   help="memory policy, or every policy in turn (see `tinysn --help`)")
+                   help="memory policy (below), or every policy in turn")
     p.add_argument("--plot", default=None,
                    help="memory timeline with the cap drawn (.png, .pdf or .svg)")
     p.add_argument("--json", default=None, help="write the figures as JSON ('-': stdout)")
@@ -189,9 +198,9 @@ def _check_args(args) -> None:
     else:
         _check_output("--json", None if args.json == "-" else args.json, (".json",))
         _check_output("--plot", args.plot, PLOT_SUFFIXES)
-        if args.plot and importlib.util.find_spec("matplotlib") is None:
+        if args.plot and not _importable("matplotlib"):
             raise UsageError("--plot needs matplotlib: pip install matplotlib (or the "
-                             "package's [plot] extra)")
+                             "package's [plot] extra), or leave out --plot")
         return
     dataset = args.data or ("digits" if args.model == "lenet" else "synthetic")
     if dataset == "digits" and args.model != "lenet":
@@ -220,12 +229,21 @@ def _check_output(flag, path, suffixes) -> None:
         raise UsageError(f"{flag} {path!r}: the name must end in {' or '.join(suffixes)}, "
                          f"e.g. {flag} out{suffixes[0]}")
     folder = os.path.dirname(path) or "."
+    example = f"e.g. {flag} out{suffixes[0]} (in the current directory)"
     if os.path.isdir(path):
-        raise UsageError(f"{flag} {path!r} is a directory, e.g. {flag} out{suffixes[0]}")
+        raise UsageError(f"{flag} {path!r} is a directory; name a file, {example}")
     if not os.path.isdir(folder):
-        raise UsageError(f"{flag} {path!r}: directory {folder!r} does not exist")
+        raise UsageError(f"{flag} {path!r}: directory {folder!r} does not exist, {example}")
     if not os.access(folder, os.W_OK):
-        raise UsageError(f"{flag} {path!r}: directory {folder!r} is not writable")
+        raise UsageError(f"{flag} {path!r}: directory {folder!r} is not writable, {example}")
+
+
+def _importable(module: str) -> bool:
+    try:
+        importlib.import_module(module)
+    except ImportError:
+        return False
+    return True
 
 
 def _default_device() -> str:
@@ -259,16 +277,20 @@ def memory_available(device) -> tuple:
 
 
 def _flag_bytes(nbytes: int) -> str:
-    """A byte count as a --memory value, rounded up: to 0.1 GiB from 1 GiB, else to 1 MiB."""
+    """A byte count as a --memory value, rounded up: to 0.1 GiB from 1 GiB, else to whole
+    MiB from 1 MiB, else to whole KiB."""
     if nbytes >= 2**30:
         return f"{math.ceil(nbytes * 10 / 2**30) / 10:.1f}GiB"
-    return f"{max(1, math.ceil(nbytes / 2**20))}MiB"
+    if nbytes >= 2**20:
+        return f"{math.ceil(nbytes / 2**20)}MiB"
+    return f"{max(1, math.ceil(nbytes / 2**10))}KiB"
 
 
 # -- what would fit ------------------------------------------------------------------------
 def smallest_cap(make_net, batch, policy, **kwargs):
-    """The smallest device cap, to 1 MiB, under which `make_net(batch=batch)` plans with
-    `policy` (None when even 16 TiB does not). Assumes plans are monotone in the cap."""
+    """The smallest device cap, to 0.1% (or 1 KiB), under which `make_net(batch=batch)`
+    plans with `policy` (None when even 16 TiB does not). Assumes plans are monotone in the
+    cap: a binary search between the last power of two that fails and the first that fits."""
     from .sched.plan import plan
 
     def fits(cap):
@@ -284,7 +306,7 @@ def smallest_cap(make_net, batch, policy, **kwargs):
             return None
         hi *= 2
     lo = hi // 2 if hi > 2**20 else 0
-    while hi - lo > 2**20:
+    while hi - lo > max(2**10, hi >> 10):
         mid = (lo + hi) // 2
         lo, hi = (lo, mid) if fits(mid) else (mid, hi)
     return hi
@@ -296,12 +318,16 @@ def fit_advice(make_net, batch, memory, policy, **kwargs) -> str:
 
     cap = smallest_cap(make_net, batch, policy, **kwargs)
     largest = max_batch(make_net, memory, policy, **kwargs)
-    raise_cap = (f"raise --memory to {_flag_bytes(cap)}" if cap is not None
-                 else f"no --memory up to {format_bytes(SEARCH_LIMIT)} fits it (check "
-                      "--host-memory)")
-    lower = (f"lower --batch to {largest}" if largest else
-             f"no batch fits under {format_bytes(memory)}")
-    return f"To fit, {raise_cap}, or {lower}."
+    if cap is None and not largest:
+        return (f"Nothing fits: no --memory up to {format_bytes(SEARCH_LIMIT)} and no --batch "
+                f"under {format_bytes(memory)}; raise --host-memory.")
+    if cap is None:
+        return (f"To fit, lower --batch to {largest} (no --memory up to "
+                f"{format_bytes(SEARCH_LIMIT)} fits this batch; or raise --host-memory).")
+    if not largest:
+        return (f"To fit, raise --memory to {_flag_bytes(cap)} (no batch fits under "
+                f"{format_bytes(memory)}).")
+    return f"To fit, raise --memory to {_flag_bytes(cap)} or lower --batch to {largest}."
 
 
 def _explained(err, advice) -> OutOfMemory:

@@ -36,8 +36,7 @@ def _read_bytes(text: str) -> int:
 def format_bytes(nbytes: int) -> str:
     """Short human form: 1536 -> '1.5 KiB'."""
     value = float(nbytes)
-    for unit in ("B", "KiB", "MiB", "GiB"):
-        if abs(value) < 1024 or unit == "GiB":
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if abs(value) < 1024 or unit == "TiB":
             return f"{value:.0f} {unit}" if unit == "B" else f"{value:.1f} {unit}"
         value /= 1024
-    return f"{value:.1f} GiB"

@@ -1,5 +1,10 @@
 """The on-disk cache: entries keyed by GPU, triton and torch; tuned configs reused across
 processes by kernels' launch()."""
+import os
+import subprocess
+import sys
+from pathlib import Path
+
 import pytest
 import torch
 import triton
@@ -92,3 +97,23 @@ def test_tuned_config_is_stored_and_reused_by_a_fresh_process(cache_root, monkey
     assert _common._BY_TUNING_KEY[(id(fresh), (40, "torch.float32"))].kwargs == {"B": 32}
     with pytest.raises(StopIteration):
         _launch(fresh, 50)                                 # a new shape is not in the cache
+
+
+@pytest.mark.gpu
+def test_gpu_tuning_is_reused_by_a_second_process(tmp_path):
+    """A real autotuned kernel (fc forward) tunes in the first process and not in the second:
+    triton prints a line per tuning (TRITON_PRINT_AUTOTUNING), none when the config comes
+    from tinysn's cache."""
+    script = ("import torch; from tinysn.kernels import linear; "
+              "x = torch.randn(64, 256, device='cuda'); w = torch.randn(128, 256, device='cuda'); "
+              "y = torch.empty(64, 128, device='cuda'); linear.forward(x, w, None, y); "
+              "torch.cuda.synchronize()")
+    env = {**os.environ, "TINYSN_CACHE_DIR": str(tmp_path), "TRITON_PRINT_AUTOTUNING": "1"}
+    env.pop("TINYSN_AUTOTUNE", None)
+    root = Path(__file__).resolve().parents[1]
+    runs = [subprocess.run([sys.executable, "-c", script], env=env, capture_output=True,
+                           text=True, cwd=root, timeout=300) for _ in range(2)]
+    assert [r.returncode for r in runs] == [0, 0], runs[0].stderr + runs[1].stderr
+    assert "Triton autotuning" in runs[0].stdout
+    assert list((tmp_path / "autotune").iterdir())
+    assert "Triton autotuning" not in runs[1].stdout

@@ -210,3 +210,26 @@ def test_train_writes_a_chrome_trace_and_progress_on_stderr(tmp_path, capsys):
     spans = [e for e in events if e["ph"] == "X"]
     assert sum(e["tid"] == 0 for e in spans) == kernels
     assert sum(e["tid"] in (1, 2) for e in spans) == copies > 0
+
+
+@pytest.mark.gpu
+def test_gpu_cap_above_free_memory_is_one_line(capsys):
+    status, out, err = run_main(["train", "--device", "cuda", "--memory", "10TiB"], capsys)
+    assert status == 2 and out == "" and "free on" in err and len(err.splitlines()) == 1
+
+
+@pytest.mark.gpu
+def test_gpu_train_notice_rate_and_trace(tmp_path, monkeypatch, capsys):
+    """On the GPU: the tuning notice names the cache, images/s excludes the warm-up step,
+    and the trace holds CUDA-event times of every kernel and copy of one step."""
+    monkeypatch.setenv("TINYSN_CACHE_DIR", str(tmp_path / "cache"))
+    trace = tmp_path / "trace.json"
+    status, out, err = run_main(["train", "--model", "lenet", "--data", "synthetic",
+                                 "--batch", "8", "--steps", "3", "--memory", "64MiB",
+                                 "--policy", "offload", "--device", "cuda",
+                                 "--trace", str(trace)], capsys)
+    assert status == 0, err
+    assert f"compiling and tuning kernels for the first step (tuning cached in {tmp_path}" in err
+    assert "images/s after 1 warm-up step" in out
+    spans = [e for e in json.loads(trace.read_text())["traceEvents"] if e["ph"] == "X"]
+    assert {e["tid"] for e in spans} == {0, 1, 2} and all(e["dur"] >= 0 for e in spans)

@@ -313,10 +313,14 @@ def smallest_cap(make_net, batch, policy, **kwargs):
 
 
 def fit_advice(make_net, batch, memory, policy, **kwargs) -> str:
-    """One sentence: the --memory and the --batch under which the plan would fit."""
+    """One sentence: the --memory and the --batch under which the plan would fit. (A dry
+    run that plans under a cap below `memory` means the error came from elsewhere, or the
+    plans are not monotone in the cap here: that smaller cap is the advice.)"""
     from .sched.plan import max_batch
 
     cap = smallest_cap(make_net, batch, policy, **kwargs)
+    if cap is not None and cap <= memory:
+        return f"It plans under --memory {_flag_bytes(cap)}: try that."
     largest = max_batch(make_net, memory, policy, **kwargs)
     if cap is None and not largest:
         return (f"Nothing fits: no --memory up to {format_bytes(SEARCH_LIMIT)} and no --batch "

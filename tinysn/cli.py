@@ -1,130 +1,431 @@
-"""python -m tinysn train | plan
+"""tinysn train | plan | cache  (also `python3 -m tinysn ...`)
 
-  train  trains a model under a memory cap with a progress bar (loss, images/s, pool peak);
-         lenet trains on scikit-learn's digits and reports held-out accuracy, the zoo models
-         on a fixed synthetic ImageNet-shaped batch.
+  train  trains a model under a memory cap with a progress bar on stderr (loss, images/s
+         after the warm-up step, pool peak); lenet trains on scikit-learn's digits and reports
+         held-out accuracy, the zoo models on a fixed synthetic ImageNet-shaped batch.
   plan   dry-runs the scheduler for every policy (or one) and prints the peak, the bytes moved
-         and the recomputed steps; --plot draws the memory timeline (the paper's Fig. 10).
+         and the recomputed steps; for a policy that does not fit, the smallest --memory and
+         the largest --batch that would; --plot draws the memory timeline (the paper's Fig. 10).
+  cache  shows or clears the kernel tuning cache (location: $TINYSN_CACHE_DIR, else
+         ~/.cache/tinysn).
+
+Bad arguments give one line on stderr and exit status 2, before any work.
 """
 from __future__ import annotations
 
 import argparse
+import importlib
 import json
+import math
+import os
 import sys
 import time
 
 from . import models
 from .errors import OutOfMemory
 from .sched.plan import POLICIES
-from .units import format_bytes
+from .units import format_bytes, parse_bytes
 
 MODELS = {"lenet": models.lenet, "alexnet": models.alexnet, "vgg16": models.vgg16,
           "resnet50": models.resnet50, "resnet101": models.resnet101,
           "resnet152": models.resnet152, "inception_v4": models.inception_v4,
           "densenet121": models.densenet121}
+PLOT_SUFFIXES = (".png", ".pdf", ".svg")
+SEARCH_LIMIT = 2**44        # the smallest-cap search gives up above 16 TiB
+POLICY_HELP = """\
+policies (each adds to the one before):
+  baseline   every tensor lives the whole iteration (the paper's baseline)
+  liveness   frees each tensor after its last use
+  offload    + copies each conv's output to pinned host memory as it is produced, and
+             back just before the backward pass reads it (always)
+  recompute  + drops cheap layers' outputs and recomputes them in the backward pass
+  all        + keeps tensors on the GPU while they fit (LRU cache: copies only when short)
+             and picks each convolution's algorithm by the workspace it can afford
+"""
+
+
+class UsageError(Exception):
+    """A bad argument: printed as one line on stderr, exit status 2."""
+
+
+class _Parser(argparse.ArgumentParser):
+    """argparse with one-line errors: no usage block, no traceback."""
+
+    def error(self, message):
+        self.exit(2, f"{self.prog}: error: {message}\n")
+
+
+class _Formatter(argparse.ArgumentDefaultsHelpFormatter, argparse.RawDescriptionHelpFormatter):
+    """--help shows each option's default (a None default is described in the help text)
+    and keeps the description's layout."""
+
+    def _get_help_string(self, action):
+        if action.default is None:
+            return action.help
+        return super()._get_help_string(action)
+
+
+def _checked(read, example):
+    """An argparse type: `read(text)` or a one-line error that ends with a valid example."""
+    def convert(text):
+        try:
+            return read(text)
+        except ValueError as err:
+            raise argparse.ArgumentTypeError(f"{err} (e.g. {example})") from None
+    return convert
+
+
+def _count(low):
+    def read(text):
+        try:
+            value = int(text)
+        except ValueError:
+            raise ValueError(f"must be a whole number, got {text!r}") from None
+        if value < low:
+            raise ValueError(f"must be at least {low}, got {value}")
+        return value
+    return read
+
+
+def _rate(text):
+    """A finite number >= 0 (learning rate, momentum, weight decay)."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise ValueError(f"must be a number, got {text!r}") from None
+    if not math.isfinite(value) or value < 0:
+        raise ValueError(f"must be a finite number >= 0, got {text!r}")
+    return value
 
 
 def _parser():
-    parser = argparse.ArgumentParser(prog="python -m tinysn", description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
-    sub = parser.add_subparsers(dest="command", required=True)
-    train = sub.add_parser("train", help="train a model under a memory cap")
-    train.add_argument("--model", choices=sorted(MODELS), default="lenet")
-    train.add_argument("--data", choices=["digits", "synthetic"], default=None,
-                       help="digits for lenet (default), synthetic for the zoo models")
-    train.add_argument("--batch", type=int, default=32)
-    train.add_argument("--memory", default="512MiB")
-    train.add_argument("--policy", choices=POLICIES, default="all")
-    train.add_argument("--steps", type=int, default=None,
-                       help="iterations (default: 200 for digits, 20 otherwise)")
-    train.add_argument("--device", choices=["cpu", "cuda"], default=None)
-    train.add_argument("--lr", type=float, default=None)
-    train.add_argument("--schedule", choices=["linear", "constant"], default="linear",
-                       help="learning rate: decays linearly to 0 over the steps, or stays")
-    train.add_argument("--momentum", type=float, default=0.9)
-    train.add_argument("--weight-decay", type=float, default=0.0)
-    train.add_argument("--seed", type=int, default=0)
-    train.add_argument("--trace", default=None, help="write the last step's trace as JSON")
-    train.add_argument("--cuda-graph", action="store_true",
-                       help="replay each step as a CUDA graph (needs --schedule constant and "
-                            "a model without dropout)")
-    train.add_argument("--host-memory", default=None,
-                       help="cap on the pinned host arena (default: what the plan needs)")
-    plan = sub.add_parser("plan", help="dry-run the scheduler (no kernels, no GPU)")
-    plan.add_argument("--model", choices=sorted(MODELS), default="alexnet")
-    plan.add_argument("--batch", type=int, default=200)
-    plan.add_argument("--memory", default="12GiB")
-    plan.add_argument("--policy", choices=POLICIES + ("every",), default="every")
-    plan.add_argument("--plot", default=None, help="PNG path for the memory timeline")
-    plan.add_argument("--json", default=None, help="write the figures as JSON")
-    plan.add_argument("--host-memory", default=None, help="cap on the pinned host arena")
+    parser = _Parser(prog="tinysn", description=__doc__, epilog=POLICY_HELP,
+                     formatter_class=_Formatter)
+    parser.add_argument("--version", action="version", version=_version())
+    sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
+    _train_parser(sub.add_parser("train", help="train a model under a memory cap",
+                                 epilog=POLICY_HELP, formatter_class=_Formatter))
+    _plan_parser(sub.add_parser("plan", help="dry-run the scheduler (no kernels, no GPU)",
+                                epilog=POLICY_HELP, formatter_class=_Formatter))
+    cache = sub.add_parser("cache", help="show or clear the kernel tuning cache",
+                           formatter_class=_Formatter)
+    cache.add_argument("--clear", action="store_true", help="delete every cached entry")
     return parser
 
 
-def main(argv=None) -> int:
-    args = _parser().parse_args(argv)
+def _common_args(p, model, batch, memory):
+    p.add_argument("--model", choices=sorted(MODELS), default=model, help="network")
+    p.add_argument("--batch", type=_checked(_count(1), "--batch 32"), default=batch,
+                   help="images per iteration")
+    p.add_argument("--memory", type=_checked(parse_bytes, "--memory 12GiB"), default=memory,
+                   help="hard cap on device memory: bytes or 512MiB, 12GiB, 1.5GB")
+    p.add_argument("--host-memory", type=_checked(parse_bytes, "--host-memory 60GiB"),
+                   default=None, help="cap on the pinned host arena (default: what the plan "
+                                      "needs)")
+
+
+def _train_parser(p):
+    _common_args(p, "lenet", 32, "512MiB")
+    p.add_argument("--policy", choices=POLICIES, default="all",
+                   help="memory policy (below)")
+    p.add_argument("--data", choices=["digits", "synthetic"], default=None,
+                   help="digits for lenet (default), synthetic for the zoo models")
+    p.add_argument("--steps", type=_checked(_count(1), "--steps 20"), default=None,
+                   help="iterations (default: 200 for digits, 20 otherwise)")
+    p.add_argument("--device", choices=["cpu", "cuda"], default=None,
+                   help="default: cuda when a GPU is present")
+    p.add_argument("--lr", type=_checked(_rate, "--lr 0.05"), default=None,
+                   help="learning rate (default: 0.05 for digits, 0.01 otherwise)")
+    p.add_argument("--schedule", choices=["linear", "constant"], default="linear",
+                   help="learning rate: decays linearly to 0 over the steps, or stays")
+    p.add_argument("--momentum", type=_checked(_rate, "--momentum 0.9"), default=0.9,
+                   help="SGD momentum")
+    p.add_argument("--weight-decay", type=_checked(_rate, "--weight-decay 1e-4"), default=0.0,
+                   help="SGD weight decay")
+    p.add_argument("--seed", type=_checked(_count(0), "--seed 0"), default=0,
+                   help="parameters, data order and dropout masks")
+    p.add_argument("--trace", default=None,
+                   help="write the last step's kernels and copies as a Chrome trace (.json; "
+                        "open it in Perfetto or chrome://tracing)")
+    p.add_argument("--cuda-graph", action="store_true",
+                   help="replay each step as a CUDA graph (needs --schedule constant and a "
+                        "model without dropout)")
+
+
+def _plan_parser(p):
+    _common_args(p, "alexnet", 200, "12GiB")
+    p.add_argument("--policy", choices=POLICIES + ("every",), default="every",
+                   help="memory policy (below), or every policy in turn")
+    p.add_argument("--plot", default=None,
+                   help="memory timeline with the cap drawn (.png, .pdf or .svg)")
+    p.add_argument("--json", default=None, help="write the figures as JSON ('-': stdout)")
+
+
+def _version() -> str:
+    from importlib import metadata
+
+    import torch
+    import triton
     try:
+        mine = metadata.version("tinysn")
+    except metadata.PackageNotFoundError:
+        mine = "(not installed)"
+    return f"tinysn {mine} (torch {torch.__version__}, triton {triton.__version__})"
+
+
+def main(argv=None) -> int:
+    """Run one command; return its exit status (2: bad arguments or a cap too small)."""
+    try:
+        args = _parser().parse_args(argv)
+    except SystemExit as stop:          # --help, --version and argparse's one-line errors
+        return stop.code
+    try:
+        if args.command == "cache":
+            return _cache(args)
+        _check_args(args)
         return _train(args) if args.command == "train" else _plan(args)
-    except OutOfMemory as err:          # a cap too small: say which step, no traceback
-        print(f"error: {err}", file=sys.stderr)
+    except (UsageError, OutOfMemory) as err:
+        print(f"tinysn {args.command}: error: {err}", file=sys.stderr)
         return 2
+
+
+# -- checks before any work ---------------------------------------------------------------
+def _check_args(args) -> None:
+    """Every check that needs no training, output paths first; UsageError on the first
+    problem."""
+    if args.command == "train":
+        _check_output("--trace", args.trace, (".json",))
+    else:
+        _check_output("--json", None if args.json == "-" else args.json, (".json",))
+        _check_output("--plot", args.plot, PLOT_SUFFIXES)
+        if args.plot and not _importable("matplotlib"):
+            raise UsageError("--plot needs matplotlib: pip install matplotlib (or the "
+                             "package's [plot] extra), or leave out --plot")
+        return
+    dataset = args.data or ("digits" if args.model == "lenet" else "synthetic")
+    if dataset == "digits" and args.model != "lenet":
+        raise UsageError("--data digits needs --model lenet (8x8 grayscale images), e.g. "
+                         "--model lenet --data digits")
+    if args.cuda_graph and args.schedule != "constant":
+        raise UsageError("--cuda-graph replays a fixed learning rate: add --schedule constant")
+    if args.cuda_graph and args.trace:
+        raise UsageError("--trace records eager steps, which --cuda-graph replaces: drop one")
+    if args.device is None:
+        args.device = _default_device()
+    if args.device == "cuda" and _default_device() != "cuda":
+        raise UsageError("--device cuda asked for, but no CUDA GPU is available: use "
+                         "--device cpu")
+    _check_room("--memory", args.memory, args.device)
+    if args.host_memory is not None:
+        _check_room("--host-memory", args.host_memory, "cpu")
+
+
+def _check_output(flag, path, suffixes) -> None:
+    """`path` (None: not asked for) must be a file name with one of `suffixes` in an
+    existing, writable directory."""
+    if path is None:
+        return
+    if not path.lower().endswith(suffixes):
+        raise UsageError(f"{flag} {path!r}: the name must end in {' or '.join(suffixes)}, "
+                         f"e.g. {flag} out{suffixes[0]}")
+    folder = os.path.dirname(path) or "."
+    example = f"e.g. {flag} out{suffixes[0]} (in the current directory)"
+    if os.path.isdir(path):
+        raise UsageError(f"{flag} {path!r} is a directory; name a file, {example}")
+    if not os.path.isdir(folder):
+        raise UsageError(f"{flag} {path!r}: directory {folder!r} does not exist, {example}")
+    if not os.access(folder, os.W_OK):
+        raise UsageError(f"{flag} {path!r}: directory {folder!r} is not writable, {example}")
+
+
+def _importable(module: str) -> bool:
+    try:
+        importlib.import_module(module)
+    except ImportError:
+        return False
+    return True
+
+
+def _default_device() -> str:
+    import torch
+
+    return "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def _check_room(flag, nbytes, device) -> None:
+    """A cap larger than the memory `device` has free cannot be allocated: say so now."""
+    from .pool.arena import available_bytes
+
+    room = available_bytes(device)
+    where = "GPU memory free" if device == "cuda" else "RAM available"
+    if nbytes > room:
+        raise UsageError(f"{flag} {format_bytes(nbytes)} is more than this machine has: "
+                         f"{format_bytes(room)} of {where}, e.g. {flag} {_flag_bytes(room // 2)}")
+
+
+def _flag_bytes(nbytes: int) -> str:
+    """A byte count as a --memory value, rounded up: to 0.1 GiB from 1 GiB, else to whole
+    MiB from 1 MiB, else to whole KiB."""
+    if nbytes >= 2**30:
+        return f"{math.ceil(nbytes * 10 / 2**30) / 10:.1f}GiB"
+    if nbytes >= 2**20:
+        return f"{math.ceil(nbytes / 2**20)}MiB"
+    return f"{max(1, math.ceil(nbytes / 2**10))}KiB"
+
+
+# -- what would fit ------------------------------------------------------------------------
+def smallest_cap(make_net, batch, policy, **kwargs):
+    """The smallest device cap, to 0.1% (or 1 KiB), under which `make_net(batch=batch)`
+    plans with `policy` (None when even 16 TiB does not). Assumes plans are monotone in the
+    cap: a binary search between the last power of two that fails and the first that fits."""
+    from .sched.plan import plan
+
+    def fits(cap):
+        try:
+            plan(make_net(batch=batch), cap, policy, **kwargs)
+            return True
+        except OutOfMemory:
+            return False
+
+    hi = 2**20
+    while not fits(hi):
+        if hi >= SEARCH_LIMIT:
+            return None
+        hi *= 2
+    lo = hi // 2 if hi > 2**20 else 0
+    while hi - lo > max(2**10, hi >> 10):
+        mid = (lo + hi) // 2
+        lo, hi = (lo, mid) if fits(mid) else (mid, hi)
+    return hi
+
+
+def fit_advice(make_net, batch, memory, policy, **kwargs) -> str:
+    """One sentence: the --memory and the --batch under which the plan would fit. (A dry
+    run that plans under a cap below `memory` means the error came from elsewhere, or the
+    plans are not monotone in the cap here: that smaller cap is the advice.)"""
+    from .sched.plan import max_batch
+
+    cap = smallest_cap(make_net, batch, policy, **kwargs)
+    if cap is not None and cap <= memory:
+        return f"It plans under --memory {_flag_bytes(cap)}: try that."
+    largest = max_batch(make_net, memory, policy, **kwargs)
+    if cap is None and not largest:
+        return (f"Nothing fits: no --memory up to {format_bytes(SEARCH_LIMIT)} and no --batch "
+                f"under {format_bytes(memory)}; raise --host-memory.")
+    if cap is None:
+        return (f"To fit, lower --batch to {largest} (no --memory up to "
+                f"{format_bytes(SEARCH_LIMIT)} fits this batch; or raise --host-memory).")
+    if not largest:
+        return (f"To fit, raise --memory to {_flag_bytes(cap)} (no batch fits under "
+                f"{format_bytes(memory)}).")
+    return f"To fit, raise --memory to {_flag_bytes(cap)} or lower --batch to {largest}."
+
+
+def _explained(err, advice) -> OutOfMemory:
+    """`err` (a plan that does not fit) followed by `advice`: what would fit."""
+    return OutOfMemory(f"{err}. {advice}")
+
+
+def _net_maker(args):
+    """model(batch=...) for this command: lenet on the digits takes 8x8 grayscale images."""
+    model = MODELS[args.model]
+    if args.command == "train" and args.model == "lenet" and _dataset(args) == "digits":
+        return lambda batch: models.lenet(batch=batch, classes=10, input_shape=(1, 8, 8))
+    return model
+
+
+def _dataset(args) -> str:
+    return args.data or ("digits" if args.model == "lenet" else "synthetic")
+
+
+# -- commands ------------------------------------------------------------------------------
+def _cache(args) -> int:
+    from . import cache
+
+    root = cache.cache_dir()
+    if args.clear:
+        print(f"removed {cache.clear()} files from {root}")
+        return 0
+    files = [p for p in root.rglob("*") if p.is_file()] if root.exists() else []
+    size = sum(p.stat().st_size for p in files)
+    print(f"{root}: {len(files)} files, {format_bytes(size)} (clear: tinysn cache --clear)")
+    return 0
 
 
 def _train(args) -> int:
-    from tqdm import tqdm
+    from . import cache
+    from .runtime import GRAPH_WARMUP, Runtime
 
-    from . import data
-    from .runtime import Runtime
-
-    dataset = args.data or ("digits" if args.model == "lenet" else "synthetic")
-    if dataset == "digits" and args.model != "lenet":
-        print("--data digits needs --model lenet (8x8 grayscale images)", file=sys.stderr)
-        return 2
-    if args.cuda_graph and args.schedule != "constant":
-        print("--cuda-graph replays a fixed learning rate: add --schedule constant",
-              file=sys.stderr)
-        return 2
-    steps = args.steps or (200 if dataset == "digits" else 20)
-    lr = args.lr if args.lr is not None else (0.05 if dataset == "digits" else 0.01)
-    if dataset == "digits":
-        train_x, train_y, test_x, test_y = data.digits(seed=args.seed)
-        net = models.lenet(batch=args.batch, classes=10, input_shape=(1, 8, 8))
-        stream = data.batches(train_x, train_y, args.batch, seed=args.seed)
-    else:
-        net = MODELS[args.model](batch=args.batch)
-        fixed = data.synthetic(net, seed=args.seed)
-        stream = iter(lambda: fixed, None)
+    steps = args.steps or (200 if _dataset(args) == "digits" else 20)
+    lr = args.lr if args.lr is not None else (0.05 if _dataset(args) == "digits" else 0.01)
+    make_net = _net_maker(args)
+    net = make_net(batch=args.batch)
+    stream, test = _data(args, net)
+    if args.device == "cuda":
+        print(f"compiling and tuning kernels for the first step (tuning cached in "
+              f"{cache.cache_dir()})", file=sys.stderr)
     try:
         rt = Runtime(net, args.memory, args.policy, device=args.device, lr=lr,
                      momentum=args.momentum, weight_decay=args.weight_decay, seed=args.seed,
                      host_memory=args.host_memory, cuda_graph=args.cuda_graph)
-    except ValueError as err:           # e.g. --cuda-graph on a CPU or with dropout
-        print(f"error: {err}", file=sys.stderr)
-        return 2
+    except ValueError as err:           # e.g. --cuda-graph with dropout
+        raise UsageError(str(err)) from None
+    except OutOfMemory as err:
+        advice = fit_advice(make_net, args.batch, args.memory, args.policy,
+                            momentum=args.momentum, host_memory=args.host_memory)
+        raise _explained(err, advice) from None
     print(f"{args.model} batch {args.batch} on {rt.device}, policy {args.policy}, cap "
           f"{format_bytes(rt.plan.capacity)}: planned peak {format_bytes(rt.plan.peak_bytes)}")
-    bar = tqdm(range(steps), unit="step", file=sys.stdout)
-    start, done = time.perf_counter(), 0
+    if args.trace:
+        from .trace import Recorder
+        rt.recorder = Recorder()
+    warmup = GRAPH_WARMUP + 1 if args.cuda_graph else 1
+    loss, rate = _run(rt, stream, steps, lr, args, warmup)
+    speed = f"{rate:,.1f} images/s after {warmup} warm-up step(s)" if rate else "no timed steps"
+    print(f"final loss {loss:.4f}; {speed}; pool peak {rt.stats.peak_bytes:,} bytes "
+          f"(planned {rt.plan.peak_bytes:,})")
+    if test is not None:
+        accuracy = evaluate(rt, *test)
+        print(f"held-out accuracy {accuracy:.2%} on {len(test[1])} digits")
+    if args.trace:
+        from .trace import write
+        count = write(rt.recorder, args.trace)
+        print(f"trace of the last step ({count} events) written to {args.trace}")
+    return 0
+
+
+def _data(args, net):
+    """(endless batch stream, held-out (x, y) or None) for the command's dataset."""
+    from . import data
+
+    if _dataset(args) == "digits":
+        train_x, train_y, test_x, test_y = data.digits(seed=args.seed)
+        return data.batches(train_x, train_y, args.batch, seed=args.seed), (test_x, test_y)
+    fixed = data.synthetic(net, seed=args.seed)
+    return iter(lambda: fixed, None), None
+
+
+def _run(rt, stream, steps, lr, args, warmup):
+    """Train `steps` iterations with a progress bar on stderr; return (last loss, images/s
+    over the steps after the first `warmup`, or None when there were none)."""
+    from tqdm import tqdm
+
+    bar = tqdm(range(steps), unit="step", file=sys.stderr,
+               bar_format="{l_bar}{bar}| {n_fmt}/{total_fmt} [{elapsed}<{remaining}{postfix}]")
+    rate, start = None, None
     for i in bar:
         if args.schedule == "linear":
             rt.lr = lr * (1 - i / steps)
-        images, labels = next(stream)
-        loss = rt.step(images, labels)
-        done += args.batch
-        rate = done / (time.perf_counter() - start)
-        bar.set_postfix(loss=f"{loss:.4f}", img_s=f"{rate:.1f}",
+        loss = rt.step(*next(stream))
+        now = time.perf_counter()
+        if i + 1 == warmup:
+            start = now
+        elif start is not None:
+            rate = (i + 1 - warmup) * args.batch / (now - start)
+        bar.set_postfix(loss=f"{loss:.4f}", img_s="warm-up" if rate is None else f"{rate:.1f}",
                         peak=format_bytes(rt.stats.peak_bytes))
     bar.close()
-    print(f"final loss {loss:.4f}; pool peak {rt.stats.peak_bytes:,} bytes "
-          f"(planned {rt.plan.peak_bytes:,})")
-    if dataset == "digits":
-        accuracy = evaluate(rt, test_x, test_y)
-        print(f"held-out accuracy {accuracy:.2%} on {len(test_y)} digits")
-    if args.trace:
-        with open(args.trace, "w") as f:
-            json.dump(rt.stats.trace, f, indent=1)
-        print(f"trace of {len(rt.stats.trace)} steps written to {args.trace}")
-    return 0
+    return loss, rate
 
 
 def evaluate(rt, x, y) -> float:
@@ -143,33 +444,57 @@ def evaluate(rt, x, y) -> float:
 
 
 def _plan(args) -> int:
+    """Plan each policy; a policy that does not fit gets a row saying what would."""
     from .sched.plan import plan as make_plan
 
+    out = sys.stderr if args.json == "-" else sys.stdout     # stdout stays pure JSON
     policies = POLICIES if args.policy == "every" else (args.policy,)
-    results = {}
+    kwargs = {"host_memory": args.host_memory}
+    fitted, figures = {}, {}
     for policy in policies:
-        net = MODELS[args.model](batch=args.batch)
-        p = make_plan(net, args.memory, policy, host_memory=args.host_memory)
-        results[policy] = p
+        try:
+            p = make_plan(MODELS[args.model](batch=args.batch), args.memory, policy, **kwargs)
+        except OutOfMemory as err:
+            advice = fit_advice(MODELS[args.model], args.batch, args.memory, policy, **kwargs)
+            if len(policies) == 1:
+                raise _explained(err, advice) from None
+            print(f"{policy:>9}: does not fit. {advice}", file=out)
+            figures[policy] = {"fits": False, "error": str(err), "advice": advice}
+            continue
+        fitted[policy], figures[policy] = p, _figures(p)
         print(f"{policy:>9}: peak {p.peak_bytes / 2**20:10.1f} MiB  to host "
               f"{p.bytes_to_host / 2**20:9.1f} MiB  to device {p.bytes_to_device / 2**20:9.1f} MiB"
               f"  host arena {p.host_bytes / 2**20:9.1f} MiB  recomputed {p.recomputed_steps:4d}"
-              f"  steps {len(p.steps)}")
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump({k: {"peak_bytes": v.peak_bytes, "bytes_to_host": v.bytes_to_host,
-                           "bytes_to_device": v.bytes_to_device,
-                           "recomputed_steps": v.recomputed_steps,
-                           "timeline": [[s.bytes_in_use, s.live_tensors] for s in v.steps]}
-                       for k, v in results.items()}, f)
-    if args.plot:
-        plot_timeline(results, args.plot, title=f"{args.model} batch {args.batch}")
-        print(f"timeline written to {args.plot}")
+              f"  steps {len(p.steps)}", file=out)
+    _write_plan_outputs(args, fitted, figures, out)
+    if not fitted:
+        raise OutOfMemory(f"no policy fits {args.model} at batch {args.batch} under "
+                          f"{format_bytes(args.memory)} (rows above say what would)")
     return 0
 
 
+def _figures(p) -> dict:
+    return {"fits": True, "peak_bytes": p.peak_bytes, "bytes_to_host": p.bytes_to_host,
+            "bytes_to_device": p.bytes_to_device, "recomputed_steps": p.recomputed_steps,
+            "timeline": [[s.bytes_in_use, s.live_tensors] for s in p.steps]}
+
+
+def _write_plan_outputs(args, fitted, figures, out) -> None:
+    if args.json == "-":
+        json.dump(figures, sys.stdout)
+        sys.stdout.write("\n")
+    elif args.json:
+        with open(args.json, "w") as f:
+            json.dump(figures, f)
+        print(f"figures written to {args.json}", file=out)
+    if args.plot and fitted:
+        plot_timeline(fitted, args.plot, title=f"{args.model} batch {args.batch}")
+        print(f"timeline written to {args.plot}", file=out)
+
+
 def plot_timeline(plans: dict, path: str, title: str = "") -> None:
-    """Bytes in use and live tensors per step for each policy (the paper's Fig. 10)."""
+    """Bytes in use and live tensors per step for each policy (the paper's Fig. 10), with
+    the cap as a horizontal line."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -182,6 +507,8 @@ def plot_timeline(plans: dict, path: str, title: str = "") -> None:
         top.plot([s.bytes_in_use / 2**20 for s in p.steps],
                  label=f"{policy} (peak {p.peak_bytes / 2**20:,.0f} MiB)", **style)
         bottom.plot([s.live_tensors for s in p.steps], label=policy, **style)
+    cap = next(iter(plans.values())).capacity
+    top.axhline(cap / 2**20, color="black", linewidth=1, label=f"cap {format_bytes(cap)}")
     top.set_ylabel("device memory in use (MiB)")
     bottom.set_ylabel("live tensors")
     bottom.set_xlabel("step (forward, then backward; recomputations add steps)")

@@ -24,6 +24,8 @@ hand out exactly the offsets the plan predicted, so the measured peak equals the
 copies between the arenas on two copy streams (one each way, ordered against the kernels by
 the events the plan names; the host never waits mid-step), and kernel launches on views of
 the arena.
+Setting `rt.recorder` to a `tinysn.trace.Recorder` times every kernel and copy of the
+steps walked from then on (a Chrome trace); left at None, the walk records nothing.
 Every launch reads its tensors through `Tensor.view()`, which raises if a tensor is freed,
 dropped or still in flight, so a scheduling bug cannot silently compute wrong numbers.
 
@@ -141,6 +143,7 @@ class Runtime:
         self.cuda_graph = cuda_graph
         self._graph = self._graph_key = self._pool_batch = None
         self._graph_moved = (0, 0)          # bytes each captured step copies (to host, device)
+        self.recorder = None                # a tinysn.trace.Recorder times each walked step
 
     def _plan_in_pool(self, memory, **options):
         """Set self.plan, self.rankings and self.arena (exactly `memory` bytes, empty).
@@ -178,15 +181,22 @@ class Runtime:
 
     def _walk(self, images, labels, until=None):
         """Execute the plan's steps once from Python (an eager step, the captured pass, or a
-        prediction that stops before step index `until`)."""
+        prediction that stops before step index `until`); a `recorder` (tinysn.trace) times
+        each operation when one is set."""
         if labels is not None:
             self.view(self.program.labels).copy_(labels)
         self.images, self._trace = images, []
+        rec = self.recorder if self.recorder is not None and self.recorder.begin(self) else None
         try:
             for step in self.plan.steps[:until]:
                 self._step = step
                 for op in step.ops:
-                    self._execute[type(op)](op)
+                    if rec is None:
+                        self._execute[type(op)](op)
+                    else:
+                        start = rec.before(op)
+                        self._execute[type(op)](op)
+                        rec.after(start, op, step, self)
         finally:
             self.images = None
         self._join_copies()

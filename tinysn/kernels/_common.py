@@ -3,11 +3,14 @@
 Kernels take torch views of the arena (contiguous float32) and write into outputs that the
 caller preallocated; nothing here allocates device memory.
 """
+import hashlib
 import inspect
 import os
 
 import torch
 import triton
+
+from .. import cache
 
 INTERPRET = os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
 try:  # triton >= 3.4 exposes the knob; the variable is the fallback for older releases
@@ -132,20 +135,77 @@ def check_tensor(name: str, t: torch.Tensor, shape=None, dtype=torch.float32) ->
 
 
 _TUNED = {}   # (autotuner, scalar arguments, keyword arguments) -> the config it picked
+_BY_TUNING_KEY = {}   # (autotuner, its tuning key) -> config: from this process or the disk
 
 
 def launch(tuner, grid, args, kwargs):
     """Launch an autotuned kernel (`grid`: a function of the config's meta-parameters). The
-    first launch of a shape goes through the autotuner; later ones launch its pick directly,
-    skipping the autotuner's per-call bookkeeping (host time per launch matters: the runtime
-    launches hundreds of kernels per step)."""
+    first launch of a shape takes the config from tinysn's disk cache (tinysn/cache.py) or,
+    on a miss, goes through the autotuner and stores its pick there; later launches run the
+    pick directly, skipping the autotuner's per-call bookkeeping (host time per launch
+    matters: the runtime launches hundreds of kernels per step)."""
     key = (id(tuner), tuple(a for a in args if not isinstance(a, torch.Tensor)),
            tuple(kwargs.items()))
     cfg = _TUNED.get(key)
     if cfg is None:
-        tuner[grid](*args, **kwargs)
-        cfg = getattr(tuner, "best_config", None)
+        cfg, launched = _first_launch(tuner, grid, args, kwargs)
         if cfg is not None:
             _TUNED[key] = cfg
-        return
+        if launched:
+            return
     tuner.fn[grid(cfg.kwargs)](*args, **kwargs, **cfg.all_kwargs())
+
+
+def _first_launch(tuner, grid, args, kwargs):
+    """(config, whether it launched) for a launch key seen for the first time. A config known
+    for its tuning key (from this process or the disk cache) is returned unlaunched;
+    otherwise the autotuner tunes and launches, and its pick is remembered and stored. A
+    tuner with one config tunes nothing, so nothing goes to the disk."""
+    if len(tuner.configs) < 2:
+        tuner[grid](*args, **kwargs)
+        return getattr(tuner, "best_config", None), True
+    tkey = (id(tuner), _tuning_key(tuner, args, kwargs))
+    cfg = _BY_TUNING_KEY.get(tkey)
+    if cfg is not None:
+        return cfg, False
+    disk_key = _disk_key(tuner, tkey[1])
+    stored = cache.lookup("autotune", disk_key)
+    if stored is not None:
+        cfg = _BY_TUNING_KEY[tkey] = triton.Config(**stored)
+        return cfg, False
+    tuner[grid](*args, **kwargs)
+    cfg = _BY_TUNING_KEY[tkey] = tuner.best_config
+    cache.store("autotune", disk_key, _config_fields(cfg))
+    return cfg, True
+
+
+def _tuning_key(tuner, args, kwargs) -> tuple:
+    """What triton's autotuner keys its choice on: the `key=` arguments and the dtypes."""
+    named = {**dict(zip(tuner.arg_names, args)), **kwargs}
+    values = [named[name] for name in tuner.keys if name in named]
+    dtypes = [str(v.dtype) for v in named.values() if isinstance(v, torch.Tensor)]
+    return tuple(values + dtypes)
+
+
+def _disk_key(tuner, tuning_key) -> list:
+    """The disk cache's key for one tuning: GPU, triton and torch (cache.device_key), the
+    kernel's name and source hash, the configs tuned over, and the tuning key (the shape)."""
+    return [list(cache.device_key()), tuner.base_fn.__name__, _source_key(tuner),
+            [str(c) for c in tuner.configs], [str(v) for v in tuning_key]]
+
+
+def _source_key(tuner) -> str:
+    """The kernel's source hash: triton's JITFunction.cache_key (the @triton.jit helpers it
+    calls included); the interpreter's wrapper has none, so there the function's source."""
+    fn = tuner.fn
+    while not hasattr(fn, "cache_key") and hasattr(fn, "fn"):
+        fn = fn.fn
+    if hasattr(fn, "cache_key"):
+        return fn.cache_key
+    return hashlib.sha256(inspect.getsource(tuner.base_fn).encode()).hexdigest()
+
+
+def _config_fields(cfg) -> dict:
+    """A triton.Config as the keyword arguments that rebuild it."""
+    return {"kwargs": dict(cfg.kwargs), "num_warps": cfg.num_warps,
+            "num_stages": cfg.num_stages, "num_ctas": cfg.num_ctas, "maxnreg": cfg.maxnreg}

@@ -582,13 +582,13 @@ class _Planner:
                 block = self.dev.alloc(nbytes)
                 self.extent = max(self.extent, block.offset + block.nbytes)
                 return block
-            except OutOfMemory as err:
+            except OutOfMemory:
                 if self.cache is None or not self._evict_one(ops):
                     raise OutOfMemory(
                         f"plan does not fit ({self.policy}): step {len(self.steps)} "
-                        f"({self.where}) needs {nbytes:,} bytes for {name}; the cap of "
+                        f"({self.where}) needs {nbytes:,} bytes for {name}, but the cap of "
                         f"{self.dev.capacity:,} bytes leaves {self.dev.free_bytes:,} free "
-                        f"(largest free run {self.dev.largest_free:,}). {err}") from None
+                        f"(largest free run {self.dev.largest_free:,})") from None
 
     def _evict_one(self, ops) -> bool:
         for tid in self.cache.victims(self.locked):
@@ -609,11 +609,12 @@ class _Planner:
         not overwrite host bytes that a prefetch in flight still reads."""
         try:
             block = self.host.alloc(self.tensors[tid].nbytes)
-        except OutOfMemory as err:
+        except OutOfMemory:
             raise OutOfMemory(f"plan does not fit ({self.policy}): step {len(self.steps)} "
-                              f"({self.where}) copies {self.tensors[tid].name} to the host, "
-                              f"whose cap of {self.host.capacity:,} bytes leaves "
-                              f"{self.host.free_bytes:,} free. {err}") from None
+                              f"({self.where}) copies {self.tensors[tid].nbytes:,} bytes of "
+                              f"{self.tensors[tid].name} to the host, but the host cap of "
+                              f"{self.host.capacity:,} bytes leaves {self.host.free_bytes:,} "
+                              f"free") from None
         self.hblock[tid] = block
         _, waits = self.host_freed.take(block.offset, block.end)
         slot = self._slot()

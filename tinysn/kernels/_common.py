@@ -14,6 +14,29 @@ try:  # triton >= 3.4 exposes the knob; the variable is the fallback for older r
 except AttributeError:
     pass
 
+# The interpreter runs a program's Triton operations one by one as numpy operations, paying a
+# fixed cost for each (tens of microseconds) and for each program: its launch configurations
+# aim for tiles of about this many elements, so that a small network's layer is a handful of
+# programs and loop steps.
+INTERP_TILE = 16384
+
+
+
+def _single_threaded_blas() -> None:
+    """Under the interpreter each tl.dot is one numpy matmul of a tile (tens of kilobytes),
+    where BLAS worker threads cost more than they save; with other processes on the cores
+    (parallel tests) they wait on each other and one small matmul can take 100 ms. Limit
+    BLAS to one thread when threadpoolctl (a scikit-learn dependency) is installed."""
+    try:
+        from threadpoolctl import threadpool_limits
+    except ImportError:
+        return
+    threadpool_limits(1, user_api="blas")
+
+
+if INTERPRET:
+    _single_threaded_blas()
+
 # "tf32" on the GPU matches PyTorch's cuDNN convolutions; "ieee" gives exact float32 (tests).
 _PRECISION = {"value": "tf32"}
 

@@ -83,7 +83,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ._common import _TUNED, INTERPRET, autotune, check_tensor, dot_precision  # noqa: F401
+from ._common import _TUNED, INTERP_TILE, INTERPRET, autotune, check_tensor, dot_precision  # noqa: F401
 from ._common import launch as _launch
 
 PHASES = ("forward", "backward_data", "backward_weight")
@@ -292,7 +292,12 @@ _WGT_CONFIGS = [
     _cfg(128, 64, 32, 4, 4, True),
     _cfg(128, 128, 32, 8, 3, True),
 ]
-_SMALL_CONFIG = _cfg(128, 32, 32, 1, 1, group_m=2)
+# Under the interpreter (which pays per operation and per program, see INTERP_TILE) each
+# phase runs one config with large tiles: a LeNet layer on 8x8 digits is one or a few
+# programs of a few reduction steps. The GPU configs above still run on the CPU in the
+# tests that pin every config (tests/kernels/configs.py), which reach the loop tails.
+_INTERP_FWD = _cfg(512, 32, 32, 1, 1, group_m=2)        # forward and implicit data gradient
+_INTERP_WGT = _cfg(32, 32, 512, 1, 1, group_m=2)        # M = K, N = C*R*S, BLOCK_K = pixels
 
 
 def _prune(macs_fn):
@@ -314,7 +319,7 @@ def _fwd_macs(a):
     return a["N"] * a["P"] * a["Q"] * a["K"] * a["C"] * a["R"] * a["S"]
 
 
-def _autotune(configs, key, macs_fn, restore=None, small=None):
+def _autotune(configs, key, macs_fn, restore=None, interp=_INTERP_FWD):
     kw = dict(key=key)
     if restore:
         kw["restore_value"] = restore
@@ -323,7 +328,7 @@ def _autotune(configs, key, macs_fn, restore=None, small=None):
         if "do_bench" in inspect.signature(triton.autotune).parameters:
             kw["do_bench"] = lambda fn, quantiles: triton.testing.do_bench(
                 fn, warmup=5, rep=20, quantiles=quantiles)
-    return autotune(configs, small or _SMALL_CONFIG, **kw)
+    return autotune(configs, interp, **kw)
 
 
 _KEY = ["N", "C", "H", "W", "K", "P", "Q", "SH", "SW", "PH", "PW", "R", "S"]
@@ -813,11 +818,11 @@ _T_CONFIGS = [_flat(c, f) for c in _DATA_CONFIGS[:4] for f in (False, True)]
 # under the interpreter BLOCK_K = 16 lets the CPU tests reach the k-chunk tail with small K,
 # and the plain launch runs the nested loop, the accumulating one the flat loop, so the CPU
 # tests cover both forms
-_T_SMALL = _cfg(128, 32, 16, 1, 1, group_m=2)
+_T_INTERP = _cfg(128, 32, 16, 1, 1, group_m=2)
 _conv_bwd_data_t = _autotune(_T_CONFIGS, _KEY, _bwd_data_macs,
-                             small=_flat(_T_SMALL, False))(_conv_bwd_data_t_kernel)
+                             interp=_flat(_T_INTERP, False))(_conv_bwd_data_t_kernel)
 _conv_bwd_data_t_acc = _autotune(_T_CONFIGS, _KEY, _bwd_data_macs, restore=["dx_ptr"],
-                                 small=_flat(_T_SMALL, True))(_conv_bwd_data_t_kernel)
+                                 interp=_flat(_T_INTERP, True))(_conv_bwd_data_t_kernel)
 
 
 @triton.jit
@@ -919,9 +924,8 @@ def _bwd_weight_macs(a):
     return a["N"] * a["P"] * a["Q"] * a["K"] * a["C"] * a["R"] * a["S"]
 
 
-# under the interpreter few, long reduction steps are cheapest (M = K is small on the CPU)
 _conv_bwd_weight = _autotune(_WGT_CONFIGS, _KEY + ["SPLIT_LEN"], _bwd_weight_macs,
-                             small=_cfg(16, 32, 128, 1, 1, group_m=2))(_conv_bwd_weight_kernel)
+                             interp=_INTERP_WGT)(_conv_bwd_weight_kernel)
 
 
 @triton.jit
@@ -936,16 +940,29 @@ def _splitk_reduce_kernel(ws_ptr, dw_ptr, TOTAL, SPLITS, BLOCK: tl.constexpr):
 
 
 @triton.jit
-def _bias_grad_kernel(dy_ptr, db_ptr, N, K, PQ, BLOCK: tl.constexpr):
-    """db[k] = sum_{n, pq} dY[n, k, pq], a fixed-order loop (one program per k)."""
-    k = tl.program_id(0)
-    acc = tl.zeros((BLOCK,), dtype=tl.float32)
-    for n in range(0, N):
-        base = dy_ptr + (n * K + k).to(tl.int64) * PQ
+def _bias_grad_kernel(dy_ptr, db_ptr, N, K, PQ, BLOCK_C: tl.constexpr, BLOCK_I: tl.constexpr,
+                      BLOCK: tl.constexpr):
+    """db[k] = sum_{n, pq} dY[n, k, pq] for BLOCK_C channels per program, in a fixed order.
+
+    Each step adds a [BLOCK_C channels, BLOCK_I images, BLOCK pixels] tile of dY into the
+    accumulator; the sum over images and pixels comes last. On the GPU a program takes one
+    channel and one image per step (BLOCK_C = BLOCK_I = 1); the interpreter pays per
+    operation and per program, so there a program takes whole blocks of both.
+    """
+    offs_c = tl.program_id(0) * BLOCK_C + tl.arange(0, BLOCK_C)
+    c_ok = offs_c < K
+    imgs = tl.arange(0, BLOCK_I)
+    pix = tl.arange(0, BLOCK)
+    acc = tl.zeros((BLOCK_C, BLOCK_I, BLOCK), dtype=tl.float32)
+    for n0 in range(0, N, BLOCK_I):
+        rows = n0 + imgs
+        row = (rows[None, :].to(tl.int64) * K + offs_c[:, None]) * PQ        # [BC, BI]
+        row_ok = c_ok[:, None] & (rows < N)[None, :]
         for p0 in range(0, PQ, BLOCK):
-            offs = p0 + tl.arange(0, BLOCK)
-            acc += tl.load(base + offs, mask=offs < PQ, other=0.0)
-    tl.store(db_ptr + k, tl.sum(acc, axis=0))
+            offs = p0 + pix
+            acc += tl.load(dy_ptr + row[:, :, None] + offs[None, None, :],
+                           mask=row_ok[:, :, None] & (offs < PQ)[None, None, :], other=0.0)
+    tl.store(db_ptr + offs_c, tl.sum(tl.sum(acc, axis=2), axis=1), mask=c_ok)
 
 
 # --------------------------------------------------------------------------------------------
@@ -1154,13 +1171,25 @@ def backward_data(dy, w, dx, *, stride, padding, algo="implicit", workspace=None
     _run_bwd_data(dy, w, dx, dx.shape, geo, algo, ws, accumulate, prec)
 
 
+def _launch_bias_grad(dy, db, n, k, pq):
+    """db = dY summed over images and pixels: one channel per program on the GPU, blocks of
+    channels and images under the interpreter (about INTERP_TILE elements per step)."""
+    blk = min(_ELEM_BLOCK, triton.next_power_of_2(pq))
+    bc = bi = 1
+    if INTERPRET:
+        blk = min(INTERP_TILE, triton.next_power_of_2(pq))
+        bc = min(triton.next_power_of_2(k), INTERP_TILE // blk)
+        bi = min(triton.next_power_of_2(n), max(1, INTERP_TILE // (blk * bc)))
+    _bias_grad_kernel[(_cdiv(k, bc),)](dy, db, n, k, pq, BLOCK_C=bc, BLOCK_I=bi, BLOCK=blk,
+                                       num_warps=4)
+
+
 def _run_bwd_weight(x, dy, dw, db, geo, algo, ws, prec):
     sh, sw, ph, pw, p, q = geo
     n, c, h, wd = x.shape
     k = dy.shape[1]
     if db is not None:
-        blk = min(_ELEM_BLOCK, triton.next_power_of_2(p * q))
-        _bias_grad_kernel[(k,)](dy, db, n, k, p * q, BLOCK=blk, num_warps=4)
+        _launch_bias_grad(dy, db, n, k, p * q)
     if dw is None:
         return
     _, _, r, s = dw.shape

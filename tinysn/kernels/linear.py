@@ -48,10 +48,12 @@ _GPU_CONFIGS = [
     _cfg(32, 32, 128, 4, 4),
     _cfg(16, 64, 128, 4, 4),
 ]
-_SMALL_CONFIG = _cfg(16, 16, 16, 1, 1, group_m=2)
+# under the interpreter (it pays per operation and per program): a small network's GEMMs are
+# one program of one reduction step
+_INTERP_CONFIG = _cfg(64, 128, 128, 1, 1, group_m=2)
 
 
-@autotune(_GPU_CONFIGS, _SMALL_CONFIG,
+@autotune(_GPU_CONFIGS, _INTERP_CONFIG,
                  key=["M", "N", "K", "MODE"], restore_value=["c_ptr"])
 @triton.jit
 def _gemm_kernel(a_ptr, b_ptr, c_ptr, bias_ptr, rowsum_ptr, M, N, K,

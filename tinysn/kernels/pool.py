@@ -42,7 +42,7 @@ The backward kernel declares restore_value=["dx"] so that autotuning an accumula
 import triton
 import triton.language as tl
 
-from ._common import autotune, check_tensor, launch
+from ._common import INTERP_TILE, autotune, check_tensor, launch
 
 _FWD_GPU = [
     triton.Config({"BLOCK": 256}, num_warps=4),
@@ -50,7 +50,7 @@ _FWD_GPU = [
     triton.Config({"BLOCK": 1024}, num_warps=4),
     triton.Config({"BLOCK": 1024}, num_warps=8),
 ]
-_FWD_SMALL = triton.Config({"BLOCK": 1024}, num_warps=4)
+_FWD_INTERP = triton.Config({"BLOCK": INTERP_TILE}, num_warps=4)
 
 # backward: LANES = elements of the program's [cells, CELLP] tile; the cell count BLOCK =
 # LANES // CELLP follows (triton.heuristics), so that a tile stays in registers whatever the
@@ -61,7 +61,7 @@ _BWD_GPU = [
     triton.Config({"LANES": 1024}, num_warps=8),
     triton.Config({"LANES": 2048}, num_warps=8),
 ]
-_BWD_SMALL = triton.Config({"LANES": 1024}, num_warps=4)
+_BWD_INTERP = triton.Config({"LANES": INTERP_TILE}, num_warps=4)
 
 # global pooling sums across lanes (tl.sum), so its tile is fixed, not autotuned: the
 # summation order, hence every bit of the result, must not depend on a timing race
@@ -139,7 +139,7 @@ def _check_same_device(*named):
 # ----------------------------------------------------------------------------- kernels
 
 
-@autotune(_FWD_GPU, _FWD_SMALL,
+@autotune(_FWD_GPU, _FWD_INTERP,
                  key=["total", "H", "W", "KH", "KW", "SH", "SW"])
 @triton.jit
 def _pool_fwd_kernel(x, y, total, H, W, OH, OW,
@@ -216,7 +216,7 @@ def _pool_global_fwd_kernel(x, y, planes, HW, IS_MAX: tl.constexpr, INDEX64: tl.
     tl.store(y + rows, out, mask=rmask)
 
 
-@autotune(_BWD_GPU, _BWD_SMALL,
+@autotune(_BWD_GPU, _BWD_INTERP,
                  key=["total", "H", "W", "KH", "KW", "SH", "SW"], restore_value=["dx"])
 @triton.heuristics({"BLOCK": lambda a: max(2, a["LANES"] // a["CELLP"])})
 @triton.jit

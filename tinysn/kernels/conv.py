@@ -296,8 +296,9 @@ _WGT_CONFIGS = [
 # phase runs one config with large tiles: a LeNet layer on 8x8 digits is one or a few
 # programs of a few reduction steps. The GPU configs above still run on the CPU in the
 # tests that pin every config (tests/kernels/configs.py), which reach the loop tails.
-_INTERP_FWD = _cfg(512, 32, 32, 1, 1, group_m=2)        # forward and implicit data gradient
-_INTERP_WGT = _cfg(32, 32, 512, 1, 1, group_m=2)        # M = K, N = C*R*S, BLOCK_K = pixels
+_INTERP_FWD = _cfg(2048, 32, 32, 1, 1, group_m=2)       # M = pixels, N = K, BLOCK_K = C*R*S
+_INTERP_DATA = _cfg(1024, 16, 64, 1, 1, group_m=2)      # M = pixels, N = C, BLOCK_K = K*taps
+_INTERP_WGT = _cfg(32, 64, 512, 1, 1, group_m=2)        # M = K, N = C*R*S, BLOCK_K = pixels
 
 
 def _prune(macs_fn):
@@ -622,10 +623,11 @@ def _bwd_data_macs(a):
     return a["N"] * a["H"] * a["W"] * a["K"] * a["C"] * a["R"] * a["S"] // (a["SH"] * a["SW"])
 
 
-_conv_bwd_data = _autotune(_DATA_CONFIGS, _KEY, _bwd_data_macs)(_conv_bwd_data_kernel)
+_conv_bwd_data = _autotune(_DATA_CONFIGS, _KEY, _bwd_data_macs,
+                           interp=_INTERP_DATA)(_conv_bwd_data_kernel)
 # accumulate=True reads dx: autotuning must restore it after each timed trial
-_conv_bwd_data_acc = _autotune(_DATA_CONFIGS, _KEY, _bwd_data_macs,
-                               restore=["dx_ptr"])(_conv_bwd_data_kernel)
+_conv_bwd_data_acc = _autotune(_DATA_CONFIGS, _KEY, _bwd_data_macs, restore=["dx_ptr"],
+                               interp=_INTERP_DATA)(_conv_bwd_data_kernel)
 
 
 @triton.jit

@@ -21,7 +21,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ._common import INTERP_TILE, INTERPRET, check_tensor
+from ._common import INTERP_TILE, INTERPRET, check_tensor, float_workspace
 
 _MAX_BLOCK_K = 1024          # columns per block of a row (tests lower it to exercise the loop)
 _REDUCE_BLOCK = 1024         # row losses summed per step of the final reduction
@@ -134,27 +134,6 @@ def workspace_bytes(n: int, k: int) -> int:
     """Scratch for forward: one float32 row loss per row (backward needs none)."""
     return 4 * int(n)
 
-
-def _float_workspace(workspace, count: int, device) -> torch.Tensor:
-    if not isinstance(workspace, torch.Tensor):
-        raise ValueError(f"workspace must be a torch tensor, got {type(workspace).__name__}")
-    if workspace.dim() != 1 or not workspace.is_contiguous():
-        raise ValueError("workspace must be a contiguous 1-D tensor")
-    if workspace.device != device:
-        raise ValueError(f"workspace is on {workspace.device} but logits is on {device}")
-    if workspace.dtype == torch.uint8:
-        if workspace.numel() < 4 * count:
-            raise ValueError(f"workspace has {workspace.numel()} bytes, needs {4 * count}")
-        if workspace.data_ptr() % 4:
-            raise ValueError("a uint8 workspace must start at a 4-byte aligned address")
-        return workspace[: 4 * count].view(torch.float32)
-    if workspace.dtype == torch.float32:
-        if workspace.numel() < count:
-            raise ValueError(f"workspace has {4 * workspace.numel()} bytes, needs {4 * count}")
-        return workspace[:count]
-    raise ValueError(f"workspace must be uint8 or float32, got {workspace.dtype}")
-
-
 def forward(logits: torch.Tensor, labels: torch.Tensor, loss: torch.Tensor,
             workspace: torch.Tensor) -> None:
     """loss[0] = F.cross_entropy(logits, labels) (mean). logits float32 [N, K], labels int64 [N],
@@ -166,7 +145,7 @@ def forward(logits: torch.Tensor, labels: torch.Tensor, loss: torch.Tensor,
         raise ValueError(f"loss must be a float32 tensor of shape [1], got {tuple(loss.shape)}")
     if loss.device != logits.device:
         raise ValueError(f"loss is on {loss.device} but logits is on {logits.device}")
-    rows = _float_workspace(workspace, n, logits.device)
+    rows = float_workspace("softmax", workspace, workspace_bytes(n, k), logits.device)
     bk = _block_k(k)
     per = _rows_per_program(n, bk)
     _ce_rows_kernel[(triton.cdiv(n, per),)](logits, labels, rows, n, k, ROWS=per, BLOCK_K=bk,

@@ -55,7 +55,8 @@ TUNE = os.environ.get("TINYSN_AUTOTUNE", "1") != "0"
 
 
 def autotune_configs(configs, interpreted_config):
-    """Autotuning collapses to one small config under the interpreter (it is slow there)."""
+    """The configs an autotuner times: under the interpreter only `interpreted_config` (a
+    large tile: timing there is slow and measures the interpreter, not the kernel)."""
     if INTERPRET:
         return [interpreted_config]
     return list(configs) if TUNE else list(configs[:1])

@@ -52,7 +52,8 @@ workspace bytes, fastest-expected first:
     "splitk"     the N*P*Q reduction is cut into `splitk_splits()` chunks; each writes its
                  partial dW into the workspace [splits, K, C*R*S]; a second kernel sums the
                  chunks in a fixed order. More programs when K*C*R*S is small.
-  db (bias gradient) is a separate fixed-order reduce kernel over dY (one program per k).
+  db (bias gradient) is a separate fixed-order reduce kernel over dY (one program per channel
+  on the GPU, per block of channels under the interpreter).
 
 Rules (notes/kernel-contract.md): nothing is allocated here; workspace is a 1-D uint8 or
 float32 tensor of at least `workspace_bytes(...)` bytes; outputs are overwritten (dx is added
@@ -63,8 +64,8 @@ workspace_bytes(.., "backward_weight", algo_weight)) bytes (`backward_workspace_
 
 Precision: tl.dot input_precision = dot_precision(precision) ("tf32" by default on the GPU,
 "ieee" exact float32). The autotuner picks tile sizes per shape on the GPU (the K-block size
-and so the rounding may differ between configs; a process keeps its choice) and collapses to
-one small config under the interpreter. Problems too small to be worth timing skip autotuning
+and so the rounding may differ between configs; a process keeps its choice); under the
+interpreter each phase runs one large-tile config (`_INTERP_*`). Problems too small to be worth timing skip autotuning
 and take the first config. After a shape's first launch its pick is launched directly
 (`_launch`), and the shape arithmetic is cached, to keep host time per call low.
 
@@ -947,6 +948,7 @@ def _bias_grad_kernel(dy_ptr, db_ptr, N, K, PQ, BLOCK_C: tl.constexpr, BLOCK_I: 
 # --------------------------------------------------------------------------------------------
 
 _ELEM_BLOCK = 16 if INTERPRET else 1024
+_BIAS_TILE = INTERP_TILE if INTERPRET else 0     # see _bias_blocks
 
 
 def _check_4d(name, t, shape=None):
@@ -1115,17 +1117,23 @@ def backward_data(dy, w, dx, *, stride, padding, algo="implicit", workspace=None
     _run_bwd_data(dy, w, dx, dx.shape, geo, algo, ws, accumulate, prec)
 
 
+def _bias_blocks(n, k, pq, tile):
+    """(BLOCK_C, BLOCK_I, BLOCK) of the bias gradient's [channels, images, pixels] tile step.
+    tile 0: the GPU's one channel and one image per program step, up to 1024 pixels; else
+    blocks of pixels, channels and images up to `tile` elements (the interpreter pays per
+    operation and per program, not per element)."""
+    if not tile:
+        return 1, 1, min(1024, triton.next_power_of_2(pq))
+    blk = min(tile, triton.next_power_of_2(pq))
+    bc = min(triton.next_power_of_2(k), max(1, tile // blk))
+    return bc, min(triton.next_power_of_2(n), max(1, tile // (blk * bc))), blk
+
+
 def _launch_bias_grad(dy, db, n, k, pq):
-    """db = dY summed over images and pixels: one channel per program on the GPU, blocks of
-    channels and images under the interpreter (about INTERP_TILE elements per step)."""
-    blk = min(_ELEM_BLOCK, triton.next_power_of_2(pq))
-    bc = bi = 1
-    if INTERPRET:
-        blk = min(INTERP_TILE, triton.next_power_of_2(pq))
-        bc = min(triton.next_power_of_2(k), INTERP_TILE // blk)
-        bi = min(triton.next_power_of_2(n), max(1, INTERP_TILE // (blk * bc)))
+    """db = dY summed over images and pixels, BLOCK_C channels per program."""
+    bc, bi, blk = _bias_blocks(n, k, pq, _BIAS_TILE)
     _bias_grad_kernel[(triton.cdiv(k, bc),)](dy, db, n, k, pq, BLOCK_C=bc, BLOCK_I=bi, BLOCK=blk,
-                                       num_warps=4)
+                                             num_warps=4)
 
 
 def _run_bwd_weight(x, dy, dw, db, geo, algo, ws, prec):

@@ -16,8 +16,8 @@ order: deterministic, no atomics, no split-K, so workspace_bytes is 0.
 
 Precision: tl.dot input_precision = dot_precision(precision) ("tf32" by default on the GPU,
 "ieee" for exact float32). The autotuner picks tile sizes per shape on the GPU (the K-block
-size, and so the rounding, can differ between configs; a process keeps its choice), and
-collapses to one small config under the interpreter.
+size, and so the rounding, can differ between configs; a process keeps its choice); under
+the interpreter it runs one large-tile config.
 """
 import torch
 import triton

@@ -2,9 +2,9 @@
 
 forward(logits, labels, loss, workspace)
     loss[0] = mean_i (logsumexp(logits[i]) - logits[i, labels[i]])
-    One program per row writes its row loss into the workspace (float32 [N]); a second,
-    single-program kernel sums them in a fixed order and divides by N. No atomics: the loss is
-    bitwise reproducible.
+    One program per row (per block of rows under the interpreter, _ROW_TILE) writes its row
+    loss into the workspace (float32 [N]); a second, single-program kernel sums them in a
+    fixed order and divides by N. No atomics: the loss is bitwise reproducible.
 backward(logits, labels, dlogits, *, scale=1.0, accumulate=False)
     dlogits (+)= (softmax(logits) - onehot(labels)) * (scale / N)
     (the gradient of scale * loss; softmax is recomputed from the logits, nothing is saved).

@@ -411,6 +411,20 @@ def test_backward_skips_missing_gradients():
     _close(db, dy.double().sum((0, 2, 3)), 25, "ieee", "db only (backward_weight)")
 
 
+
+@pytest.mark.parametrize("tile", [0, 8, 64, conv.INTERP_TILE])
+def test_bias_grad_tile_layouts(tile, monkeypatch):
+    """The bias gradient in every tile layout: the GPU's (tile 0: one channel and image per
+    step), small tiles (several programs, loops over images and pixels with masked tails) and
+    the interpreter's; K, N and P*Q are not powers of two."""
+    monkeypatch.setattr(conv, "_BIAS_TILE", tile)
+    gen = torch.Generator().manual_seed(tile)
+    for n, k, p in ((3, 5, 3), (5, 3, 7), (6, 3, 2), (1, 1, 1)):
+        x, dy = _rand((n, 2, p, p), gen, "cpu"), _rand((n, k, p, p), gen, "cpu")
+        db = _nan((k,), "cpu")
+        conv.backward_weight(x, dy, None, db, stride=1, padding=0)
+        _close(db, dy.double().sum((0, 2, 3)), n * p * p, "ieee", f"db tile {tile}")
+
 # --------------------------------------------------------------------------------------------
 # GPU (device machine)
 # --------------------------------------------------------------------------------------------

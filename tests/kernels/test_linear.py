@@ -86,7 +86,7 @@ def test_linear_edge_shapes(n, f, o, accumulate):
 
 def test_linear_tf32_default_runs():
     _check(5, 40, 9, precision="tf32")
-    _check(5, 40, 9, precision=None)            # the default (tf32 unless set_precision)
+    _check(5, 40, 9, precision=None)            # the default: tf32
 
 
 def test_linear_deterministic():

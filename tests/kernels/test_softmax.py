@@ -14,15 +14,17 @@ GPU = torch.cuda.is_available()
 
 
 @contextlib.contextmanager
-def _blocks(max_block_k=None, reduce_block=None):
-    """Shrink the block sizes so that small shapes exercise the multi-block loops."""
-    saved = softmax._MAX_BLOCK_K, softmax._REDUCE_BLOCK
+def _blocks(max_block_k=None, reduce_block=None, row_tile=None):
+    """Shrink the block sizes so that small shapes exercise the multi-block loops; row_tile=1
+    runs one row per program (the GPU's layout), a small one several programs of rows."""
+    saved = softmax._MAX_BLOCK_K, softmax._REDUCE_BLOCK, softmax._ROW_TILE
     softmax._MAX_BLOCK_K = max_block_k or saved[0]
     softmax._REDUCE_BLOCK = reduce_block or saved[1]
+    softmax._ROW_TILE = row_tile or saved[2]
     try:
         yield
     finally:
-        softmax._MAX_BLOCK_K, softmax._REDUCE_BLOCK = saved
+        softmax._MAX_BLOCK_K, softmax._REDUCE_BLOCK, softmax._ROW_TILE = saved
 
 
 def _inputs(n, k, seed, device="cpu", spread=3.0):
@@ -65,9 +67,9 @@ def _check(n, k, seed=0, device="cpu", scale=1.0, accumulate=False, spread=3.0,
 @settings(max_examples=40, deadline=None)
 @given(n=st.integers(1, 6), k=st.integers(1, 70), seed=st.integers(0, 2**16),
        scale=st.sampled_from([1.0, 0.5, 1024.0]), accumulate=st.booleans(),
-       small_blocks=st.booleans())
-def test_cross_entropy_random(n, k, seed, scale, accumulate, small_blocks):
-    with _blocks(16, 2) if small_blocks else contextlib.nullcontext():
+       small_blocks=st.booleans(), row_tile=st.sampled_from([None, 1, 32]))
+def test_cross_entropy_random(n, k, seed, scale, accumulate, small_blocks, row_tile):
+    with _blocks(16 if small_blocks else None, 2 if small_blocks else None, row_tile):
         _check(n, k, seed, scale=scale, accumulate=accumulate)
 
 
@@ -83,6 +85,10 @@ def test_cross_entropy_multi_block_rows_and_reduce():
         _check(9, 53, seed=3)
         _check(1, 16, seed=4)
         _check(9, 48, seed=5, accumulate=True)
+    for row_tile in (1, 32):     # one row per program; two rows per program, the last half dead
+        with _blocks(16, 4, row_tile):
+            _check(9, 53, seed=6)
+            _check(9, 48, seed=7, accumulate=True)
 
 
 def test_cross_entropy_large_logits_are_stable():

@@ -35,11 +35,10 @@ The workspace (uint8 or float32, 1-D, at least workspace_bytes) holds per-(chann
 partials ([C, chunks, 3] floats forward, [C, chunks, 2] + [2, C] backward); its contents on
 entry do not matter.
 """
-import torch
 import triton
 import triton.language as tl
 
-from ._common import INTERPRET, check_tensor
+from ._common import INTERPRET, check_tensor, float_workspace
 
 _TILE = 1024 if INTERPRET else 2048          # elements per tile of the streaming passes
 _WARPS = 4 if INTERPRET else 8
@@ -48,35 +47,25 @@ _MIN_CHUNK = 8192                            # elements per chunk, at least (whe
 
 
 # ----------------------------------------------------------------------------- geometry
-
-
-def _cdiv(a, b):
-    return -(-a // b)
-
-
-def _next_pow2(v):
-    return 1 << max(0, int(v - 1).bit_length())
-
-
 def _chunks(n, c, hw):
     """(rows per chunk, row groups, cols per chunk, col groups) of a channel's [n, hw] view.
 
     From the shape alone (the workspace size must not depend on the machine).
     """
-    want = max(1, min(_cdiv(_TARGET_PROGRAMS, c), _cdiv(n * hw, _MIN_CHUNK)))
+    want = max(1, min(triton.cdiv(_TARGET_PROGRAMS, c), triton.cdiv(n * hw, _MIN_CHUNK)))
     nr = min(n, want)
-    rpc = _cdiv(n, nr)
-    nr = _cdiv(n, rpc)
-    nh = max(1, min(_cdiv(want, nr), _cdiv(hw, 1024)))
-    cpc = _cdiv(_cdiv(hw, nh), 128) * 128
-    nh = _cdiv(hw, cpc)
+    rpc = triton.cdiv(n, nr)
+    nr = triton.cdiv(n, rpc)
+    nh = max(1, min(triton.cdiv(want, nr), triton.cdiv(hw, 1024)))
+    cpc = triton.cdiv(triton.cdiv(hw, nh), 128) * 128
+    nh = triton.cdiv(hw, cpc)
     return rpc, nr, cpc, nh
 
 
 def _tile_shape(rows_max, cols_max):
     """[ROWS, COLS] tile of about _TILE elements for a rows_max x cols_max region."""
-    cols = min(_next_pow2(cols_max), _TILE)
-    rows = max(1, min(_TILE // cols, _next_pow2(rows_max)))
+    cols = min(triton.next_power_of_2(cols_max), _TILE)
+    rows = max(1, min(_TILE // cols, triton.next_power_of_2(rows_max)))
     return rows, cols
 
 
@@ -268,24 +257,6 @@ def _bn_dx_kernel(x, dy, dx, saved, gamma, sums, NC, C, HW, inv_n,
 
 # ----------------------------------------------------------------------------- launchers
 
-
-def _float_ws(workspace, nbytes):
-    if not isinstance(workspace, torch.Tensor):
-        raise ValueError(f"workspace must be a torch tensor, got {type(workspace).__name__}")
-    if workspace.dim() != 1 or workspace.dtype not in (torch.uint8, torch.float32):
-        raise ValueError("workspace must be a 1-D uint8 or float32 tensor")
-    if not workspace.is_contiguous():
-        raise ValueError("workspace must be contiguous")
-    have = workspace.numel() * workspace.element_size()
-    if have < nbytes:
-        raise ValueError(f"workspace has {have} bytes, bn needs {nbytes}")
-    if workspace.dtype == torch.float32:
-        return workspace[: nbytes // 4]
-    if workspace.data_ptr() % 4:
-        raise ValueError("a uint8 workspace must start at a 4-byte aligned address")
-    return workspace[:nbytes].view(torch.float32)
-
-
 def _check_vec(name, t, c, device):
     check_tensor(name, t, (c,))
     if t.device != device:
@@ -302,15 +273,15 @@ def _check_x(x):
 
 
 def _finalize_shape(c, nch):
-    nchp = max(2, _next_pow2(nch))
-    cb = max(2, min(_next_pow2(c), _TILE // nchp))
+    nchp = max(2, triton.next_power_of_2(nch))
+    cb = max(2, min(triton.next_power_of_2(c), _TILE // nchp))
     return cb, nchp
 
 
 def _elementwise_grid(n, c, hw):
-    cols = min(_next_pow2(hw), _TILE)
+    cols = min(triton.next_power_of_2(hw), _TILE)
     r = max(1, _TILE // cols)
-    return (_cdiv(n * c, r), _cdiv(hw, cols)), r, cols
+    return (triton.cdiv(n * c, r), triton.cdiv(hw, cols)), r, cols
 
 
 def forward(x, gamma, beta, y, running_mean, running_var, saved, workspace, *,
@@ -335,7 +306,7 @@ def forward(x, gamma, beta, y, running_mean, running_var, saved, workspace, *,
         raise ValueError(f"eps must be a positive number, got {eps!r}")
     if not (isinstance(momentum, (int, float)) and 0.0 <= momentum <= 1.0):
         raise ValueError(f"momentum must be a number in [0, 1], got {momentum!r}")
-    ws = _float_ws(workspace, workspace_bytes(x.shape, "forward"))
+    ws = float_workspace("bn", workspace, workspace_bytes(x.shape, "forward"), x.device)
     if ws.device != dev:
         raise ValueError(f"workspace is on {ws.device} but x is on {dev}")
     hw = h * w
@@ -348,7 +319,7 @@ def forward(x, gamma, beta, y, running_mean, running_var, saved, workspace, *,
     cb, nchp = _finalize_shape(c, nch)
     rm = running_mean if update_running else saved
     rv = running_var if update_running else saved
-    _bn_finalize_kernel[(_cdiv(c, cb),)](ws, saved, rm, rv, c, nch, float(total),
+    _bn_finalize_kernel[(triton.cdiv(c, cb),)](ws, saved, rm, rv, c, nch, float(total),
                                          total / (total - 1), float(eps), float(momentum),
                                          UPDATE=update_running, CB=cb, NCHP=nchp)
     grid, r, cols = _elementwise_grid(n, c, hw)
@@ -376,7 +347,7 @@ def backward(x, gamma, dy, saved, dx, dgamma, dbeta, workspace, *, accumulate=Fa
         _check_vec("dbeta", dbeta, c, dev)
     if not isinstance(accumulate, bool):
         raise ValueError(f"accumulate must be a bool, got {accumulate!r}")
-    ws = _float_ws(workspace, workspace_bytes(x.shape, "backward"))
+    ws = float_workspace("bn", workspace, workspace_bytes(x.shape, "backward"), x.device)
     if ws.device != dev:
         raise ValueError(f"workspace is on {ws.device} but x is on {dev}")
     if dx is None and dgamma is None and dbeta is None:
@@ -389,7 +360,7 @@ def backward(x, gamma, dy, saved, dx, dgamma, dbeta, workspace, *, accumulate=Fa
                                        ROWS=rows, COLS=cols, num_warps=_WARPS)
     sums = ws[c * nch * 2: c * nch * 2 + 2 * c]
     cb, nchp = _finalize_shape(c, nch)
-    _bn_bwd_finalize_kernel[(_cdiv(c, cb),)](
+    _bn_bwd_finalize_kernel[(triton.cdiv(c, cb),)](
         ws, sums, saved, dgamma if dgamma is not None else sums,
         dbeta if dbeta is not None else sums, c, nch,
         HAS_DG=dgamma is not None, HAS_DB=dbeta is not None, CB=cb, NCHP=nchp)

@@ -52,7 +52,8 @@ workspace bytes, fastest-expected first:
     "splitk"     the N*P*Q reduction is cut into `splitk_splits()` chunks; each writes its
                  partial dW into the workspace [splits, K, C*R*S]; a second kernel sums the
                  chunks in a fixed order. More programs when K*C*R*S is small.
-  db (bias gradient) is a separate fixed-order reduce kernel over dY (one program per k).
+  db (bias gradient) is a separate fixed-order reduce kernel over dY (one program per channel
+  on the GPU, per block of channels under the interpreter).
 
 Rules (docs/kernels.md): nothing is allocated here; workspace is a 1-D uint8 or
 float32 tensor of at least `workspace_bytes(...)` bytes; outputs are overwritten (dx is added
@@ -63,8 +64,8 @@ workspace_bytes(.., "backward_weight", algo_weight)) bytes (`backward_workspace_
 
 Precision: tl.dot input_precision = dot_precision(precision) ("tf32" by default on the GPU,
 "ieee" exact float32). The autotuner picks tile sizes per shape on the GPU (the K-block size
-and so the rounding may differ between configs; a process keeps its choice) and collapses to
-one small config under the interpreter. Problems too small to be worth timing skip autotuning
+and so the rounding may differ between configs; a process keeps its choice); under the
+interpreter each phase runs one large-tile config (`_INTERP_*`). Problems too small to be worth timing skip autotuning
 and take the first config. After a shape's first launch its pick is launched directly
 (`_launch`), and the shape arithmetic is cached, to keep host time per call low.
 
@@ -78,11 +79,11 @@ Design and shortfalls: docs/kernels.md; measurements: bench/README.md.
 """
 import functools
 
-import torch
 import triton
 import triton.language as tl
 
-from ._common import _TUNED, INTERPRET, autotune, check_tensor, dot_precision  # noqa: F401
+from ._common import _TUNED, INTERP_TILE, INTERPRET, autotune, check_device  # noqa: F401
+from ._common import check_no_overlap, check_tensor, dot_precision, float_workspace, pair
 from ._common import launch as _launch
 
 PHASES = ("forward", "backward_data", "backward_weight")
@@ -103,11 +104,6 @@ _TUNE_MIN_MACS = 1 << 24
 # --------------------------------------------------------------------------------------------
 # shapes and workspaces
 # --------------------------------------------------------------------------------------------
-
-def _cdiv(a, b):
-    return -(-a // b)
-
-
 def _hashable(v):
     """A cache key for a stride/padding argument (validation happens inside the cached call)."""
     v = tuple(v) if isinstance(v, list) else v
@@ -116,20 +112,6 @@ def _hashable(v):
     except TypeError:
         raise ValueError(f"conv: expected an int or a pair of ints, got {v!r}") from None
     return v
-
-
-def _pair(v, name, minimum):
-    if isinstance(v, bool):
-        raise ValueError(f"conv: {name} must be an int or a pair of ints, got {v!r}")
-    if isinstance(v, int):
-        v = (v, v)
-    if not isinstance(v, (tuple, list)) or len(v) != 2 or \
-            not all(isinstance(e, int) and not isinstance(e, bool) for e in v):
-        raise ValueError(f"conv: {name} must be an int or a pair of ints, got {v!r}")
-    if v[0] < minimum or v[1] < minimum:
-        raise ValueError(f"conv: {name} must be >= {minimum}, got {tuple(v)}")
-    return int(v[0]), int(v[1])
-
 
 def _shape4(shape, name):
     if len(shape) != 4 or not all(isinstance(d, int) and d >= 1 for d in shape):
@@ -147,8 +129,8 @@ def out_shape(x_shape, w_shape, stride, padding) -> tuple:
 def _out_shape(x_shape, w_shape, stride, padding) -> tuple:
     n, c, h, w = _shape4(tuple(x_shape), "x")
     k, c2, r, s = _shape4(tuple(w_shape), "w")
-    sh, sw = _pair(stride, "stride", 1)
-    ph, pw = _pair(padding, "padding", 0)
+    sh, sw = pair(stride, "conv: stride", 1)
+    ph, pw = pair(padding, "conv: padding", 0)
     if c2 != c:
         raise ValueError(f"conv: w has {c2} input channels, x has {c}")
     if r > h + 2 * ph or s > w + 2 * pw:
@@ -167,15 +149,15 @@ def _splitk_splits(x_shape, w_shape, stride, padding) -> int:
     n, k, p, q = out_shape(x_shape, w_shape, stride, padding)
     _, c, r, s = w_shape
     npq = n * p * q
-    tiles = _cdiv(k, 64) * _cdiv(c * r * s, 64)
-    splits = max(1, min(_MAX_SPLITS, _cdiv(_TARGET_PROGRAMS, tiles),
-                        _cdiv(npq, _SPLIT_QUANTUM)))
-    chunk = _cdiv(_cdiv(npq, splits), _SPLIT_QUANTUM) * _SPLIT_QUANTUM
-    return _cdiv(npq, chunk)
+    tiles = triton.cdiv(k, 64) * triton.cdiv(c * r * s, 64)
+    splits = max(1, min(_MAX_SPLITS, triton.cdiv(_TARGET_PROGRAMS, tiles),
+                        triton.cdiv(npq, _SPLIT_QUANTUM)))
+    chunk = triton.cdiv(triton.cdiv(npq, splits), _SPLIT_QUANTUM) * _SPLIT_QUANTUM
+    return triton.cdiv(npq, chunk)
 
 
 def _split_len(npq, splits):
-    return _cdiv(_cdiv(npq, splits), _SPLIT_QUANTUM) * _SPLIT_QUANTUM
+    return triton.cdiv(triton.cdiv(npq, splits), _SPLIT_QUANTUM) * _SPLIT_QUANTUM
 
 
 def workspace_bytes(x_shape, w_shape, stride, padding, phase, algo) -> int:
@@ -209,7 +191,7 @@ def algos(x_shape, w_shape, stride, padding, phase) -> dict:
     """{algo: workspace bytes} of the algorithms offered for `phase`, fastest-expected first."""
     if phase not in _ALGOS:
         raise ValueError(f"conv: phase must be one of {PHASES}, got {phase!r}")
-    sh, sw = _pair(stride, "stride", 1)
+    sh, sw = pair(stride, "conv: stride", 1)
     ws = lambda a: workspace_bytes(x_shape, w_shape, stride, padding, phase, a)  # noqa: E731
     if phase == "forward":
         return {"implicit": 0, "im2col": ws("im2col")}
@@ -228,8 +210,8 @@ def algos(x_shape, w_shape, stride, padding, phase) -> dict:
 def _flipped_applies(w_shape, stride, padding) -> bool:
     """"flipped" needs stride 1 and padding below the kernel size (its forward-conv padding
     R-1-ph must not be negative)."""
-    sh, sw = _pair(stride, "stride", 1)
-    ph, pw = _pair(padding, "padding", 0)
+    sh, sw = pair(stride, "conv: stride", 1)
+    ph, pw = pair(padding, "conv: padding", 0)
     return sh == 1 and sw == 1 and ph < w_shape[2] and pw < w_shape[3]
 
 
@@ -291,7 +273,13 @@ _WGT_CONFIGS = [
     _cfg(128, 64, 32, 4, 4, True),
     _cfg(128, 128, 32, 8, 3, True),
 ]
-_SMALL_CONFIG = _cfg(128, 32, 32, 1, 1, group_m=2)
+# Under the interpreter (which pays per operation and per program, see INTERP_TILE) each
+# phase runs one config with large tiles: a LeNet layer on 8x8 digits is one or a few
+# programs of a few reduction steps. The GPU configs above still run on the CPU in the
+# tests that pin every config (tests/kernels/configs.py), which reach the loop tails.
+_INTERP_FWD = _cfg(2048, 32, 32, 1, 1, group_m=2)       # M = pixels, N = K, BLOCK_K = C*R*S
+_INTERP_DATA = _cfg(1024, 16, 64, 1, 1, group_m=2)      # M = pixels, N = C, BLOCK_K = K*taps
+_INTERP_WGT = _cfg(32, 64, 512, 1, 1, group_m=2)        # M = K, N = C*R*S, BLOCK_K = pixels
 
 
 def _prune(macs_fn):
@@ -313,11 +301,11 @@ def _fwd_macs(a):
     return a["N"] * a["P"] * a["Q"] * a["K"] * a["C"] * a["R"] * a["S"]
 
 
-def _autotune(configs, key, macs_fn, restore=None, small=None):
+def _autotune(configs, key, macs_fn, restore=None, interp=_INTERP_FWD):
     kw = dict(key=key, restore=restore or ())
     if not INTERPRET:
         kw["prune_configs_by"] = {"early_config_prune": _prune(macs_fn)}
-    return autotune(configs, small or _SMALL_CONFIG, **kw)
+    return autotune(configs, interp, **kw)
 
 
 _KEY = ["N", "C", "H", "W", "K", "P", "Q", "SH", "SW", "PH", "PW", "R", "S"]
@@ -482,6 +470,86 @@ def _im2col_kernel(x_ptr, col_ptr, N, C, SH, SW, PH, PW,
 
 
 @triton.jit
+def _residue_class(cls, SH, SW, PH, PW, H: tl.constexpr, W: tl.constexpr, R: tl.constexpr,
+                   S: tl.constexpr):
+    """Residue class `cls` = rho * SW + sigma of a strided data gradient: the dx pixels
+    h = h0 + SH*i, w = w0 + SW*j with (h+PH) % SH = rho, (w+PW) % SW = sigma. Returns
+    (rho, sigma, h0, w0, HC, WC, TC, UC, pb, qb): HC x WC pixels of dx in the class, TC x UC
+    taps r = rho + SH*t, s = sigma + SW*u, and pixel (i, j) reads dY at (pb + i - t, qb + j - u)."""
+    rho = cls // SW
+    sig = cls % SW
+    h0 = ((rho - PH) % SH + SH) % SH
+    w0 = ((sig - PW) % SW + SW) % SW
+    HC = (H - h0 + SH - 1) // SH
+    WC = (W - w0 + SW - 1) // SW
+    TC = (R - rho + SH - 1) // SH
+    UC = (S - sig + SW - 1) // SW
+    pb = (h0 + PH - rho) // SH
+    qb = (w0 + PW - sig) // SW
+    return rho, sig, h0, w0, HC, WC, TC, UC, pb, qb
+
+
+@triton.jit
+def _class_rows(pid, N, C, SH, SW, HC, WC, pb, qb, H: tl.constexpr, W: tl.constexpr,
+                STRIDE1: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                GROUP_M: tl.constexpr):
+    """The program's tile of a data gradient: BLOCK_M dx pixels of the class (the grid's rows
+    cover the largest class; rows past this class's N*HC*WC are dead) times BLOCK_N input
+    channels. Returns (offs_n, m_ok, n_ok, img0, dimg, ij, i, j, p_m, q_m): the tile's first
+    image img0, each row's image offset dimg, in-class pixel ij = (i, j), and the dY row
+    p_m = pb + i (-1 for a dead row) and column q_m = qb + j of its tap (0, 0)."""
+    if STRIDE1:
+        M_GRID = N * H * W
+    else:
+        M_GRID = N * ((H + SH - 1) // SH) * ((W + SW - 1) // SW)
+    pid_m, pid_n = _tile_ids(pid, M_GRID, C, BLOCK_M, BLOCK_N, GROUP_M)
+    m0 = pid_m * BLOCK_M
+    offs_m = m0 + tl.arange(0, BLOCK_M)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    m_ok = offs_m < N * HC * WC
+    n_ok = offs_n < C
+    if STRIDE1:
+        HW: tl.constexpr = H * W
+        img0 = m0 // HW
+        dimg = offs_m // HW - img0
+        ij = offs_m % HW
+        i = ij // W
+        j = ij % W
+    else:
+        hwc = tl.maximum(HC * WC, 1)
+        wc = tl.maximum(WC, 1)
+        img0 = m0 // hwc
+        dimg = offs_m // hwc - img0
+        ij = offs_m % hwc
+        i = ij // wc
+        j = ij % wc
+    p_m = tl.where(m_ok, pb + i, -1)        # p = p_m - t < 0 for a dead row
+    return offs_n, m_ok, n_ok, img0, dimg, ij, i, j, p_m, qb + j
+
+
+@triton.jit
+def _store_dx(acc, dx_ptr, img0, dimg, ij, i, j, h0, w0, offs_n, m_ok, n_ok, C, SH, SW,
+              H: tl.constexpr, W: tl.constexpr, STRIDE1: tl.constexpr,
+              ACCUMULATE: tl.constexpr, BLOCK_M: tl.constexpr):
+    """dx[pixel (h0 + SH*i, w0 + SW*j) of image img0 + dimg, channel offs_n] (+)= acc
+    [BLOCK_M, BLOCK_N], stored along the pixels."""
+    HW: tl.constexpr = H * W
+    if STRIDE1:
+        dx_m = dimg * (C * HW) + ij
+        if HW % 4 != 0:
+            dx_m = tl.max_contiguous(tl.multiple_of(dx_m, 1), BLOCK_M)
+    else:
+        dx_m = dimg * (C * HW) + (h0 + SH * i) * W + w0 + SW * j
+        dx_m = tl.max_contiguous(tl.multiple_of(dx_m, 1), BLOCK_M)
+    dx_ptrs = dx_ptr + img0.to(tl.int64) * (C * HW) + (dx_m[None, :] + (offs_n * HW)[:, None])
+    mask = n_ok[:, None] & m_ok[None, :]
+    out = tl.trans(acc)                                                      # [BN, BM]
+    if ACCUMULATE:
+        out += tl.load(dx_ptrs, mask=mask, other=0.0)
+    tl.store(dx_ptrs, out, mask=mask)
+
+
+@triton.jit
 def _conv_bwd_data_kernel(dy_ptr, w_ptr, dx_ptr,
                           N, C, K, SH, SW, PH, PW,
                           H: tl.constexpr, W: tl.constexpr, P: tl.constexpr, Q: tl.constexpr,
@@ -515,46 +583,13 @@ def _conv_bwd_data_kernel(dy_ptr, w_ptr, dx_ptr,
         UCD: tl.constexpr = S
         pb = PH
         qb = PW
-        M_GRID = N * HW
     else:
-        cls = tl.program_id(1)
-        rho = cls // SW
-        sig = cls % SW
-        h0 = ((rho - PH) % SH + SH) % SH
-        w0 = ((sig - PW) % SW + SW) % SW
-        HC = (H - h0 + SH - 1) // SH            # rows / columns of dx in this class
-        WC = (W - w0 + SW - 1) // SW
-        TC = (R - rho + SH - 1) // SH           # taps of this class along r / s
-        UC = (S - sig + SW - 1) // SW
+        rho, sig, h0, w0, HC, WC, TC, UC, pb, qb = _residue_class(tl.program_id(1), SH, SW,
+                                                                  PH, PW, H, W, R, S)
         TUD = (TC * UC).to(tl.uint32)
         UCD = UC.to(tl.uint32)
-        pb = (h0 + PH - rho) // SH
-        qb = (w0 + PW - sig) // SW
-        M_GRID = N * ((H + SH - 1) // SH) * ((W + SW - 1) // SW)
-    HWC = HC * WC
-    MC = N * HWC
-    pid_m, pid_n = _tile_ids(pid, M_GRID, C, BLOCK_M, BLOCK_N, GROUP_M)
-    m0 = pid_m * BLOCK_M
-    offs_m = m0 + tl.arange(0, BLOCK_M)
-    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    m_ok = offs_m < MC
-    n_ok = offs_n < C
-    if STRIDE1:
-        img0 = m0 // HW
-        dimg = offs_m // HW - img0
-        ij = offs_m % HW
-        i = ij // W
-        j = ij % W
-    else:
-        hwc = tl.maximum(HWC, 1)
-        wc = tl.maximum(WC, 1)
-        img0 = m0 // hwc
-        dimg = offs_m // hwc - img0
-        ij = offs_m % hwc
-        i = ij // wc
-        j = ij % wc
-    p_m = tl.where(m_ok, pb + i, -1)        # p = p_m - t < 0 for a dead row
-    q_m = qb + j
+    offs_n, m_ok, n_ok, img0, dimg, ij, i, j, p_m, q_m = _class_rows(
+        pid, N, C, SH, SW, HC, WC, pb, qb, H, W, STRIDE1, BLOCK_M, BLOCK_N, GROUP_M)
     dy_base = dy_ptr + img0.to(tl.int64) * (K * PQ)
     if IS_1X1:
         dy_m = dimg * (K * PQ) + ij
@@ -592,29 +627,19 @@ def _conv_bwd_data_kernel(dy_ptr, w_ptr, dx_ptr,
         b = tl.load(b_ptrs, mask=k_ok[:, None] & n_ok[None, :], other=0.0)   # [BK, BN]
         acc = tl.dot(tl.trans(a), b, acc, input_precision=PRECISION)
 
-    if STRIDE1:
-        dx_m = dimg * (C * HW) + ij
-        if HW % 4 != 0:
-            dx_m = tl.max_contiguous(tl.multiple_of(dx_m, 1), BLOCK_M)
-    else:
-        dx_m = dimg * (C * HW) + (h0 + SH * i) * W + w0 + SW * j
-        dx_m = tl.max_contiguous(tl.multiple_of(dx_m, 1), BLOCK_M)
-    dx_ptrs = dx_ptr + img0.to(tl.int64) * (C * HW) + (dx_m[None, :] + (offs_n * HW)[:, None])
-    mask = n_ok[:, None] & m_ok[None, :]
-    out = tl.trans(acc)                                                      # [BN, BM]
-    if ACCUMULATE:
-        out += tl.load(dx_ptrs, mask=mask, other=0.0)
-    tl.store(dx_ptrs, out, mask=mask)
+    _store_dx(acc, dx_ptr, img0, dimg, ij, i, j, h0, w0, offs_n, m_ok, n_ok, C, SH, SW, H, W,
+              STRIDE1, ACCUMULATE, BLOCK_M)
 
 
 def _bwd_data_macs(a):
     return a["N"] * a["H"] * a["W"] * a["K"] * a["C"] * a["R"] * a["S"] // (a["SH"] * a["SW"])
 
 
-_conv_bwd_data = _autotune(_DATA_CONFIGS, _KEY, _bwd_data_macs)(_conv_bwd_data_kernel)
-# accumulate=True reads dx: autotuning must restore it after timing
-_conv_bwd_data_acc = _autotune(_DATA_CONFIGS, _KEY, _bwd_data_macs,
-                               restore=["dx_ptr"])(_conv_bwd_data_kernel)
+_conv_bwd_data = _autotune(_DATA_CONFIGS, _KEY, _bwd_data_macs,
+                           interp=_INTERP_DATA)(_conv_bwd_data_kernel)
+# accumulate=True reads dx: autotuning must restore it after each timed trial
+_conv_bwd_data_acc = _autotune(_DATA_CONFIGS, _KEY, _bwd_data_macs, restore=["dx_ptr"],
+                               interp=_INTERP_DATA)(_conv_bwd_data_kernel)
 
 
 @triton.jit
@@ -716,43 +741,12 @@ def _conv_bwd_data_t_kernel(dy_ptr, wt_ptr, dx_ptr,
         TU: tl.constexpr = R * S
         pb = PH
         qb = PW
-        M_GRID = N * HW
     else:
-        cls = tl.program_id(1)
-        rho = cls // SW
-        sig = cls % SW
-        h0 = ((rho - PH) % SH + SH) % SH
-        w0 = ((sig - PW) % SW + SW) % SW
-        HC = (H - h0 + SH - 1) // SH            # rows / columns of dx in this class
-        WC = (W - w0 + SW - 1) // SW
-        UC = (S - sig + SW - 1) // SW           # taps of this class along s
-        TU = ((R - rho + SH - 1) // SH) * UC    # taps of this class
-        pb = (h0 + PH - rho) // SH
-        qb = (w0 + PW - sig) // SW
-        M_GRID = N * ((H + SH - 1) // SH) * ((W + SW - 1) // SW)
-    HWC = HC * WC
-    pid_m, pid_n = _tile_ids(pid, M_GRID, C, BLOCK_M, BLOCK_N, GROUP_M)
-    m0 = pid_m * BLOCK_M
-    offs_m = m0 + tl.arange(0, BLOCK_M)
-    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    m_ok = offs_m < N * HWC
-    n_ok = offs_n < C
-    if STRIDE1:
-        img0 = m0 // HW
-        dimg = offs_m // HW - img0
-        ij = offs_m % HW
-        i = ij // W
-        j = ij % W
-    else:
-        hwc = tl.maximum(HWC, 1)
-        wc = tl.maximum(WC, 1)
-        img0 = m0 // hwc
-        dimg = offs_m // hwc - img0
-        ij = offs_m % hwc
-        i = ij // wc
-        j = ij % wc
-    p_m = tl.where(m_ok, pb + i, -1)        # p = p_m - t < 0 for a dead row
-    q_m = qb + j
+        rho, sig, h0, w0, HC, WC, TC, UC, pb, qb = _residue_class(tl.program_id(1), SH, SW,
+                                                                  PH, PW, H, W, R, S)
+        TU = TC * UC                            # taps of this class
+    offs_n, m_ok, n_ok, img0, dimg, ij, i, j, p_m, q_m = _class_rows(
+        pid, N, C, SH, SW, HC, WC, pb, qb, H, W, STRIDE1, BLOCK_M, BLOCK_N, GROUP_M)
     dy_base = dy_ptr + img0.to(tl.int64) * (K * PQ)
     if IS_1X1:
         dy_m = dimg * (K * PQ) + ij
@@ -780,19 +774,8 @@ def _conv_bwd_data_t_kernel(dy_ptr, wt_ptr, dx_ptr,
                 acc = _tap_chunk(acc, dy_base, a_m, row_ok, b_base, wt_n, n_ok, k0, K, PQ,
                                  PRECISION, BLOCK_K)
 
-    if STRIDE1:
-        dx_m = dimg * (C * HW) + ij
-        if HW % 4 != 0:
-            dx_m = tl.max_contiguous(tl.multiple_of(dx_m, 1), BLOCK_M)
-    else:
-        dx_m = dimg * (C * HW) + (h0 + SH * i) * W + w0 + SW * j
-        dx_m = tl.max_contiguous(tl.multiple_of(dx_m, 1), BLOCK_M)
-    dx_ptrs = dx_ptr + img0.to(tl.int64) * (C * HW) + (dx_m[None, :] + (offs_n * HW)[:, None])
-    mask = n_ok[:, None] & m_ok[None, :]
-    out = tl.trans(acc)                                                      # [BN, BM]
-    if ACCUMULATE:
-        out += tl.load(dx_ptrs, mask=mask, other=0.0)
-    tl.store(dx_ptrs, out, mask=mask)
+    _store_dx(acc, dx_ptr, img0, dimg, ij, i, j, h0, w0, offs_n, m_ok, n_ok, C, SH, SW, H, W,
+              STRIDE1, ACCUMULATE, BLOCK_M)
 
 
 def _flat(cfg, flat):
@@ -807,11 +790,11 @@ _T_CONFIGS = [_flat(c, f) for c in _DATA_CONFIGS[:4] for f in (False, True)]
 # under the interpreter BLOCK_K = 16 lets the CPU tests reach the k-chunk tail with small K,
 # and the plain launch runs the nested loop, the accumulating one the flat loop, so the CPU
 # tests cover both forms
-_T_SMALL = _cfg(128, 32, 16, 1, 1, group_m=2)
+_T_INTERP = _cfg(128, 32, 16, 1, 1, group_m=2)
 _conv_bwd_data_t = _autotune(_T_CONFIGS, _KEY, _bwd_data_macs,
-                             small=_flat(_T_SMALL, False))(_conv_bwd_data_t_kernel)
+                             interp=_flat(_T_INTERP, False))(_conv_bwd_data_t_kernel)
 _conv_bwd_data_t_acc = _autotune(_T_CONFIGS, _KEY, _bwd_data_macs, restore=["dx_ptr"],
-                                 small=_flat(_T_SMALL, True))(_conv_bwd_data_t_kernel)
+                                 interp=_flat(_T_INTERP, True))(_conv_bwd_data_t_kernel)
 
 
 @triton.jit
@@ -913,9 +896,8 @@ def _bwd_weight_macs(a):
     return a["N"] * a["P"] * a["Q"] * a["K"] * a["C"] * a["R"] * a["S"]
 
 
-# under the interpreter few, long reduction steps are cheapest (M = K is small on the CPU)
 _conv_bwd_weight = _autotune(_WGT_CONFIGS, _KEY + ["SPLIT_LEN"], _bwd_weight_macs,
-                             small=_cfg(16, 32, 128, 1, 1, group_m=2))(_conv_bwd_weight_kernel)
+                             interp=_INTERP_WGT)(_conv_bwd_weight_kernel)
 
 
 @triton.jit
@@ -930,16 +912,29 @@ def _splitk_reduce_kernel(ws_ptr, dw_ptr, TOTAL, SPLITS, BLOCK: tl.constexpr):
 
 
 @triton.jit
-def _bias_grad_kernel(dy_ptr, db_ptr, N, K, PQ, BLOCK: tl.constexpr):
-    """db[k] = sum_{n, pq} dY[n, k, pq], a fixed-order loop (one program per k)."""
-    k = tl.program_id(0)
-    acc = tl.zeros((BLOCK,), dtype=tl.float32)
-    for n in range(0, N):
-        base = dy_ptr + (n * K + k).to(tl.int64) * PQ
+def _bias_grad_kernel(dy_ptr, db_ptr, N, K, PQ, BLOCK_C: tl.constexpr, BLOCK_I: tl.constexpr,
+                      BLOCK: tl.constexpr):
+    """db[k] = sum_{n, pq} dY[n, k, pq] for BLOCK_C channels per program, in a fixed order.
+
+    Each step adds a [BLOCK_C channels, BLOCK_I images, BLOCK pixels] tile of dY into the
+    accumulator; the sum over images and pixels comes last. On the GPU a program takes one
+    channel and one image per step (BLOCK_C = BLOCK_I = 1); the interpreter pays per
+    operation and per program, so there a program takes whole blocks of both.
+    """
+    offs_c = tl.program_id(0) * BLOCK_C + tl.arange(0, BLOCK_C)
+    c_ok = offs_c < K
+    imgs = tl.arange(0, BLOCK_I)
+    pix = tl.arange(0, BLOCK)
+    acc = tl.zeros((BLOCK_C, BLOCK_I, BLOCK), dtype=tl.float32)
+    for n0 in range(0, N, BLOCK_I):
+        rows = n0 + imgs
+        row = (rows[None, :].to(tl.int64) * K + offs_c[:, None]) * PQ        # [BC, BI]
+        row_ok = c_ok[:, None] & (rows < N)[None, :]
         for p0 in range(0, PQ, BLOCK):
-            offs = p0 + tl.arange(0, BLOCK)
-            acc += tl.load(base + offs, mask=offs < PQ, other=0.0)
-    tl.store(db_ptr + k, tl.sum(acc, axis=0))
+            offs = p0 + pix
+            acc += tl.load(dy_ptr + row[:, :, None] + offs[None, None, :],
+                           mask=row_ok[:, :, None] & (offs < PQ)[None, None, :], other=0.0)
+    tl.store(db_ptr + offs_c, tl.sum(tl.sum(acc, axis=2), axis=1), mask=c_ok)
 
 
 # --------------------------------------------------------------------------------------------
@@ -947,53 +942,20 @@ def _bias_grad_kernel(dy_ptr, db_ptr, N, K, PQ, BLOCK: tl.constexpr):
 # --------------------------------------------------------------------------------------------
 
 _ELEM_BLOCK = 16 if INTERPRET else 1024
+_BIAS_TILE = INTERP_TILE if INTERPRET else 0     # see _bias_blocks
 
 
 def _check_4d(name, t, shape=None):
     check_tensor(name, t, shape)
     if t.dim() != 4:
         raise ValueError(f"conv: {name} must be 4-D, got shape {tuple(t.shape)}")
-
-
-def _check_device(ref, **named):
-    for name, t in named.items():
-        if t is not None and t.device != ref.device:
-            raise ValueError(f"conv: {name} is on {t.device}, expected {ref.device}")
-
-
-def _check_no_overlap(outputs, inputs):
-    """No output may share memory with another tensor of the launch."""
-    others = [(n, t) for n, t in outputs + inputs if t is not None]
-    for na, a in outputs:
-        if a is None:
-            continue
-        for nb, b in others:
-            if b is a:
-                continue
-            a0, b0 = a.data_ptr(), b.data_ptr()
-            if a0 < b0 + b.element_size() * b.numel() and b0 < a0 + a.element_size() * a.numel():
-                raise ValueError(f"conv: {na} overlaps {nb}")
-
-
 def _workspace(workspace, need, device):
     """The first `need` bytes of `workspace` as float32 (None when need is 0)."""
     if need == 0:
         return None
     if workspace is None:
         raise ValueError(f"conv: this algorithm needs a workspace of {need} bytes, got None")
-    if not isinstance(workspace, torch.Tensor) or workspace.dim() != 1 or \
-            workspace.dtype not in (torch.uint8, torch.float32) or not workspace.is_contiguous():
-        raise ValueError("conv: workspace must be a contiguous 1-D uint8 or float32 tensor")
-    if workspace.device != device:
-        raise ValueError(f"conv: workspace is on {workspace.device}, expected {device}")
-    have = workspace.numel() * workspace.element_size()
-    if have < need:
-        raise ValueError(f"conv: workspace too small: {have} bytes, need {need}")
-    if workspace.dtype == torch.uint8:
-        if workspace.data_ptr() % 4:
-            raise ValueError("conv: workspace must be 4-byte aligned")
-        return workspace[:need].view(torch.float32)
-    return workspace[:need // 4]
+    return float_workspace("conv", workspace, need, device)
 
 
 def _geometry(x_shape, w_shape, stride, padding):
@@ -1004,8 +966,8 @@ def _geometry(x_shape, w_shape, stride, padding):
 
 @functools.lru_cache(maxsize=4096)
 def _geometry_cached(x_shape, w_shape, stride, padding):
-    sh, sw = _pair(stride, "stride", 1)
-    ph, pw = _pair(padding, "padding", 0)
+    sh, sw = pair(stride, "conv: stride", 1)
+    ph, pw = pair(padding, "conv: padding", 0)
     n, k, p, q = out_shape(x_shape, w_shape, (sh, sw), (ph, pw))
     _, c, h, w = x_shape
     _, _, r, s = w_shape
@@ -1026,14 +988,16 @@ def _algo(phase, algo):
     return algo
 
 
-def _pix_grid(m, n):
-    return lambda meta: (_cdiv(m, meta["BLOCK_M"]) * _cdiv(n, meta["BLOCK_N"]),)
+def _tile_grid(m, n, depth=1):
+    """Grid of a GEMM over [m, n] tiles (axis 0, grouped by _tile_ids) times `depth` (axis 1:
+    residue classes of the data gradient, split-K chunks of the weight gradient)."""
+    return lambda meta: (triton.cdiv(m, meta["BLOCK_M"]) * triton.cdiv(n, meta["BLOCK_N"]), depth)
 
 
 def _launch_fwd(x, w, b, y, n, c, h, wd, k, p, q, sh, sw, ph, pw, r, s, prec,
                 accumulate=False):
     is_1x1 = r == 1 and s == 1 and sh == 1 and sw == 1 and ph == 0 and pw == 0
-    _launch(_conv_fwd_acc if accumulate else _conv_fwd, _pix_grid(n * p * q, k),
+    _launch(_conv_fwd_acc if accumulate else _conv_fwd, _tile_grid(n * p * q, k),
             (x, w, b if b is not None else y, y, n, c, k, sh, sw, ph, pw),
             dict(H=h, W=wd, P=p, Q=q, R=r, S=s, IS_1X1=is_1x1, HAS_BIAS=b is not None,
                  ACCUMULATE=accumulate, PRECISION=prec))
@@ -1052,17 +1016,17 @@ def forward(x, w, b, y, *, stride, padding, algo="implicit", workspace=None, pre
     _check_4d("y", y, (n, k, p, q))
     if b is not None:
         check_tensor("b", b, (k,))
-    _check_device(x, w=w, b=b, y=y, workspace=workspace)
+    check_device("conv", x, w=w, b=b, y=y, workspace=workspace)
     ws = _workspace(workspace, workspace_bytes(x.shape, w.shape, (sh, sw), (ph, pw),
                                                "forward", algo), x.device)
-    _check_no_overlap([("y", y), ("workspace", ws)], [("x", x), ("w", w), ("b", b)])
+    check_no_overlap("conv", [("y", y), ("workspace", ws)], [("x", x), ("w", w), ("b", b)])
     if algo == "implicit":
         _launch_fwd(x, w, b, y, n, c, h, wd, k, p, q, sh, sw, ph, pw, r, s, prec)
         return
     # im2col: col [N, C*R*S, P, Q], then a 1x1 conv of col with w as [K, C*R*S, 1, 1]
     crs = c * r * s
     bm, bk = (16, 16) if INTERPRET else (128, 32)
-    _im2col_kernel[(_cdiv(n * p * q, bm), _cdiv(crs, bk))](
+    _im2col_kernel[(triton.cdiv(n * p * q, bm), triton.cdiv(crs, bk))](
         x, ws, n, c, sh, sw, ph, pw, H=h, W=wd, P=p, Q=q, R=r, S=s, BLOCK_M=bm, BLOCK_K=bk,
         num_warps=4)
     _launch_fwd(ws, w, b, y, n, crs, p, q, k, p, q, 1, 1, 0, 0, 1, 1, prec)
@@ -1073,10 +1037,9 @@ def _launch_bwd_data(dy, w, dx, n, c, h, wd, k, p, q, sh, sw, ph, pw, r, s, accu
     """The data-gradient GEMM over the residue classes (grid axis 1): `kernels` is the
     (plain, accumulating) autotuner pair, implicit by default, "transposed" with wT as w."""
     is_1x1 = r == 1 and s == 1 and sh == 1 and sw == 1 and ph == 0 and pw == 0
-    m_grid = n * _cdiv(h, sh) * _cdiv(wd, sw)
-    grid = lambda meta: (_cdiv(m_grid, meta["BLOCK_M"]) * _cdiv(c, meta["BLOCK_N"]),  # noqa: E731
-                         sh * sw)
-    _launch(kernels[1] if accumulate else kernels[0], grid, (dy, w, dx, n, c, k, sh, sw, ph, pw),
+    m_grid = n * triton.cdiv(h, sh) * triton.cdiv(wd, sw)
+    _launch(kernels[1] if accumulate else kernels[0], _tile_grid(m_grid, c, sh * sw),
+            (dy, w, dx, n, c, k, sh, sw, ph, pw),
             dict(H=h, W=wd, P=p, Q=q, R=r, S=s, IS_1X1=is_1x1, STRIDE1=sh == 1 and sw == 1,
                  ACCUMULATE=accumulate, PRECISION=prec))
 
@@ -1088,7 +1051,7 @@ def _launch_bwd_data_t(dy, w, wt, dx, n, c, h, wd, k, p, q, sh, sw, ph, pw, r, s
         bk, bj = min(64, triton.next_power_of_2(k)), min(1024, triton.next_power_of_2(c * r * s))
     else:
         bk, bj = 64, 64
-    _weight_rsck_kernel[(_cdiv(k, bk), _cdiv(c * r * s, bj))](
+    _weight_rsck_kernel[(triton.cdiv(k, bk), triton.cdiv(c * r * s, bj))](
         w, wt, k, c, RS=r * s, BLOCK_K=bk, BLOCK_J=bj, num_warps=4)
     _launch_bwd_data(dy, wt, dx, n, c, h, wd, k, p, q, sh, sw, ph, pw, r, s, accumulate, prec,
                      kernels=(_conv_bwd_data_t, _conv_bwd_data_t_acc))
@@ -1109,7 +1072,7 @@ def _run_bwd_data(dy, w, dx, x_shape, geo, algo, ws, accumulate, prec):
         # dx = conv(dY, wF [C, K, R, S], stride 1, padding (R-1-ph, S-1-pw)): the forward
         # kernel with C <-> K and (H, W) <-> (P, Q)
         total = k * c * r * s
-        _weight_flip_kernel[(_cdiv(total, _ELEM_BLOCK),)](
+        _weight_flip_kernel[(triton.cdiv(total, _ELEM_BLOCK),)](
             w, ws, total, k, c, RS=r * s, BLOCK=_ELEM_BLOCK, num_warps=4)
         _launch_fwd(dy, ws, None, dx, n, k, p, q, c, h, wd, 1, 1, r - 1 - ph, s - 1 - pw, r, s,
                     prec, accumulate)
@@ -1117,7 +1080,7 @@ def _run_bwd_data(dy, w, dx, x_shape, geo, algo, ws, accumulate, prec):
     # zero_insert: z [N, K, H+R-1, W+S-1], then a stride-1 conv of z with the flipped weight,
     # which is the implicit stride-1 kernel with padding (R-1, S-1) over z
     hz, wz = h + r - 1, wd + s - 1
-    _zero_insert_kernel[(n * k, _cdiv(hz * wz, _ELEM_BLOCK))](
+    _zero_insert_kernel[(n * k, triton.cdiv(hz * wz, _ELEM_BLOCK))](
         dy, ws, p, q, hz, wz, sh, sw, r - 1 - ph, s - 1 - pw, BLOCK=_ELEM_BLOCK, num_warps=4)
     _launch_bwd_data(ws, w, dx, n, c, h, wd, k, hz, wz, 1, 1, r - 1, s - 1, r, s, accumulate,
                      prec)
@@ -1141,11 +1104,30 @@ def backward_data(dy, w, dx, *, stride, padding, algo="implicit", workspace=None
     _check_4d("dx", dx)
     geo = _check_dy(dy, dx.shape, w.shape, stride, padding)
     _check_flipped(algo, w.shape, geo)
-    _check_device(dx, dy=dy, w=w, workspace=workspace)
+    check_device("conv", dx, dy=dy, w=w, workspace=workspace)
     ws = _workspace(workspace, workspace_bytes(dx.shape, w.shape, geo[:2], geo[2:4],
                                                "backward_data", algo), dx.device)
-    _check_no_overlap([("dx", dx), ("workspace", ws)], [("dy", dy), ("w", w)])
+    check_no_overlap("conv", [("dx", dx), ("workspace", ws)], [("dy", dy), ("w", w)])
     _run_bwd_data(dy, w, dx, dx.shape, geo, algo, ws, accumulate, prec)
+
+
+def _bias_blocks(n, k, pq, tile):
+    """(BLOCK_C, BLOCK_I, BLOCK) of the bias gradient's [channels, images, pixels] tile step.
+    tile 0: the GPU's one channel and one image per program step, up to 1024 pixels; else
+    blocks of pixels, channels and images up to `tile` elements (the interpreter pays per
+    operation and per program, not per element)."""
+    if not tile:
+        return 1, 1, min(1024, triton.next_power_of_2(pq))
+    blk = min(tile, triton.next_power_of_2(pq))
+    bc = min(triton.next_power_of_2(k), max(1, tile // blk))
+    return bc, min(triton.next_power_of_2(n), max(1, tile // (blk * bc))), blk
+
+
+def _launch_bias_grad(dy, db, n, k, pq):
+    """db = dY summed over images and pixels, BLOCK_C channels per program."""
+    bc, bi, blk = _bias_blocks(n, k, pq, _BIAS_TILE)
+    _bias_grad_kernel[(triton.cdiv(k, bc),)](dy, db, n, k, pq, BLOCK_C=bc, BLOCK_I=bi, BLOCK=blk,
+                                             num_warps=4)
 
 
 def _run_bwd_weight(x, dy, dw, db, geo, algo, ws, prec):
@@ -1153,8 +1135,7 @@ def _run_bwd_weight(x, dy, dw, db, geo, algo, ws, prec):
     n, c, h, wd = x.shape
     k = dy.shape[1]
     if db is not None:
-        blk = min(_ELEM_BLOCK, triton.next_power_of_2(p * q))
-        _bias_grad_kernel[(k,)](dy, db, n, k, p * q, BLOCK=blk, num_warps=4)
+        _launch_bias_grad(dy, db, n, k, p * q)
     if dw is None:
         return
     _, _, r, s = dw.shape
@@ -1166,13 +1147,12 @@ def _run_bwd_weight(x, dy, dw, db, geo, algo, ws, prec):
         splits, out = splitk_splits(x.shape, dw.shape, (sh, sw), (ph, pw)), ws
     split_len = _split_len(npq, splits)
     crs = c * r * s
-    grid = lambda meta: (_cdiv(k, meta["BLOCK_M"]) * _cdiv(crs, meta["BLOCK_N"]),  # noqa: E731
-                         splits)
-    _launch(_conv_bwd_weight, grid, (x, dy, out, n, c, k, sh, sw, ph, pw, split_len),
+    _launch(_conv_bwd_weight, _tile_grid(k, crs, splits),
+            (x, dy, out, n, c, k, sh, sw, ph, pw, split_len),
             dict(H=h, W=wd, P=p, Q=q, R=r, S=s, IS_1X1=is_1x1, PRECISION=prec))
     if algo == "splitk":
         total = k * crs
-        _splitk_reduce_kernel[(_cdiv(total, _ELEM_BLOCK),)](
+        _splitk_reduce_kernel[(triton.cdiv(total, _ELEM_BLOCK),)](
             ws, dw, total, splits, BLOCK=_ELEM_BLOCK, num_warps=4)
 
 
@@ -1195,11 +1175,11 @@ def backward_weight(x, dy, dw, db, *, stride, padding, algo="onepass", workspace
     geo = _check_dy(dy, x.shape, w_shape, stride, padding)
     if db is not None:
         check_tensor("db", db, (w_shape[0],))
-    _check_device(x, dy=dy, dw=dw, db=db, workspace=workspace)
+    check_device("conv", x, dy=dy, dw=dw, db=db, workspace=workspace)
     need = workspace_bytes(x.shape, w_shape, geo[:2], geo[2:4], "backward_weight", algo) \
         if dw is not None else 0
     ws = _workspace(workspace, need, x.device)
-    _check_no_overlap([("dw", dw), ("db", db), ("workspace", ws)], [("x", x), ("dy", dy)])
+    check_no_overlap("conv", [("dw", dw), ("db", db), ("workspace", ws)], [("x", x), ("dy", dy)])
     _run_bwd_weight(x, dy, dw, db, geo, algo, ws, prec)
 
 
@@ -1223,11 +1203,11 @@ def backward(x, w, dy, dx, dw, db, *, stride, padding, algo_data="implicit",
         _check_4d("dw", dw, tuple(w.shape))
     if db is not None:
         check_tensor("db", db, (w.shape[0],))
-    _check_device(x, w=w, dy=dy, dx=dx, dw=dw, db=db, workspace=workspace)
+    check_device("conv", x, w=w, dy=dy, dx=dx, dw=dw, db=db, workspace=workspace)
     need = backward_workspace_bytes(x.shape, w.shape, geo[:2], geo[2:4], algo_data,
                                     algo_weight, dx is not None, dw is not None)
     ws = _workspace(workspace, need, x.device)
-    _check_no_overlap([("dx", dx), ("dw", dw), ("db", db), ("workspace", ws)],
+    check_no_overlap("conv", [("dx", dx), ("dw", dw), ("db", db), ("workspace", ws)],
                       [("x", x), ("w", w), ("dy", dy)])
     if dx is not None:
         _run_bwd_data(dy, w, dx, x.shape, geo, algo_data, ws, accumulate, prec)

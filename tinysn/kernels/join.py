@@ -28,7 +28,7 @@ No workspace: workspace_bytes(...) is 0.
 import triton
 import triton.language as tl
 
-from ._common import autotune, check_tensor, launch
+from ._common import autotune, check_device, check_tensor, launch
 
 _MAX_PTRS = 4  # inputs summed / gradients written per launch
 
@@ -161,13 +161,6 @@ def _check_list(name, ts, allow_none=False):
             continue
         check_tensor(f"{name}[{i}]", t)
 
-
-def _check_device(ref_name, ref, ts, names):
-    for t, nm in zip(ts, names):
-        if t is not None and t.device != ref.device:
-            raise ValueError(f"{nm} is on {t.device} but {ref_name} is on {ref.device}")
-
-
 def _accumulate_list(accumulate, n):
     if isinstance(accumulate, (list, tuple)):
         if len(accumulate) != n:
@@ -197,7 +190,7 @@ def add_forward(xs, y):
     for i, x in enumerate(xs):
         if x.shape != y.shape:
             raise ValueError(f"xs[{i}] has shape {tuple(x.shape)} but y has {tuple(y.shape)}")
-    _check_device("y", y, xs, [f"xs[{i}]" for i in range(len(xs))])
+    check_device("join", y, **{f"xs[{i}]": t for i, t in enumerate(xs)})
     n = y.numel()
     if n == 0:
         return
@@ -228,7 +221,7 @@ def add_backward(dy, dxs, *, accumulate=False):
             raise ValueError(f"dxs[{i}] has shape {tuple(d.shape)} but dy has {tuple(dy.shape)}")
         if flags[i] and d.data_ptr() == dy.data_ptr():
             raise ValueError(f"dxs[{i}] aliases dy; it cannot accumulate")
-    _check_device("dy", dy, dxs, [f"dxs[{i}]" for i in range(len(dxs))])
+    check_device("join", dy, **{f"dxs[{i}]": t for i, t in enumerate(dxs)})
     n = dy.numel()
     work = [(d, f) for d, f in zip(dxs, flags) if d is not None]
     if n == 0:
@@ -297,7 +290,7 @@ def concat_forward(xs, y):
     """y[:, c0:c0+C_i] = xs[i] for NCHW tensors, channel offsets in list order."""
     n, c, h, w = _concat_check(xs, y, "xs", "y", allow_none=False)
     counts = _channel_counts(xs, None, n, c, h, w, "xs", "y")
-    _check_device("y", y, xs, [f"xs[{i}]" for i in range(len(xs))])
+    check_device("join", y, **{f"xs[{i}]": t for i, t in enumerate(xs)})
     starts = [sum(counts[:i]) for i in range(len(counts))]
     _copy_slices(y, [(x, ci, c0, False) for x, ci, c0 in zip(xs, counts, starts)], True)
 
@@ -332,7 +325,7 @@ def concat_backward(dy, dxs, *, accumulate=False, channels=None):
             if fill[nones[0]] < 0:
                 raise ValueError(f"dxs channels exceed dy's {c}")
     counts = _channel_counts(dxs, fill, n, c, h, w, "dxs", "dy")
-    _check_device("dy", dy, dxs, [f"dxs[{i}]" for i in range(len(dxs))])
+    check_device("join", dy, **{f"dxs[{i}]": t for i, t in enumerate(dxs)})
     starts = [sum(counts[:i]) for i in range(len(counts))]
     _copy_slices(dy, [(d, ci, c0, acc) for d, ci, c0, acc in zip(dxs, counts, starts, flags)
                       if d is not None], False)

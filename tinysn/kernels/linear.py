@@ -16,14 +16,15 @@ order: deterministic, no atomics, no split-K, so workspace_bytes is 0.
 
 Precision: tl.dot input_precision = dot_precision(precision) ("tf32" by default on the GPU,
 "ieee" for exact float32). The autotuner picks tile sizes per shape on the GPU (the K-block
-size, and so the rounding, can differ between configs; a process keeps its choice), and
-collapses to one small config under the interpreter.
+size, and so the rounding, can differ between configs; a process keeps its choice); under
+the interpreter it runs one large-tile config.
 """
 import torch
 import triton
 import triton.language as tl
 
-from ._common import autotune, check_tensor, dot_precision, launch
+from ._common import autotune, check_device, check_no_overlap, check_tensor, dot_precision
+from ._common import launch
 
 _FWD, _DX, _DW = 0, 1, 2
 
@@ -48,10 +49,12 @@ _GPU_CONFIGS = [
     _cfg(32, 32, 128, 4, 4),
     _cfg(16, 64, 128, 4, 4),
 ]
-_SMALL_CONFIG = _cfg(16, 16, 16, 1, 1, group_m=2)
+# under the interpreter (it pays per operation and per program): a small network's GEMMs are
+# one program of one reduction step
+_INTERP_CONFIG = _cfg(64, 128, 128, 1, 1, group_m=2)
 
 
-@autotune(_GPU_CONFIGS, _SMALL_CONFIG,
+@autotune(_GPU_CONFIGS, _INTERP_CONFIG,
                  key=["M", "N", "K", "MODE"], restore=["c_ptr"])
 @triton.jit
 def _gemm_kernel(a_ptr, b_ptr, c_ptr, bias_ptr, rowsum_ptr, M, N, K,
@@ -122,28 +125,6 @@ def _colsum_kernel(dy_ptr, db_ptr, N, O, BLOCK_O: tl.constexpr, ROWS: tl.constex
         ptrs = dy_ptr + (i0 + rows)[:, None] * O + offs_o[None, :]
         acc += tl.load(ptrs, mask=((i0 + rows) < N)[:, None] & o_ok[None, :], other=0.0)
     tl.store(db_ptr + offs_o, tl.sum(acc, axis=0), mask=o_ok)
-
-
-def _check_device(ref, **named):
-    for name, t in named.items():
-        if t is not None and t.device != ref.device:
-            raise ValueError(f"linear: {name} is on {t.device}, expected {ref.device}")
-
-
-def _check_no_overlap(outputs, inputs):
-    """No output may share memory with any other tensor of the launch."""
-    others = [(n, t) for n, t in outputs + inputs if t is not None and t.numel()]
-    for na, a in outputs:
-        if a is None or a.numel() == 0:
-            continue
-        for nb, b in others:
-            if b is a:
-                continue
-            a0, b0 = a.data_ptr(), b.data_ptr()
-            if a0 < b0 + 4 * b.numel() and b0 < a0 + 4 * a.numel():
-                raise ValueError(f"linear: {na} overlaps {nb}")
-
-
 def _launch(a, b, c, bias, rowsum, M, N, K, sam, sak, sbk, sbn, mode, accumulate, precision):
     grid = lambda meta: (triton.cdiv(M, meta["BM"]) * triton.cdiv(N, meta["BN"]),)  # noqa: E731
     launch(_gemm_kernel, grid,
@@ -170,8 +151,8 @@ def forward(x: torch.Tensor, w: torch.Tensor, b, y: torch.Tensor, *, precision=N
     if b is not None:
         check_tensor("b", b, shape=(o,))
     check_tensor("y", y, shape=(n, o))
-    _check_device(x, w=w, b=b, y=y)
-    _check_no_overlap([("y", y)], [("x", x), ("w", w), ("b", b)])
+    check_device("linear", x, w=w, b=b, y=y)
+    check_no_overlap("linear", [("y", y)], [("x", x), ("w", w), ("b", b)])
     _launch(x, w, y, b, None, n, o, f, f, 1, 1, f, _FWD, False, prec)
 
 
@@ -212,8 +193,9 @@ def backward(x, w, dy: torch.Tensor, dx, dw, db, *, accumulate: bool = False,
         check_tensor("dw", dw, shape=(o, f))
     if db is not None:
         check_tensor("db", db, shape=(o,))
-    _check_device(dy, x=x, w=w, dx=dx, dw=dw, db=db)
-    _check_no_overlap([("dx", dx), ("dw", dw), ("db", db)], [("x", x), ("w", w), ("dy", dy)])
+    check_device("linear", dy, x=x, w=w, dx=dx, dw=dw, db=db)
+    check_no_overlap("linear", [("dx", dx), ("dw", dw), ("db", db)],
+                     [("x", x), ("w", w), ("dy", dy)])
 
     if dx is not None:      # dx[N, F] = dy[N, O] @ w[O, F]
         _launch(dy, w, dx, None, None, n, f, o, o, 1, f, 1, _DX, accumulate, prec)

@@ -42,7 +42,7 @@ The backward kernel declares restore=["dx"] so that autotuning an accumulating l
 import triton
 import triton.language as tl
 
-from ._common import autotune, check_tensor, launch
+from ._common import INTERP_TILE, autotune, check_device, check_tensor, launch, pair
 
 _FWD_GPU = [
     triton.Config({"BLOCK": 256}, num_warps=4),
@@ -50,7 +50,7 @@ _FWD_GPU = [
     triton.Config({"BLOCK": 1024}, num_warps=4),
     triton.Config({"BLOCK": 1024}, num_warps=8),
 ]
-_FWD_SMALL = triton.Config({"BLOCK": 1024}, num_warps=4)
+_FWD_INTERP = triton.Config({"BLOCK": INTERP_TILE}, num_warps=4)
 
 # backward: LANES = elements of the program's [cells, CELLP] tile; the cell count BLOCK =
 # LANES // CELLP follows (triton.heuristics), so that a tile stays in registers whatever the
@@ -61,7 +61,7 @@ _BWD_GPU = [
     triton.Config({"LANES": 1024}, num_warps=8),
     triton.Config({"LANES": 2048}, num_warps=8),
 ]
-_BWD_SMALL = triton.Config({"LANES": 1024}, num_warps=4)
+_BWD_INTERP = triton.Config({"LANES": INTERP_TILE}, num_warps=4)
 
 # global pooling sums across lanes (tl.sum), so its tile is fixed, not autotuned: the
 # summation order, hence every bit of the result, must not depend on a timing race
@@ -77,26 +77,10 @@ def workspace_bytes(*args, **kwargs) -> int:
 
 # ----------------------------------------------------------------------------- arguments
 
-
-def _pair(v, name, minimum):
-    if isinstance(v, (list, tuple)):
-        if len(v) != 2:
-            raise ValueError(f"{name} must be an int or a pair of ints, got {v!r}")
-        pair = tuple(v)
-    else:
-        pair = (v, v)
-    for p in pair:
-        if isinstance(p, bool) or not isinstance(p, int):
-            raise ValueError(f"{name} must be an int or a pair of ints, got {v!r}")
-        if p < minimum:
-            raise ValueError(f"{name} must be >= {minimum}, got {v!r}")
-    return pair
-
-
 def _params(kernel, stride, padding):
-    kh, kw = _pair(kernel, "kernel", 1)
-    sh, sw = _pair(stride, "stride", 1)
-    ph, pw = _pair(padding, "padding", 0)
+    kh, kw = pair(kernel, "pool: kernel", 1)
+    sh, sw = pair(stride, "pool: stride", 1)
+    ph, pw = pair(padding, "pool: padding", 0)
     if ph > kh // 2 or pw > kw // 2:
         raise ValueError(f"padding {(ph, pw)} must be at most half the kernel {(kh, kw)}")
     return kh, kw, sh, sw, ph, pw
@@ -128,18 +112,10 @@ def _check_io(x, y, kernel, stride, padding):
     check_tensor("y", y, shape)
     return shape
 
-
-def _check_same_device(*named):
-    dev = named[0][1].device
-    for nm, t in named:
-        if t is not None and t.device != dev:
-            raise ValueError(f"{nm} is on {t.device}, expected {dev}")
-
-
 # ----------------------------------------------------------------------------- kernels
 
 
-@autotune(_FWD_GPU, _FWD_SMALL,
+@autotune(_FWD_GPU, _FWD_INTERP,
                  key=["total", "H", "W", "KH", "KW", "SH", "SW"])
 @triton.jit
 def _pool_fwd_kernel(x, y, total, H, W, OH, OW,
@@ -216,7 +192,7 @@ def _pool_global_fwd_kernel(x, y, planes, HW, IS_MAX: tl.constexpr, INDEX64: tl.
     tl.store(y + rows, out, mask=rmask)
 
 
-@autotune(_BWD_GPU, _BWD_SMALL,
+@autotune(_BWD_GPU, _BWD_INTERP,
                  key=["total", "H", "W", "KH", "KW", "SH", "SW"], restore=["dx"])
 @triton.heuristics({"BLOCK": lambda a: max(2, a["LANES"] // a["CELLP"])})
 @triton.jit
@@ -294,11 +270,6 @@ def _pool_bwd_kernel(x, dy, dx, total, H, W, OH, OW, NBH, NBW, OBH, OBW,
 
 # ----------------------------------------------------------------------------- launchers
 
-
-def _next_pow2(v):
-    return 1 << max(0, int(v - 1).bit_length())
-
-
 def _is_global(h, w, kh, kw, ph, pw):
     return ph == 0 and pw == 0 and kh == h and kw == w
 
@@ -308,7 +279,7 @@ def forward(x, y, *, mode, kernel, stride, padding):
     is_max = _mode(mode)
     kh, kw, sh, sw, ph, pw = _params(kernel, stride, padding)
     n, c, oh, ow = _check_io(x, y, kernel, stride, padding)
-    _check_same_device(("x", x), ("y", y))
+    check_device("pool", x, y=y)
     h, w = x.shape[2], x.shape[3]
     total = y.numel()
     if total == 0:
@@ -317,7 +288,7 @@ def forward(x, y, *, mode, kernel, stride, padding):
     if _is_global(h, w, kh, kw, ph, pw):
         planes = n * c
         hw = h * w
-        cols = min(_next_pow2(hw), 1024)
+        cols = min(triton.next_power_of_2(hw), 1024)
         rows = max(2, _GLOBAL_LANES // cols)
         _pool_global_fwd_kernel[(triton.cdiv(planes, rows),)](
             x, y, planes, hw, IS_MAX=is_max, INDEX64=index64, COLS=cols, PLANES=rows,
@@ -352,7 +323,7 @@ def backward(x, y, dy, dx, *, mode, kernel, stride, padding, accumulate=False):
         raise ValueError(f"accumulate must be a bool, got {accumulate!r}")
     if dx is not None:
         check_tensor("dx", dx, ref.shape)
-    _check_same_device(("dy", dy), ("x", x), ("y", y), ("dx", dx))
+    check_device("pool", dy, x=x, y=y, dx=dx)
     if dx is None or ref.numel() == 0:
         return
     x = x if x is not None else dx      # average pooling never reads x
@@ -364,7 +335,7 @@ def backward(x, y, dy, dx, *, mode, kernel, stride, padding, accumulate=False):
     total = n * c * nbh * nbw
     nh = -(-kh // sh)
     nw = -(-kw // sw)
-    cellp = max(2, _next_pow2(sh * sw))
+    cellp = max(2, triton.next_power_of_2(sh * sw))
     index64 = x.numel() > _INT32_LIMIT
     launch(_pool_bwd_kernel, lambda meta: (triton.cdiv(total, max(2, meta["LANES"] // cellp)),),
            (x, dy, dx, total, h, w, oh, ow, nbh, nbw, obh, obw),

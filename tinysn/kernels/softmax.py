@@ -2,9 +2,9 @@
 
 forward(logits, labels, loss, workspace)
     loss[0] = mean_i (logsumexp(logits[i]) - logits[i, labels[i]])
-    One program per row writes its row loss into the workspace (float32 [N]); a second,
-    single-program kernel sums them in a fixed order and divides by N. No atomics: the loss is
-    bitwise reproducible.
+    One program per row (per block of rows under the interpreter, _ROW_TILE) writes its row
+    loss into the workspace (float32 [N]); a second, single-program kernel sums them in a
+    fixed order and divides by N. No atomics: the loss is bitwise reproducible.
 backward(logits, labels, dlogits, *, scale=1.0, accumulate=False)
     dlogits (+)= (softmax(logits) - onehot(labels)) * (scale / N)
     (the gradient of scale * loss; softmax is recomputed from the logits, nothing is saved).
@@ -21,42 +21,58 @@ import torch
 import triton
 import triton.language as tl
 
-from ._common import check_tensor
+from ._common import INTERP_TILE, INTERPRET, check_tensor, float_workspace
 
 _MAX_BLOCK_K = 1024          # columns per block of a row (tests lower it to exercise the loop)
 _REDUCE_BLOCK = 1024         # row losses summed per step of the final reduction
+# elements of a program's [rows, BLOCK_K] tile: one row per program on the GPU; the
+# interpreter pays per operation and per program, so there a program takes many rows
+_ROW_TILE = INTERP_TILE if INTERPRET else 1
 
 
 @triton.jit
-def _row_max(row_ptr, K, BLOCK_K: tl.constexpr):
+def _row_max(row_ptr, row_ok, K, ROWS: tl.constexpr, BLOCK_K: tl.constexpr):
+    """The maximum of each of ROWS rows (row_ptr [ROWS]); 0 for a row that is not live."""
     cols = tl.arange(0, BLOCK_K)
-    m = tl.full([BLOCK_K], float("-inf"), tl.float32)
+    m = tl.full([ROWS, BLOCK_K], float("-inf"), tl.float32)
     for k0 in range(0, K, BLOCK_K):
-        x = tl.load(row_ptr + k0 + cols, mask=k0 + cols < K, other=float("-inf"))
+        x = tl.load(row_ptr[:, None] + (k0 + cols)[None, :],
+                    mask=row_ok[:, None] & (k0 + cols < K)[None, :], other=float("-inf"))
         m = tl.maximum(m, x)
-    return tl.max(m, axis=0)
+    return tl.where(row_ok, tl.max(m, axis=1), 0.0)
 
 
 @triton.jit
-def _row_sumexp(row_ptr, K, m, BLOCK_K: tl.constexpr):
+def _row_sumexp(row_ptr, row_ok, K, m, ROWS: tl.constexpr, BLOCK_K: tl.constexpr):
+    """sum_k exp(x[k] - m) of each row; 1 for a row that is not live (its log is finite)."""
     cols = tl.arange(0, BLOCK_K)
-    s = tl.zeros([BLOCK_K], tl.float32)
+    s = tl.zeros([ROWS, BLOCK_K], tl.float32)
     for k0 in range(0, K, BLOCK_K):
-        x = tl.load(row_ptr + k0 + cols, mask=k0 + cols < K, other=float("-inf"))
-        s += tl.exp(x - m)
-    return tl.sum(s, axis=0)
+        x = tl.load(row_ptr[:, None] + (k0 + cols)[None, :],
+                    mask=row_ok[:, None] & (k0 + cols < K)[None, :], other=float("-inf"))
+        s += tl.exp(x - m[:, None])
+    return tl.where(row_ok, tl.sum(s, axis=1), 1.0)
 
 
 @triton.jit
-def _ce_rows_kernel(logits_ptr, labels_ptr, row_loss_ptr, K, BLOCK_K: tl.constexpr):
-    row = tl.program_id(0).to(tl.int64)
-    row_ptr = logits_ptr + row * K
-    m = _row_max(row_ptr, K, BLOCK_K)
-    s = _row_sumexp(row_ptr, K, m, BLOCK_K)
-    lab = tl.load(labels_ptr + row)
-    valid = (lab >= 0) & (lab < K)
+def _rows(N, K, logits_ptr, ROWS: tl.constexpr):
+    """This program's ROWS row indices (int64), which of them exist, and their logits rows."""
+    rows = tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS)
+    row_ok = rows < N
+    return rows, row_ok, logits_ptr + rows * K
+
+
+@triton.jit
+def _ce_rows_kernel(logits_ptr, labels_ptr, row_loss_ptr, N, K, ROWS: tl.constexpr,
+                    BLOCK_K: tl.constexpr):
+    """row_loss[i] = logsumexp(logits[i]) - logits[i, labels[i]], ROWS rows per program."""
+    rows, row_ok, row_ptr = _rows(N, K, logits_ptr, ROWS)
+    m = _row_max(row_ptr, row_ok, K, ROWS, BLOCK_K)
+    s = _row_sumexp(row_ptr, row_ok, K, m, ROWS, BLOCK_K)
+    lab = tl.load(labels_ptr + rows, mask=row_ok, other=0)
+    valid = row_ok & (lab >= 0) & (lab < K)
     x_lab = tl.load(row_ptr + tl.where(valid, lab, 0), mask=valid, other=float("nan"))
-    tl.store(row_loss_ptr + row, (m + tl.log(s)) - x_lab)
+    tl.store(row_loss_ptr + rows, (m + tl.log(s)) - x_lab, mask=row_ok)
 
 
 @triton.jit
@@ -69,27 +85,34 @@ def _mean_kernel(row_loss_ptr, loss_ptr, N, inv_n, BLOCK: tl.constexpr):
 
 
 @triton.jit
-def _ce_bwd_kernel(logits_ptr, labels_ptr, dlogits_ptr, K, coef,
+def _ce_bwd_kernel(logits_ptr, labels_ptr, dlogits_ptr, N, K, coef, ROWS: tl.constexpr,
                    BLOCK_K: tl.constexpr, ACCUMULATE: tl.constexpr):
-    row = tl.program_id(0).to(tl.int64)
-    row_ptr = logits_ptr + row * K
-    drow_ptr = dlogits_ptr + row * K
-    m = _row_max(row_ptr, K, BLOCK_K)
-    s = _row_sumexp(row_ptr, K, m, BLOCK_K)
-    lab = tl.load(labels_ptr + row)
+    """dlogits[i] (+)= (softmax(logits[i]) - onehot(labels[i])) * coef, ROWS rows per program."""
+    rows, row_ok, row_ptr = _rows(N, K, logits_ptr, ROWS)
+    drow_ptr = dlogits_ptr + rows * K
+    m = _row_max(row_ptr, row_ok, K, ROWS, BLOCK_K)
+    s = _row_sumexp(row_ptr, row_ok, K, m, ROWS, BLOCK_K)
+    lab = tl.load(labels_ptr + rows, mask=row_ok, other=0)
     cols = tl.arange(0, BLOCK_K)
     for k0 in range(0, K, BLOCK_K):
-        mask = k0 + cols < K
-        x = tl.load(row_ptr + k0 + cols, mask=mask, other=float("-inf"))
-        p = tl.exp(x - m) / s
-        g = (p - tl.where(k0 + cols == lab, 1.0, 0.0)) * coef
+        col = k0 + cols
+        mask = row_ok[:, None] & (col < K)[None, :]
+        x = tl.load(row_ptr[:, None] + col[None, :], mask=mask, other=float("-inf"))
+        p = tl.exp(x - m[:, None]) / s[:, None]
+        g = (p - tl.where(col[None, :] == lab[:, None], 1.0, 0.0)) * coef
         if ACCUMULATE:
-            g = tl.load(drow_ptr + k0 + cols, mask=mask) + g
-        tl.store(drow_ptr + k0 + cols, g, mask=mask)
+            g = tl.load(drow_ptr[:, None] + col[None, :], mask=mask) + g
+        tl.store(drow_ptr[:, None] + col[None, :], g, mask=mask)
 
 
 def _block_k(k: int) -> int:
     return min(max(triton.next_power_of_2(k), 16), _MAX_BLOCK_K)
+
+
+def _rows_per_program(n: int, block_k: int) -> int:
+    """As many rows as fit a tile of _ROW_TILE elements (at least one, at most n rounded up
+    to a power of two)."""
+    return min(triton.next_power_of_2(n), max(1, _ROW_TILE // block_k))
 
 
 def _num_warps(block_k: int) -> int:
@@ -111,27 +134,6 @@ def workspace_bytes(n: int, k: int) -> int:
     """Scratch for forward: one float32 row loss per row (backward needs none)."""
     return 4 * int(n)
 
-
-def _float_workspace(workspace, count: int, device) -> torch.Tensor:
-    if not isinstance(workspace, torch.Tensor):
-        raise ValueError(f"workspace must be a torch tensor, got {type(workspace).__name__}")
-    if workspace.dim() != 1 or not workspace.is_contiguous():
-        raise ValueError("workspace must be a contiguous 1-D tensor")
-    if workspace.device != device:
-        raise ValueError(f"workspace is on {workspace.device} but logits is on {device}")
-    if workspace.dtype == torch.uint8:
-        if workspace.numel() < 4 * count:
-            raise ValueError(f"workspace has {workspace.numel()} bytes, needs {4 * count}")
-        if workspace.data_ptr() % 4:
-            raise ValueError("a uint8 workspace must start at a 4-byte aligned address")
-        return workspace[: 4 * count].view(torch.float32)
-    if workspace.dtype == torch.float32:
-        if workspace.numel() < count:
-            raise ValueError(f"workspace has {4 * workspace.numel()} bytes, needs {4 * count}")
-        return workspace[:count]
-    raise ValueError(f"workspace must be uint8 or float32, got {workspace.dtype}")
-
-
 def forward(logits: torch.Tensor, labels: torch.Tensor, loss: torch.Tensor,
             workspace: torch.Tensor) -> None:
     """loss[0] = F.cross_entropy(logits, labels) (mean). logits float32 [N, K], labels int64 [N],
@@ -143,9 +145,11 @@ def forward(logits: torch.Tensor, labels: torch.Tensor, loss: torch.Tensor,
         raise ValueError(f"loss must be a float32 tensor of shape [1], got {tuple(loss.shape)}")
     if loss.device != logits.device:
         raise ValueError(f"loss is on {loss.device} but logits is on {logits.device}")
-    rows = _float_workspace(workspace, n, logits.device)
+    rows = float_workspace("softmax", workspace, workspace_bytes(n, k), logits.device)
     bk = _block_k(k)
-    _ce_rows_kernel[(n,)](logits, labels, rows, k, BLOCK_K=bk, num_warps=_num_warps(bk))
+    per = _rows_per_program(n, bk)
+    _ce_rows_kernel[(triton.cdiv(n, per),)](logits, labels, rows, n, k, ROWS=per, BLOCK_K=bk,
+                                             num_warps=_num_warps(bk))
     _mean_kernel[(1,)](rows, loss, n, 1.0 / n, BLOCK=_REDUCE_BLOCK, num_warps=4)
 
 
@@ -168,5 +172,7 @@ def backward(logits: torch.Tensor, labels: torch.Tensor, dlogits: torch.Tensor, 
     if a0 != b0 and a0 < b0 + nb and b0 < a0 + nb:
         raise ValueError("dlogits partly overlaps logits")
     bk = _block_k(k)
-    _ce_bwd_kernel[(n,)](logits, labels, dlogits, k, float(scale) / n,
-                         BLOCK_K=bk, ACCUMULATE=accumulate, num_warps=_num_warps(bk))
+    per = _rows_per_program(n, bk)
+    _ce_bwd_kernel[(triton.cdiv(n, per),)](logits, labels, dlogits, n, k, float(scale) / n,
+                                            ROWS=per, BLOCK_K=bk, ACCUMULATE=accumulate,
+                                            num_warps=_num_warps(bk))

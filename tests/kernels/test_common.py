@@ -1,0 +1,64 @@
+"""The argument and workspace checks every kernel module shares (tinysn/kernels/_common.py)."""
+import pytest
+import torch
+
+import tinysn  # noqa: F401  (interpreter switch before triton)
+from tinysn.kernels import _common
+
+
+def test_pair_accepts_ints_and_pairs():
+    assert _common.pair(3, "k", 1) == (3, 3)
+    assert _common.pair((1, 7), "k", 1) == (1, 7)
+    assert _common.pair([0, 2], "pad", 0) == (0, 2)
+
+
+@pytest.mark.parametrize("bad,message", [(True, "pair of ints"), ((1, 2, 3), "pair of ints"),
+                                         ((1, 2.0), "pair of ints"), ("3", "pair of ints"),
+                                         ((0, 1), ">= 1"), (-1, ">= 1")])
+def test_pair_rejects(bad, message):
+    with pytest.raises(ValueError, match=f"conv: stride must be .*{message}|{message}"):
+        _common.pair(bad, "conv: stride", 1)
+
+
+def test_check_device_names_the_tensor():
+    cpu, meta = torch.empty(2), torch.empty(2, device="meta")
+    _common.check_device("op", cpu, a=cpu, b=None)
+    with pytest.raises(ValueError, match="op: b is on meta, expected cpu"):
+        _common.check_device("op", cpu, a=cpu, b=meta)
+
+
+def test_check_no_overlap():
+    buf = torch.zeros(10)
+    _common.check_no_overlap("op", [("y", buf[:5])], [("x", buf[5:]), ("none", None)])
+    _common.check_no_overlap("op", [("y", buf[:0])], [("x", buf)])        # empty: no memory
+    with pytest.raises(ValueError, match="op: y overlaps x"):
+        _common.check_no_overlap("op", [("y", buf[:5])], [("x", buf[4:])])
+    with pytest.raises(ValueError, match="op: a overlaps b"):
+        _common.check_no_overlap("op", [("a", buf[:3]), ("b", buf[2:])], [])
+
+
+def test_float_workspace_views_the_first_bytes():
+    raw = torch.zeros(64, dtype=torch.uint8)
+    ws = _common.float_workspace("op", raw, 16, raw.device)
+    assert ws.dtype == torch.float32 and ws.numel() == 4 and ws.data_ptr() == raw.data_ptr()
+    f = torch.zeros(8)
+    assert _common.float_workspace("op", f, 12, f.device).numel() == 3
+
+
+@pytest.mark.parametrize("ws,message", [
+    (None, "contiguous 1-D"), (torch.zeros(4, 4), "contiguous 1-D"),
+    (torch.zeros(8, dtype=torch.int32), "contiguous 1-D"), (torch.zeros(8)[::2], "contiguous 1-D"),
+    (torch.zeros(3), "too small: 12 bytes, need 16"),
+    (torch.zeros(40, dtype=torch.uint8)[1:], "4-byte aligned"),
+    (torch.zeros(8, device="meta"), "on meta, expected cpu")])
+def test_float_workspace_rejects(ws, message):
+    with pytest.raises(ValueError, match=f"op: .*{message}"):
+        _common.float_workspace("op", ws, 16, torch.device("cpu"))
+
+
+def test_dot_precision_is_per_call():
+    assert _common.dot_precision() == "tf32"
+    assert _common.dot_precision("ieee") == "ieee"
+    assert not hasattr(_common, "set_precision")      # no module-wide default to change
+    with pytest.raises(ValueError, match="precision"):
+        _common.dot_precision("fp16")

@@ -120,8 +120,7 @@ BODY = ("relu", "conv", "bn", "pool", "lrn", "dropout", "add", "concat", "skip")
 HEADS = ("fc", "fc_relu_fc", "fc_dropout_fc")
 
 
-@st.composite
-def nets(draw, min_layers: int = 1, max_layers: int = 6, max_batch: int = 3,
+def nets(min_layers: int = 1, max_layers: int = 6, max_batch: int = 3,
          max_channels: int = 4, min_size: int = 3, max_size: int = 7, kinds=BODY):
     """Random valid nets: `min_layers`..`max_layers` body blocks drawn from `kinds` (conv,
     bn, relu, max/avg pool, lrn, dropout, and joins: a residual `add` of a fan of branches,
@@ -138,6 +137,12 @@ def nets(draw, min_layers: int = 1, max_layers: int = 6, max_batch: int = 3,
     unknown = set(kinds) - set(BODY)
     if unknown or not kinds:
         raise ValueError(f"nets: kinds must be a non-empty subset of {BODY}, got {kinds!r}")
+    return _nets(min_layers, max_layers, max_batch, max_channels, min_size, max_size,
+                 tuple(kinds))
+
+
+@st.composite
+def _nets(draw, min_layers, max_layers, max_batch, max_channels, min_size, max_size, kinds):
     size = draw(st.integers(min_size, max_size))
     net = DrawnNet(input_shape=(draw(st.integers(1, max_channels)), size, size),
                    classes=draw(st.integers(2, 4)), batch=draw(st.integers(1, max_batch)))

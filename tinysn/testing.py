@@ -23,7 +23,7 @@ each policy and demands bitwise-equal parameters and a measured peak equal to th
 Fixed nets for quick checks: `every_layer_net()` and `block_net()`.
 
 The rules `check_plan` enforces (each ScheduleError carries one of these as `.rule`):
-    read        a kernel reads a tensor that is freed, dropped, on the host, or still in
+    access      a kernel reads a tensor that is freed, dropped, on the host, or still in
                 flight (prefetched without a Wait); or writes one without a device block
     state       an operation the tensor's state forbids (offload of a dropped tensor, ...)
     stream      bytes reused or overwritten while another stream may still touch them: the
@@ -52,11 +52,11 @@ from hypothesis import HealthCheck, settings as _settings, strategies as st
 
 from . import graph
 from .errors import OutOfMemory
-from .units import parse_bytes
 from .ops import spec
 from .runtime import Runtime
 from .sched.plan import (POLICIES, Alloc, Drop, Evict, Free, Launch, Mark, Offload, Prefetch,
                          Release, Sync, Wait, plan)
+from .units import parse_bytes
 
 __all__ = ["nets", "policies", "caps", "host_caps", "smallest_cap", "smallest_host_cap",
            "check_plan", "check_equivalent", "ScheduleError", "settings", "examples",
@@ -417,7 +417,7 @@ class _Replay:
             self.do(op)
         self.resident = dict(self.dev)
         for it in range(1, iterations + 1):
-            self.launched, self.rebuilt, self.moved = [], set(), [0, 0]
+            self.launched, self.moved = [], [0, 0]
             for step in self.plan.steps:
                 self.step = step
                 self.where = (f"iteration {it}, step {step.index} ({step.phase} of layer "
@@ -586,7 +586,6 @@ class _Replay:
                       f"{layer.name}'s forward ran this iteration: a dropout would draw "
                       f"another mask, a batch norm see other inputs")
         buffers = {self.program.buffer[f"{layer.name}.{b}"] for b in layer.buffers}
-        self.rebuilt.add(layer)
         return (list(forward.reads) + sorted(buffers),
                 [t for t in forward.writes if t not in buffers])
 

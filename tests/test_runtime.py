@@ -3,7 +3,7 @@ import pytest
 import torch
 
 import tinysn as sn
-from tests.nets import block_net, every_layer_net
+from tinysn.testing import block_net, every_layer_net, smallest_cap
 
 
 def batch_for(net, seed=1):
@@ -144,7 +144,6 @@ def test_cuda_graph_replays_match_eager_bitwise():
     the graph) and under "all" there (it recomputes instead), with a new batch every step
     (static buffers refreshed) and a change of lr (a new capture); the captured pass checks
     peak == plan and the byte counters go on counting."""
-    from tests.sched.test_streams import moving_cap
 
     def net():
         return sn.models.resnet(blocks=[1, 1, 1, 1], batch=8, classes=10,
@@ -153,7 +152,8 @@ def test_cuda_graph_replays_match_eager_bitwise():
     batches = [(torch.randn((8, 3, 32, 32), generator=gen).cuda(),
                 torch.randint(0, 10, (8,), generator=gen).cuda()) for _ in range(7)]
     for policy in ("baseline", "offload", "all"):
-        memory = "4GiB" if policy == "baseline" else moving_cap(net(), policy, momentum=0.9)
+        memory = "4GiB" if policy == "baseline" else smallest_cap(net(), policy, momentum=0.9,
+                                                                       conv_algos={})
         runs = [sn.Runtime(net(), memory, policy, device="cuda", lr=0.05, momentum=0.9,
                            conv_algos={}, cuda_graph=graph) for graph in (False, True)]
         for i, (images, labels) in enumerate(batches):

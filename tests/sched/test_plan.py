@@ -5,7 +5,7 @@ import pytest
 
 import tinysn as sn
 from tinysn.sched import liveness
-from tests.nets import every_layer_net
+from tinysn.testing import every_layer_net
 
 
 def test_liveness_frees_each_tensor_after_its_last_use():

@@ -183,6 +183,21 @@ def small_bytes_for(capacity: int) -> int:
     return capacity >> 12
 
 
+GRID_BITS = 7   # a grid cap is a whole number of blocks with at most 7 significant bits
+
+
+def grid_cap(nbytes: int, block_bytes: int = 1024) -> int:
+    """The largest cap on the planner's cap grid that is at most `nbytes`.
+
+    The grid holds every whole number of blocks written with at most GRID_BITS significant
+    bits: consecutive caps lie at most 1/64 apart, and round caps (12GiB, 512MiB, 80GiB...)
+    are on it. The grid depends on nothing but `block_bytes`, which is what makes the
+    planner monotone in the cap (see `plan`)."""
+    n = nbytes // block_bytes
+    shift = max(n.bit_length() - GRID_BITS, 0)
+    return (n >> shift << shift) * block_bytes
+
+
 def plan(net, memory, policy: str = "all", *, momentum: float = 0.0, conv_algos=None,
          checkpoints=offload.DEFAULT_CHECKPOINTS, block_bytes: int = 1024,
          layout: str = "auto", host_memory=None) -> Plan:
@@ -194,6 +209,10 @@ def plan(net, memory, policy: str = "all", *, momentum: float = 0.0, conv_algos=
     fragments too much), "first_fit" or "two_ended" (force one). `host_memory` caps the
     pinned host arena (default: unbounded); when copies would overflow it, policy "all"
     turns to recomputation and the others raise OutOfMemory.
+
+    A plan that fits under a cap fits under every larger cap, for every policy and layout
+    (`_Search` says why). The returned plan's `capacity` is the pool it was made for: the
+    cap itself, or a cap of the grid below it (`grid_cap`), never more.
     """
     if layout not in ("auto", "first_fit", "two_ended"):
         raise ValueError(f"layout must be 'auto', 'first_fit' or 'two_ended', got {layout!r}")
@@ -203,36 +222,109 @@ def plan(net, memory, policy: str = "all", *, momentum: float = 0.0, conv_algos=
     host_capacity = HOST_CAPACITY if host_memory is None else parse_bytes(host_memory)
     program = liveness.Program(net, momentum=momentum)
 
-    def fit(drops):
-        """Plain first fit; if that fragments too much, small requests from the top."""
-        def run(small):
-            return _Planner(program, capacity, policy, conv_algos, checkpoints, block_bytes,
-                            drops, small, host_capacity).run()
-        if layout != "auto":
-            return run(small_bytes_for(capacity) if layout == "two_ended" else 0)
-        try:
-            return run(0)
-        except OutOfMemory:
-            return run(small_bytes_for(capacity))
+    def make(cap, drops, small, floor=False):
+        return _Planner(program, cap, policy, conv_algos, checkpoints, block_bytes, drops,
+                        small, host_capacity, floor=floor)
 
+    search = _Search(make, capacity, policy, layout, block_bytes)
     if policy in ("baseline", "liveness", "offload"):
-        return fit(None)
+        return search.first(None)
     if policy == "all":
         # Move or recompute nothing while everything fits. Once something must move, the
         # plan that moves the fewest bytes: dropping cheap layers' outputs and recomputing
         # them beats carrying them over PCIe and back (a ResNet-50 step at batch 897 took
         # 1.27x its copy time on the H200: moves dominate).
         try:
-            cached = fit(None)
-        except OutOfMemory as err:
-            return _best([lambda: fit("from_checkpoints"), lambda: fit("strict")], err,
-                         key=_moved_then_peak)
+            cached = search.first(None)
+        except OutOfMemory:
+            return _best([lambda: search.first("from_checkpoints"),
+                          lambda: search.first("strict")], search.error, key=_moved_then_peak)
         if not cached.bytes_to_host:
             return cached
-        return _best([lambda: cached, lambda: fit("from_checkpoints"), lambda: fit("strict")],
-                     key=_moved_then_peak)
+        # a plan is in hand: the alternatives are only tried at the top of the cap
+        return _best([lambda: cached, lambda: search.first("from_checkpoints", scan=False),
+                      lambda: search.first("strict", scan=False)], key=_moved_then_peak)
     # "recompute": cost-aware, recomputation only where it lowers the peak
-    return _best([lambda: fit(None), lambda: fit("from_checkpoints"), lambda: fit("strict")])
+    return _best([lambda: search.first(None), lambda: search.first("from_checkpoints"),
+                  lambda: search.first("strict")])
+
+
+class _Search:
+    """The runs of the planner that decide whether, and with which plan, a net fits a cap.
+
+    Why feasibility is monotone in the cap. A plan keeps every block below its pool's
+    capacity, so a plan made for a pool of g bytes is valid under any cap C >= g. Each
+    run of `_Planner` is one of two kinds:
+
+    - exact runs (no tensor cache, plain first fit): every decision is independent of the
+      cap, and first fit places each request in the lowest free run that is long enough.
+      Under a larger cap the free runs are the same except the topmost, which is longer,
+      so every request lands at the same offset: the run is the same at every cap where it
+      succeeds, and succeeds exactly when the cap is at least its `required_bytes`. Exact
+      runs are made at the cap C itself.
+    - grid runs (the LRU cache evicts when an allocation fails, dynamic workspaces follow
+      the largest free run, the two-ended layout places from the top): these depend on
+      the cap and are not monotone in it (ResNet-18 at batch 16 with momentum fit at
+      81,477,321 bytes and failed 1% above). They are only made at caps g of the grid
+      (`grid_cap`), which depends on nothing but the block size.
+
+    A variant (a choice of drops) fits at C when its exact run fits at C or its grid run
+    fits at some grid cap g <= C; both conditions only grow with C, and so does their OR
+    over variants. A grid run at g <= C is only skipped when g is below `floor`, a lower
+    bound that no run at any cap can beat, so skipping changes no answer. The floor is
+    tight (ResNet-50 at batch 995 under "all" plans within 0.01% of it), so the caps
+    between it and a failing cap are few: a failure costs a few more runs, not a sweep.
+    """
+
+    def __init__(self, make, capacity, policy, layout, block_bytes):
+        self.make, self.capacity, self.block_bytes = make, capacity, block_bytes
+        self.exact = policy != "all" and layout != "two_ended"
+        self.layouts = ([0] if policy == "all" and layout != "two_ended" else []) + \
+                       ([None] if layout != "first_fit" else [])   # None: small_bytes_for(cap)
+        self.floors = {}
+        self.error = None
+
+    def first(self, drops, scan: bool = True) -> Plan:
+        """The first plan that fits for `drops`: the exact run at the cap, then grid runs
+        from the top grid cap down (to the floor; only the top one unless `scan`)."""
+        for cap, small in self._attempts(drops, scan):
+            try:
+                return self.make(cap, drops, small).run()
+            except OutOfMemory as err:
+                self.error = self.error or self._noted(err, cap)
+        raise self.error
+
+    def _noted(self, err, cap):
+        """`err`, saying which grid cap was planned when that is not the cap asked for."""
+        if cap == self.capacity:
+            return err
+        return OutOfMemory(f"{err} [planned at {cap:,} bytes, the grid cap at or below the "
+                           f"{self.capacity:,} asked for: see tinysn.sched.plan.grid_cap]")
+
+    def _attempts(self, drops, scan):
+        if self.exact:
+            yield self.capacity, 0
+        if not self.layouts:
+            return
+        cap = grid_cap(self.capacity, self.block_bytes)
+        top = cap
+        while cap > 0 and (cap == top or (scan and cap >= self.floor(drops))):
+            for small in self.layouts:
+                yield cap, small_bytes_for(cap) if small is None else small
+            cap = grid_cap(cap - self.block_bytes, self.block_bytes)
+
+    def floor(self, drops) -> int:
+        """Bytes some step of every run for `drops` holds at once, at any cap (`_Planner`'s
+        `floor`); a variant that fails even without a device cap (the host cap) never
+        fits, and its floor is infinite."""
+        if drops not in self.floors:
+            planner = self.make(HOST_CAPACITY, drops, 0, floor=True)
+            try:
+                planner.run()
+                self.floors[drops] = planner.floor
+            except OutOfMemory:
+                self.floors[drops] = float("inf")
+        return self.floors[drops]
 
 
 def _peak(p):
@@ -284,8 +376,10 @@ class _Planner:
     """Simulates one iteration through a BlockAllocator and writes down every operation."""
 
     def __init__(self, program, capacity, policy, conv_algos, checkpoints, block_bytes,
-                 drops=None, small_bytes=0, host_capacity=HOST_CAPACITY):
+                 drops=None, small_bytes=0, host_capacity=HOST_CAPACITY, floor=False):
+        """`floor=True` also records `floor` (see `_track_floor`); else `floor` is None."""
         self.program = program
+        self.floor = 0 if floor else None
         self.policy = policy
         self.tensors = list(program.tensors)
         self.small_bytes = small_bytes
@@ -398,6 +492,8 @@ class _Planner:
         for tid in dict.fromkeys(step.writes):
             if self.loc.get(tid) not in ("gpu", "offloading"):
                 self._alloc(tid, ops)
+        if self.floor is not None:
+            self._track_floor(step)
         algos, ws = self._workspace(step, ops)
         ops.append(Launch(step.index, algos, ws))
         self.kernels += 1
@@ -413,6 +509,21 @@ class _Planner:
         self._after(step.index, touched, ops)
         if step.index + 1 < len(self.program.steps):
             self._lookahead(self.program.steps[step.index + 1], ops)
+
+    def _track_floor(self, step):
+        """Raise `floor` to the bytes this step holds at any cap, its kernel about to launch.
+
+        Only LRU cache members are ever evicted, and only when the cap is short; every other
+        tensor is allocated, freed, dropped and released at points the program and the drop
+        choice fix, whatever the cap. So at this launch every run holds at least the blocks
+        of the non-members alive here and of the tensors the step reads and writes (locked),
+        plus a workspace no smaller than the smallest the step can choose (baseline's are
+        allocated up front, already counted). No cap below the floor can be planned."""
+        cache = self.cache_members()
+        held = sum(b.nbytes for t, b in self.dblock.items() if t not in cache or t in self.locked)
+        ws = 0 if self.policy == "baseline" else self._default_workspace(step)
+        bb = self.dev.block_bytes
+        self.floor = max(self.floor, held + -(-ws // bb) * bb)
 
     def cache_members(self):
         return self.cache if self.cache is not None else ()

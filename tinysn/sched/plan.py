@@ -308,7 +308,7 @@ class _Search:
             return
         cap = grid_cap(self.capacity, self.block_bytes)
         top = cap
-        while cap > 0 and (cap == top or (scan and cap >= self.floor(drops))):
+        while cap == top or (scan and cap > 0 and cap >= self.floor(drops)):
             for small in self.layouts:
                 yield cap, small_bytes_for(cap) if small is None else small
             cap = grid_cap(cap - self.block_bytes, self.block_bytes)

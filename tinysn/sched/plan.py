@@ -214,6 +214,15 @@ def plan(net, memory, policy: str = "all", *, momentum: float = 0.0, conv_algos=
     (`_Search` says why). The returned plan's `capacity` is the pool it was made for: the
     cap itself, or a cap of the grid below it (`grid_cap`), never more.
     """
+    search = _search(net, memory, policy, momentum=momentum, conv_algos=conv_algos,
+                     checkpoints=checkpoints, block_bytes=block_bytes, layout=layout,
+                     host_memory=host_memory)
+    return _choose(search, policy)
+
+
+def _search(net, memory, policy, *, momentum, conv_algos, checkpoints, block_bytes, layout,
+            host_memory) -> "_Search":
+    """Check `plan`'s arguments (before any state changes) and set up its runs."""
     if layout not in ("auto", "first_fit", "two_ended"):
         raise ValueError(f"layout must be 'auto', 'first_fit' or 'two_ended', got {layout!r}")
     if policy not in POLICIES:
@@ -226,7 +235,12 @@ def plan(net, memory, policy: str = "all", *, momentum: float = 0.0, conv_algos=
         return _Planner(program, cap, policy, conv_algos, checkpoints, block_bytes, drops,
                         small, host_capacity, floor=floor)
 
-    search = _Search(make, capacity, policy, layout, block_bytes)
+    return _Search(make, capacity, policy, layout, block_bytes)
+
+
+def _choose(search, policy, any_fit: bool = False) -> Plan:
+    """The policy's plan among the search's runs; with `any_fit`, the first that fits (all
+    `max_batch` needs to know: the same answer to "does it fit", fewer runs)."""
     if policy in ("baseline", "liveness", "offload"):
         return search.first(None)
     if policy == "all":
@@ -238,15 +252,16 @@ def plan(net, memory, policy: str = "all", *, momentum: float = 0.0, conv_algos=
             cached = search.first(None)
         except OutOfMemory:
             return _best([lambda: search.first("from_checkpoints"),
-                          lambda: search.first("strict")], search.error, key=_moved_then_peak)
-        if not cached.bytes_to_host:
+                          lambda: search.first("strict")], search.error, key=_moved_then_peak,
+                         any_fit=any_fit)
+        if not cached.bytes_to_host or any_fit:
             return cached
         # a plan is in hand: the alternatives are only tried at the top of the cap
         return _best([lambda: cached, lambda: search.first("from_checkpoints", scan=False),
                       lambda: search.first("strict", scan=False)], key=_moved_then_peak)
     # "recompute": cost-aware, recomputation only where it lowers the peak
     return _best([lambda: search.first(None), lambda: search.first("from_checkpoints"),
-                  lambda: search.first("strict")])
+                  lambda: search.first("strict")], any_fit=any_fit)
 
 
 class _Search:
@@ -264,7 +279,7 @@ class _Search:
       runs are made at the cap C itself.
     - grid runs (the LRU cache evicts when an allocation fails, dynamic workspaces follow
       the largest free run, the two-ended layout places from the top): these depend on
-      the cap and are not monotone in it (ResNet-18 at batch 16 with momentum fit at
+      the cap and are not monotone in it (a four-stage ResNet at batch 16 fit at
       81,477,321 bytes and failed 1% above). They are only made at caps g of the grid
       (`grid_cap`), which depends on nothing but the block size.
 
@@ -335,8 +350,9 @@ def _moved_then_peak(p):
     return (p.bytes_to_host + p.bytes_to_device, p.peak_bytes)
 
 
-def _best(candidates, error=None, key=_peak) -> Plan:
-    """The feasible plan with the lowest `key` (the earlier candidate on a tie)."""
+def _best(candidates, error=None, key=_peak, any_fit: bool = False) -> Plan:
+    """The feasible plan with the lowest `key` (the earlier candidate on a tie); with
+    `any_fit`, the first feasible one."""
     best = None
     for make in candidates:
         try:
@@ -344,6 +360,8 @@ def _best(candidates, error=None, key=_peak) -> Plan:
         except OutOfMemory as err:
             error = err
             continue
+        if any_fit:
+            return p
         if best is None or key(p) < key(best):
             best = p
     if best is None:
@@ -352,24 +370,22 @@ def _best(candidates, error=None, key=_peak) -> Plan:
 
 
 def max_batch(model_fn, memory, policy: str = "all", *, limit: int = 1 << 16, **kwargs) -> int:
-    """The largest batch for which `model_fn(batch=b)` plans under `memory` (0 if none)."""
-    def fits(batch):
-        try:
-            plan(model_fn(batch=batch), memory, policy, **kwargs)
-            return True
-        except OutOfMemory:
-            return False
+    """The largest batch b such that `model_fn(batch=...)` plans under `memory` at b and at
+    every smaller batch (0 if batch 1 does not plan; at most `limit`).
 
-    if not fits(1):
-        return 0
-    lo, hi = 1, 2
-    while hi <= limit and fits(hi):
-        lo, hi = hi, hi * 2
-    hi = min(hi, limit + 1)
-    while hi - lo > 1:
-        mid = (lo + hi) // 2
-        lo, hi = (mid, hi) if fits(mid) else (lo, mid)
-    return lo
+    Feasibility is monotone in the cap but not in the batch: a larger batch changes every
+    tensor's size, so first fit, the cache's evictions and the recompute choices all
+    change, and a small ResNet under "all" plans at batch 9 but not at 5 to 8 under one
+    cap (tests/sched/test_monotone.py). So no bisection: batches are tried in turn from 1
+    and the first that does not plan ends the search."""
+    options = {**plan.__kwdefaults__, **kwargs}
+    for batch in range(1, limit + 1):
+        try:
+            _choose(_search(model_fn(batch=batch), memory, policy, **options), policy,
+                    any_fit=True)
+        except OutOfMemory:
+            return batch - 1
+    return limit
 
 
 class _Planner:

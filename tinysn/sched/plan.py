@@ -301,7 +301,10 @@ class _Search:
 
     def first(self, drops, scan: bool = True) -> Plan:
         """The first plan that fits for `drops`: the exact run at the cap, then grid runs
-        from the top grid cap down (to the floor; only the top one unless `scan`)."""
+        from the top grid cap down. `scan` (no plan in hand yet) goes on down to the floor,
+        and skips a fallback variant (drops) whose floor is above the cap without a run."""
+        if scan and drops is not None and self.error and self.capacity < self.floor(drops):
+            raise self.error
         for cap, small in self._attempts(drops, scan):
             try:
                 return self.make(cap, drops, small).run()

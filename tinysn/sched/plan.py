@@ -192,7 +192,7 @@ def grid_cap(nbytes: int, block_bytes: int = 1024) -> int:
     The grid holds every whole number of blocks written with at most GRID_BITS significant
     bits: consecutive caps lie at most 1/64 apart, and round caps (12GiB, 512MiB, 80GiB...)
     are on it. The grid depends on nothing but `block_bytes`, which is what makes the
-    planner monotone in the cap (see `plan`)."""
+    planner monotone in the cap (see `_Search`)."""
     n = nbytes // block_bytes
     shift = max(n.bit_length() - GRID_BITS, 0)
     return (n >> shift << shift) * block_bytes
@@ -286,9 +286,10 @@ class _Search:
     A variant (a choice of drops) fits at C when its exact run fits at C or its grid run
     fits at some grid cap g <= C; both conditions only grow with C, and so does their OR
     over variants. A grid run at g <= C is only skipped when g is below `floor`, a lower
-    bound that no run at any cap can beat, so skipping changes no answer. The floor is
-    tight (ResNet-50 at batch 995 under "all" plans within 0.01% of it), so the caps
-    between it and a failing cap are few: a failure costs a few more runs, not a sweep.
+    bound that no run at any cap can beat, so skipping changes no answer. Near the largest
+    batch the floor is tight (ResNet-50 at batch 995 under "all" in 12GiB: the plan's peak
+    equals it), so few grid caps lie between it and a failing cap: a failure costs a few
+    more runs, not a sweep.
     """
 
     def __init__(self, make, capacity, policy, layout, block_bytes):
@@ -378,9 +379,10 @@ def max_batch(model_fn, memory, policy: str = "all", *, limit: int = 1 << 16, **
 
     Feasibility is monotone in the cap but not in the batch: a larger batch changes every
     tensor's size, so first fit, the cache's evictions and the recompute choices all
-    change, and a small ResNet under "all" plans at batch 9 but not at 5 to 8 under one
-    cap (tests/sched/test_monotone.py). So no bisection: batches are tried in turn from 1
-    and the first that does not plan ends the search."""
+    change: under "all" and 4,355,712 bytes a two-stage ResNet on 16x16 images plans at
+    batches 1-4 and 6-9 but not at 5 (tests/sched/test_monotone.py). So no bisection:
+    batches are tried in turn from 1, each up to its first plan that fits, and the first
+    batch that does not plan ends the search."""
     options = {**plan.__kwdefaults__, **kwargs}
     for batch in range(1, limit + 1):
         try:

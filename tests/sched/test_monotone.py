@@ -13,7 +13,7 @@ TINYSN_EXAMPLES (e.g. 500) for a nightly-sized run.
 import os
 
 import pytest
-from hypothesis import HealthCheck, given, settings, strategies as st
+from hypothesis import HealthCheck, event, given, settings, strategies as st
 
 import tinysn as sn
 from tinysn.sched import liveness, offload
@@ -106,6 +106,7 @@ def check_monotone(net, policy, low, steps, **kwargs):
         if p is not None:
             assert p.required_bytes <= p.capacity <= cap
             fitted = fitted or cap
+    event("some cap fits" if fitted else "no cap fits")
 
 
 @SETTINGS

@@ -238,11 +238,14 @@ def _search(net, memory, policy, *, momentum, conv_algos, checkpoints, block_byt
     return _Search(make, capacity, policy, layout, block_bytes)
 
 
+VARIANTS = (None, "from_checkpoints", "strict")   # what `drops` a policy's runs may use
+
+
 def _choose(search, policy, any_fit: bool = False) -> Plan:
     """The policy's plan among the search's runs; with `any_fit`, the first that fits (all
     `max_batch` needs to know: the same answer to "does it fit", fewer runs)."""
     if policy in ("baseline", "liveness", "offload"):
-        return search.first(None)
+        return _pick(search, (None,), _peak, any_fit)
     if policy == "all":
         # Move or recompute nothing while everything fits. Once something must move, the
         # plan that moves the fewest bytes: dropping cheap layers' outputs and recomputing
@@ -250,18 +253,25 @@ def _choose(search, policy, any_fit: bool = False) -> Plan:
         # 1.27x its copy time on the H200: moves dominate).
         try:
             cached = search.first(None)
+            if not cached.bytes_to_host or any_fit:
+                return cached
         except OutOfMemory:
-            return _best([lambda: search.first("from_checkpoints"),
-                          lambda: search.first("strict")], search.error, key=_moved_then_peak,
-                         any_fit=any_fit)
-        if not cached.bytes_to_host or any_fit:
-            return cached
-        # a plan is in hand: the alternatives are only tried at the top of the cap
-        return _best([lambda: cached, lambda: search.first("from_checkpoints", scan=False),
-                      lambda: search.first("strict", scan=False)], key=_moved_then_peak)
+            pass
+        return _pick(search, VARIANTS, _moved_then_peak, any_fit)
     # "recompute": cost-aware, recomputation only where it lowers the peak
-    return _best([lambda: search.first(None), lambda: search.first("from_checkpoints"),
-                  lambda: search.first("strict")], any_fit=any_fit)
+    return _pick(search, VARIANTS, _peak, any_fit)
+
+
+def _pick(search, variants, key, any_fit) -> Plan:
+    """The variants' best plan (lowest `key`) at the top of the cap; only if none fits
+    there, their best below it, down to their floors. Raises the search's first error."""
+    for below in (False, True):
+        try:
+            return _best([lambda d=d: search.first(d, below) for d in variants], key=key,
+                         any_fit=any_fit)
+        except OutOfMemory:
+            continue
+    raise search.error
 
 
 class _Search:
@@ -298,20 +308,32 @@ class _Search:
         self.layouts = ([0] if policy == "all" and layout != "two_ended" else []) + \
                        ([None] if layout != "first_fit" else [])   # None: small_bytes_for(cap)
         self.floors = {}
-        self.error = None
+        self.done = {}             # (drops, below) -> the plan or the OutOfMemory it gave
+        self.error = None          # the first OutOfMemory of the search: the one raised
+        self.found = None          # the last plan that fit
 
-    def first(self, drops, scan: bool = True) -> Plan:
-        """The first plan that fits for `drops`: the exact run at the cap, then grid runs
-        from the top grid cap down. `scan` (no plan in hand yet) goes on down to the floor,
-        and skips a fallback variant (drops) whose floor is above the cap without a run."""
-        if scan and drops is not None and self.error and self.capacity < self.floor(drops):
-            raise self.error
-        for cap, small in self._attempts(drops, scan):
+    def first(self, drops, below: bool = False) -> Plan:
+        """The first plan that fits for `drops` at the top of the cap (the exact run at
+        the cap, then the top grid cap) or, `below`, at the grid caps under the top, down
+        to the floor. Runs already made are not repeated. While no run has fit, a fallback
+        variant (drops) whose floor is above the cap is not run at all."""
+        if (drops, below) not in self.done:
+            self.done[drops, below] = self._first(drops, below)
+        result = self.done[drops, below]
+        if isinstance(result, OutOfMemory):
+            raise result
+        return result
+
+    def _first(self, drops, below):
+        if drops is not None and not self.found and self.capacity < self.floor(drops):
+            return self.error
+        for cap, small in self._attempts(drops, below):
             try:
-                return self.make(cap, drops, small).run()
+                self.found = self.make(cap, drops, small).run()
+                return self.found
             except OutOfMemory as err:
                 self.error = self.error or self._noted(err, cap)
-        raise self.error
+        return self.error
 
     def _noted(self, err, cap):
         """`err`, saying which grid cap was planned when that is not the cap asked for."""
@@ -320,16 +342,20 @@ class _Search:
         return OutOfMemory(f"{err} [planned at {cap:,} bytes, the grid cap at or below the "
                            f"{self.capacity:,} asked for: see tinysn.sched.plan.grid_cap]")
 
-    def _attempts(self, drops, scan):
-        if self.exact:
+    def _attempts(self, drops, below):
+        """(cap, small_bytes) of the runs to try, by falling cap."""
+        if self.exact and not below:
             yield self.capacity, 0
         if not self.layouts:
             return
         cap = grid_cap(self.capacity, self.block_bytes)
-        top = cap
-        while cap == top or (scan and cap > 0 and cap >= self.floor(drops)):
+        if below:
+            cap = grid_cap(cap - self.block_bytes, self.block_bytes)
+        while cap > 0 and (not below or cap >= self.floor(drops)):
             for small in self.layouts:
                 yield cap, small_bytes_for(cap) if small is None else small
+            if not below:
+                return
             cap = grid_cap(cap - self.block_bytes, self.block_bytes)
 
     def floor(self, drops) -> int:
@@ -354,7 +380,7 @@ def _moved_then_peak(p):
     return (p.bytes_to_host + p.bytes_to_device, p.peak_bytes)
 
 
-def _best(candidates, error=None, key=_peak, any_fit: bool = False) -> Plan:
+def _best(candidates, key=_peak, any_fit: bool = False) -> Plan:
     """The feasible plan with the lowest `key` (the earlier candidate on a tie); with
     `any_fit`, the first feasible one."""
     best = None

@@ -64,6 +64,13 @@ def test_out_of_memory_on_a_grid_cap_says_so():
         sn.plan(net, 81_477_321, "all", momentum=0.9)
 
 
+@pytest.mark.parametrize("policy", POLICIES)
+def test_a_cap_below_one_block_fails_naming_a_step(policy):
+    net = sn.models.lenet(batch=2)
+    with pytest.raises(sn.OutOfMemory, match=r"step \d+"):
+        sn.plan(net, 1000, policy)
+
+
 @st.composite
 def zoo_models(draw):
     """Builders `fn(batch=...)` of small ResNets and DenseNets (fans, joins, every zoo

@@ -325,7 +325,8 @@ class _Search:
         return result
 
     def _first(self, drops, below):
-        if drops is not None and not self.found and self.capacity < self.floor(drops):
+        if (drops is not None and self.error and not self.found
+                and self.capacity < self.floor(drops)):
             return self.error
         for cap, small in self._attempts(drops, below):
             try:
@@ -346,17 +347,18 @@ class _Search:
         """(cap, small_bytes) of the runs to try, by falling cap."""
         if self.exact and not below:
             yield self.capacity, 0
-        if not self.layouts:
-            return
         cap = grid_cap(self.capacity, self.block_bytes)
-        if below:
+        if not below:
+            yield from self._layouts_at(cap)
+            return
+        cap = grid_cap(cap - self.block_bytes, self.block_bytes)
+        while self.layouts and cap > 0 and cap >= self.floor(drops):
+            yield from self._layouts_at(cap)
             cap = grid_cap(cap - self.block_bytes, self.block_bytes)
-        while cap > 0 and (not below or cap >= self.floor(drops)):
-            for small in self.layouts:
-                yield cap, small_bytes_for(cap) if small is None else small
-            if not below:
-                return
-            cap = grid_cap(cap - self.block_bytes, self.block_bytes)
+
+    def _layouts_at(self, cap):
+        for small in self.layouts:
+            yield cap, small_bytes_for(cap) if small is None else small
 
     def floor(self, drops) -> int:
         """Bytes some step of every run for `drops` holds at once, at any cap (`_Planner`'s

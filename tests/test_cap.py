@@ -15,7 +15,7 @@ from tinysn.kernels._common import HostRestore
 from tinysn.pool import Arena
 from tinysn.pool.arena import available_bytes
 from tinysn.sched import workspace
-from tests.nets import block_net
+from tinysn.testing import block_net
 
 GPU = torch.cuda.is_available()
 

@@ -6,7 +6,7 @@ import pytest
 import tinysn as sn
 from tinysn import trace
 from tinysn.sched.plan import Launch, Offload, Prefetch
-from tests.nets import every_layer_net
+from tinysn.testing import every_layer_net
 
 
 @pytest.fixture(scope="module")

@@ -228,6 +228,21 @@ def small_bytes_for(capacity: int) -> int:
     return capacity >> 12
 
 
+GRID_BITS = 7   # a grid cap is a whole number of blocks with at most 7 significant bits
+
+
+def grid_cap(nbytes: int, block_bytes: int = 1024) -> int:
+    """The largest cap on the planner's cap grid that is at most `nbytes`.
+
+    The grid holds every whole number of blocks written with at most GRID_BITS significant
+    bits: consecutive caps lie at most 1/64 apart, and round caps (12GiB, 512MiB, 80GiB...)
+    are on it. The grid depends on nothing but `block_bytes`, which is what makes the
+    planner monotone in the cap (see `_Search`)."""
+    n = nbytes // block_bytes
+    shift = max(n.bit_length() - GRID_BITS, 0)
+    return (n >> shift << shift) * block_bytes
+
+
 def plan(net, memory, policy: str = "all", *, momentum: float = 0.0, conv_algos=None,
          checkpoints=offload.DEFAULT_CHECKPOINTS, block_bytes: int = 1024,
          layout: str = "auto", host_memory=None, rankings=None) -> Plan:
@@ -241,7 +256,20 @@ def plan(net, memory, policy: str = "all", *, momentum: float = 0.0, conv_algos=
     turns to recomputation and the others raise OutOfMemory. `rankings` orders the conv
     algorithms of policy "all" fastest first (workspace.measure_rankings; default: least
     workspace first), so a plan is a function of its arguments alone.
+
+    A plan that fits under a cap fits under every larger cap, for every policy and layout
+    (`_Search` says why). The returned plan's `capacity` is the pool it was made for: the
+    cap itself, or a cap of the grid below it (`grid_cap`), never more.
     """
+    search = _search(net, memory, policy, momentum=momentum, conv_algos=conv_algos,
+                     checkpoints=checkpoints, block_bytes=block_bytes, layout=layout,
+                     host_memory=host_memory, rankings=rankings)
+    return _choose(search, policy)
+
+
+def _search(net, memory, policy, *, momentum, conv_algos, checkpoints, block_bytes, layout,
+            host_memory, rankings=None) -> "_Search":
+    """Check `plan`'s arguments (before any state changes) and set up its runs."""
     if layout not in ("auto", "first_fit", "two_ended"):
         raise ValueError(f"layout must be 'auto', 'first_fit' or 'two_ended', got {layout!r}")
     if policy not in POLICIES:
@@ -250,36 +278,147 @@ def plan(net, memory, policy: str = "all", *, momentum: float = 0.0, conv_algos=
     host_capacity = HOST_CAPACITY if host_memory is None else parse_bytes(host_memory)
     program = liveness.Program(net, momentum=momentum)
 
-    def fit(drops):
-        """Plain first fit; if that fragments too much, small requests from the top."""
-        def run(small):
-            return _Planner(program, capacity, policy, conv_algos, checkpoints, block_bytes,
-                            drops, small, host_capacity, rankings).run()
-        if layout != "auto":
-            return run(small_bytes_for(capacity) if layout == "two_ended" else 0)
-        try:
-            return run(0)
-        except OutOfMemory:
-            return run(small_bytes_for(capacity))
+    def make(cap, drops, small, floor=False):
+        return _Planner(program, cap, policy, conv_algos, checkpoints, block_bytes, drops,
+                        small, host_capacity, rankings, floor=floor)
 
+    return _Search(make, capacity, policy, layout, block_bytes)
+
+
+VARIANTS = (None, "from_checkpoints", "strict")   # what `drops` a policy's runs may use
+
+
+def _choose(search, policy, any_fit: bool = False) -> Plan:
+    """The policy's plan among the search's runs; with `any_fit`, the first that fits (all
+    `max_batch` needs to know: the same answer to "does it fit", fewer runs)."""
     if policy in ("baseline", "liveness", "offload"):
-        return fit(None)
+        return _pick(search, (None,), _peak, any_fit)
     if policy == "all":
         # Move or recompute nothing while everything fits. Once something must move, the
         # plan that moves the fewest bytes: dropping cheap layers' outputs and recomputing
         # them beats carrying them over PCIe and back (a ResNet-50 step at batch 897 took
         # 1.27x its copy time on the H200: moves dominate).
         try:
-            cached = fit(None)
-        except OutOfMemory as err:
-            return _best([lambda: fit("from_checkpoints"), lambda: fit("strict")], err,
-                         key=_moved_then_peak)
-        if not cached.bytes_to_host:
-            return cached
-        return _best([lambda: cached, lambda: fit("from_checkpoints"), lambda: fit("strict")],
-                     key=_moved_then_peak)
+            cached = search.first(None)
+            if not cached.bytes_to_host or any_fit:
+                return cached
+        except OutOfMemory:
+            pass
+        return _pick(search, VARIANTS, _moved_then_peak, any_fit)
     # "recompute": cost-aware, recomputation only where it lowers the peak
-    return _best([lambda: fit(None), lambda: fit("from_checkpoints"), lambda: fit("strict")])
+    return _pick(search, VARIANTS, _peak, any_fit)
+
+
+def _pick(search, variants, key, any_fit) -> Plan:
+    """The variants' best plan (lowest `key`) at the top of the cap; only if none fits
+    there, their best below it, down to their floors. Raises the search's first error."""
+    for below in (False, True):
+        try:
+            return _best([lambda d=d: search.first(d, below) for d in variants], key=key,
+                         any_fit=any_fit)
+        except OutOfMemory:
+            continue
+    raise search.error
+
+
+class _Search:
+    """The runs of the planner that decide whether, and with which plan, a net fits a cap.
+
+    Why feasibility is monotone in the cap. A plan keeps every block below its pool's
+    capacity, so a plan made for a pool of g bytes is valid under any cap C >= g. Each
+    run of `_Planner` is one of two kinds:
+
+    - exact runs (no tensor cache, plain first fit): every decision is independent of the
+      cap, and first fit places each request in the lowest free run that is long enough.
+      Under a larger cap the free runs are the same except the topmost, which is longer,
+      so every request lands at the same offset: the run is the same at every cap where it
+      succeeds, and succeeds exactly when the cap is at least its `required_bytes`. Exact
+      runs are made at the cap C itself.
+    - grid runs (the LRU cache evicts when an allocation fails, dynamic workspaces follow
+      the largest free run, the two-ended layout places from the top): these depend on
+      the cap and are not monotone in it (a four-stage ResNet at batch 16 fit at
+      81,477,321 bytes and failed 1% above). They are only made at caps g of the grid
+      (`grid_cap`), which depends on nothing but the block size.
+
+    A variant (a choice of drops) fits at C when its exact run fits at C or its grid run
+    fits at some grid cap g <= C; both conditions only grow with C, and so does their OR
+    over variants. A grid run at g <= C is only skipped when g is below `floor`, a lower
+    bound that no run at any cap can beat, so skipping changes no answer. Near the largest
+    batch the floor is tight (ResNet-50 at batch 995 under "all" in 12GiB: the plan's peak
+    equals it), so few grid caps lie between it and a failing cap: a failure costs a few
+    more runs, not a sweep.
+    """
+
+    def __init__(self, make, capacity, policy, layout, block_bytes):
+        self.make, self.capacity, self.block_bytes = make, capacity, block_bytes
+        self.exact = policy != "all" and layout != "two_ended"
+        self.layouts = ([0] if policy == "all" and layout != "two_ended" else []) + \
+                       ([None] if layout != "first_fit" else [])   # None: small_bytes_for(cap)
+        self.floors = {}
+        self.done = {}             # (drops, below) -> the plan or the OutOfMemory it gave
+        self.error = None          # the first OutOfMemory of the search: the one raised
+        self.found = None          # the last plan that fit
+
+    def first(self, drops, below: bool = False) -> Plan:
+        """The first plan that fits for `drops` at the top of the cap (the exact run at
+        the cap, then the top grid cap) or, `below`, at the grid caps under the top, down
+        to the floor. Runs already made are not repeated. While no run has fit, a fallback
+        variant (drops) whose floor is above the cap is not run at all."""
+        if (drops, below) not in self.done:
+            self.done[drops, below] = self._first(drops, below)
+        result = self.done[drops, below]
+        if isinstance(result, OutOfMemory):
+            raise result
+        return result
+
+    def _first(self, drops, below):
+        if (drops is not None and self.error and not self.found
+                and self.capacity < self.floor(drops)):
+            return self.error
+        for cap, small in self._attempts(drops, below):
+            try:
+                self.found = self.make(cap, drops, small).run()
+                return self.found
+            except OutOfMemory as err:
+                self.error = self.error or self._noted(err, cap)
+        return self.error
+
+    def _noted(self, err, cap):
+        """`err`, saying which grid cap was planned when that is not the cap asked for."""
+        if cap == self.capacity:
+            return err
+        return OutOfMemory(f"{err} [planned at {cap:,} bytes, the grid cap at or below the "
+                           f"{self.capacity:,} asked for: see tinysn.sched.plan.grid_cap]")
+
+    def _attempts(self, drops, below):
+        """(cap, small_bytes) of the runs to try, by falling cap."""
+        if self.exact and not below:
+            yield self.capacity, 0
+        cap = grid_cap(self.capacity, self.block_bytes)
+        if not below:
+            yield from self._layouts_at(cap)
+            return
+        cap = grid_cap(cap - self.block_bytes, self.block_bytes)
+        while self.layouts and cap > 0 and cap >= self.floor(drops):
+            yield from self._layouts_at(cap)
+            cap = grid_cap(cap - self.block_bytes, self.block_bytes)
+
+    def _layouts_at(self, cap):
+        for small in self.layouts:
+            yield cap, small_bytes_for(cap) if small is None else small
+
+    def floor(self, drops) -> int:
+        """Bytes some step of every run for `drops` holds at once, at any cap (`_Planner`'s
+        `floor`); a variant that fails even without a device cap (the host cap) never
+        fits, and its floor is infinite."""
+        if drops not in self.floors:
+            planner = self.make(HOST_CAPACITY, drops, 0, floor=True)
+            try:
+                planner.run()
+                self.floors[drops] = planner.floor
+            except OutOfMemory:
+                self.floors[drops] = float("inf")
+        return self.floors[drops]
 
 
 def _peak(p):
@@ -290,8 +429,9 @@ def _moved_then_peak(p):
     return (p.bytes_to_host + p.bytes_to_device, p.peak_bytes)
 
 
-def _best(candidates, error=None, key=_peak) -> Plan:
-    """The feasible plan with the lowest `key` (the earlier candidate on a tie)."""
+def _best(candidates, key=_peak, any_fit: bool = False) -> Plan:
+    """The feasible plan with the lowest `key` (the earlier candidate on a tie); with
+    `any_fit`, the first feasible one."""
     best = None
     for make in candidates:
         try:
@@ -299,6 +439,8 @@ def _best(candidates, error=None, key=_peak) -> Plan:
         except OutOfMemory as err:
             error = err
             continue
+        if any_fit:
+            return p
         if best is None or key(p) < key(best):
             best = p
     if best is None:
@@ -307,32 +449,34 @@ def _best(candidates, error=None, key=_peak) -> Plan:
 
 
 def max_batch(model_fn, memory, policy: str = "all", *, limit: int = 1 << 16, **kwargs) -> int:
-    """The largest batch for which `model_fn(batch=b)` plans under `memory` (0 if none)."""
-    def fits(batch):
-        try:
-            plan(model_fn(batch=batch), memory, policy, **kwargs)
-            return True
-        except OutOfMemory:
-            return False
+    """The largest batch b such that `model_fn(batch=...)` plans under `memory` at b and at
+    every smaller batch (0 if batch 1 does not plan; at most `limit`).
 
-    if not fits(1):
-        return 0
-    lo, hi = 1, 2
-    while hi <= limit and fits(hi):
-        lo, hi = hi, hi * 2
-    hi = min(hi, limit + 1)
-    while hi - lo > 1:
-        mid = (lo + hi) // 2
-        lo, hi = (mid, hi) if fits(mid) else (lo, mid)
-    return lo
+    Feasibility is monotone in the cap but not in the batch: a larger batch changes every
+    tensor's size, so first fit, the cache's evictions and the recompute choices all
+    change: under "all" and 4,355,712 bytes a two-stage ResNet on 16x16 images plans at
+    batches 1-4 and 6-9 but not at 5 (tests/sched/test_monotone.py). So no bisection:
+    batches are tried in turn from 1, each up to its first plan that fits, and the first
+    batch that does not plan ends the search."""
+    options = {**plan.__kwdefaults__, **kwargs}
+    for batch in range(1, limit + 1):
+        try:
+            _choose(_search(model_fn(batch=batch), memory, policy, **options), policy,
+                    any_fit=True)
+        except OutOfMemory:
+            return batch - 1
+    return limit
 
 
 class _Planner:
     """Simulates one iteration through a BlockAllocator and writes down every operation."""
 
     def __init__(self, program, capacity, policy, conv_algos, checkpoints, block_bytes,
-                 drops=None, small_bytes=0, host_capacity=HOST_CAPACITY, rankings=None):
+                 drops=None, small_bytes=0, host_capacity=HOST_CAPACITY, rankings=None,
+                 floor=False):
+        """`floor=True` also records `floor` (see `_track_floor`); else `floor` is None."""
         self.program = program
+        self.floor = 0 if floor else None
         self.policy = policy
         self.tensors = list(program.tensors)
         self.small_bytes = small_bytes
@@ -450,6 +594,8 @@ class _Planner:
         for tid in dict.fromkeys(step.writes):
             if self.loc.get(tid) not in ("gpu", "offloading"):
                 self._alloc(tid, ops)
+        if self.floor is not None:
+            self._track_floor(step)
         algos, ws = self._workspace(step, ops)
         ops.append(Launch(step.index, algos, ws))
         self.kernels += 1
@@ -465,6 +611,21 @@ class _Planner:
         self._after(step.index, touched, ops)
         if step.index + 1 < len(self.program.steps):
             self._lookahead(self.program.steps[step.index + 1], ops)
+
+    def _track_floor(self, step):
+        """Raise `floor` to the bytes this step holds at any cap, its kernel about to launch.
+
+        Only LRU cache members are ever evicted, and only when the cap is short; every other
+        tensor is allocated, freed, dropped and released at points the program and the drop
+        choice fix, whatever the cap. So at this launch every run holds at least the blocks
+        of the non-members alive here and of the tensors the step reads and writes (locked),
+        plus a workspace no smaller than the smallest the step can choose (baseline's are
+        allocated up front, already counted). No cap below the floor can be planned."""
+        cache = self.cache_members()
+        held = sum(b.nbytes for t, b in self.dblock.items() if t not in cache or t in self.locked)
+        ws = 0 if self.policy == "baseline" else self._default_workspace(step)
+        bb = self.dev.block_bytes
+        self.floor = max(self.floor, held + -(-ws // bb) * bb)
 
     def cache_members(self):
         return self.cache if self.cache is not None else ()

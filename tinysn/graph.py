@@ -30,7 +30,9 @@ OPS = ("data", "conv", "bn", "relu", "pool", "lrn", "fc", "dropout", "add", "con
        "softmax_loss")
 BN_EPS = 1e-5
 BN_MOMENTUM = 0.1
-_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_\-]*\Z")
+# a name may be a dotted module path ("layer1.0.conv1", or "0" in an nn.Sequential), so
+# that a layer imported from a torch module keeps torch's parameter names
+_NAME = re.compile(r"[A-Za-z0-9_\-]+(\.[A-Za-z0-9_\-]+)*\Z")
 
 
 class Layer:
@@ -167,8 +169,8 @@ class Net:
             self._counters[op] = n
             return name
         if not isinstance(name, str) or not _NAME.match(name):
-            raise ValueError(f"layer name must be a string of letters, digits, '_' or '-' "
-                             f"not starting with a digit (no '.'), got {name!r}")
+            raise ValueError(f"layer name must be a string of letters, digits, '_' or '-', "
+                             f"optionally in '.'-separated parts (a module path), got {name!r}")
         if name in self._by_name:
             raise ValueError(f"duplicate layer name {name!r}")
         return name

@@ -225,8 +225,11 @@ class Runtime:
                 for name, tid in named.items()}
 
     def load_params(self, state: dict) -> None:
-        """Copy parameters (and bn statistics) in; names and shapes must match exactly."""
+        """Copy parameters (and bn statistics) in; names and shapes must match exactly.
+        A torch module's state_dict loads as it is: its batch norms' num_batches_tracked
+        counters (which tinysn does not use) are skipped."""
         named = {**self.program.param, **self.program.buffer}
+        state = {k: v for k, v in state.items() if not _bn_counter(self.net, k)}
         unknown = sorted(set(state) - set(named))
         missing = sorted(set(self.program.param) - set(state))
         if unknown or missing:
@@ -489,6 +492,12 @@ class Runtime:
             return lambda algos, ws: softmax_k.backward(v(ins[0]), v(p.labels), v(dxs[0]),
                                                         accumulate=acc[0])
         raise ValueError(f"no backward launcher for layer op {op!r}")
+
+
+def _bn_counter(net, name) -> bool:
+    """Is `name` torch's "<bn layer>.num_batches_tracked" for a batch norm of `net`?"""
+    layer, _, suffix = name.rpartition(".")
+    return suffix == "num_batches_tracked" and layer in net and net[layer].op == "bn"
 
 
 def _check_graph_request(cuda_graph, device, net) -> None:

@@ -40,10 +40,10 @@ class Branchy(nn.Module):
         return self.head(torch.relu(self.fc1(h)))
 
 
-def _step_both(module, net, batch, seed=4, lr=0.05, momentum=0.9, device="cpu"):
+def _step_both(module, net, batch, device, memory, seed=4, lr=0.05, momentum=0.9):
     """One SGD step of tinysn and of the module in float64; returns both losses and states."""
     ref = copy.deepcopy(module).double().train()
-    rt = sn.Runtime(net, "256MiB", "all", device=device, lr=lr, momentum=momentum,
+    rt = sn.Runtime(net, memory, "all", device=device, lr=lr, momentum=momentum,
                     precision="ieee", conv_algos={})
     rt.load_params(module.state_dict())
     gen = torch.Generator().manual_seed(seed)
@@ -58,8 +58,9 @@ def _step_both(module, net, batch, seed=4, lr=0.05, momentum=0.9, device="cpu"):
     return loss, ref_loss.item(), rt.params(), theirs
 
 
-def _assert_step_equal(module, net, batch, device="cpu", rtol=2e-4, atol=2e-5):
-    loss, ref_loss, ours, theirs = _step_both(module, net, batch, device=device)
+def _assert_step_equal(module, net, batch, device="cpu", memory="256MiB", rtol=2e-4,
+                       atol=2e-5):
+    loss, ref_loss, ours, theirs = _step_both(module, net, batch, device, memory)
     assert loss == pytest.approx(ref_loss, rel=rtol, abs=atol)
     assert set(ours) == set(theirs)
     for name, value in ours.items():
@@ -184,9 +185,10 @@ def test_torchvision_model_imports_with_its_parameter_names(name):
 
 
 @pytest.mark.parametrize("name", ["resnet50", "densenet121"])
-def test_torchvision_model_steps_like_torch_on_cpu(name):
+def test_torchvision_model_steps_like_torch(name, device):
     module, shape, batch = _torchvision_case(name)
-    _assert_step_equal(module, sn.from_torch(module, input_shape=shape, batch=batch), batch)
+    _assert_step_equal(module, sn.from_torch(module, input_shape=shape, batch=batch), batch,
+                       device=device, memory="4GiB", rtol=1e-3, atol=1e-4)
 
 
 @pytest.mark.gpu
@@ -194,7 +196,7 @@ def test_torchvision_model_steps_like_torch_on_cpu(name):
 def test_torchvision_model_steps_like_torch_on_gpu(name):
     module, shape, batch = _torchvision_case(name)
     _assert_step_equal(module, sn.from_torch(module, input_shape=shape, batch=batch), batch,
-                       device="cuda")
+                       device="cuda", memory="4GiB", rtol=1e-3, atol=1e-4)
 
 
 @pytest.mark.gpu

@@ -50,6 +50,12 @@ def _parser():
                             "a model without dropout)")
     train.add_argument("--host-memory", default=None,
                        help="cap on the pinned host arena (default: what the plan needs)")
+    # checkpoints (tinysn/checkpoint.py): save, periodically and at the end; resume exactly
+    train.add_argument("--save", default=None, help="checkpoint path, written at the end")
+    train.add_argument("--save-every", type=int, default=None,
+                       help="also write the checkpoint every K steps (needs --save)")
+    train.add_argument("--resume", default=None,
+                       help="continue from this checkpoint: its step, weights, momentum")
     plan = sub.add_parser("plan", help="dry-run the scheduler (no kernels, no GPU)")
     plan.add_argument("--model", choices=sorted(MODELS), default="alexnet")
     plan.add_argument("--batch", type=int, default=200)
@@ -73,7 +79,7 @@ def main(argv=None) -> int:
 def _train(args) -> int:
     from tqdm import tqdm
 
-    from . import data
+    from . import checkpoint, data
     from .runtime import Runtime
 
     dataset = args.data or ("digits" if args.model == "lenet" else "synthetic")
@@ -101,10 +107,15 @@ def _train(args) -> int:
     except ValueError as err:           # e.g. --cuda-graph on a CPU or with dropout
         print(f"error: {err}", file=sys.stderr)
         return 2
+    try:
+        first = _resume(args, rt, stream)
+    except ValueError as err:           # a damaged checkpoint, another net's, bad flags
+        print(f"error: {err}", file=sys.stderr)
+        return 2
     print(f"{args.model} batch {args.batch} on {rt.device}, policy {args.policy}, cap "
           f"{format_bytes(rt.plan.capacity)}: planned peak {format_bytes(rt.plan.peak_bytes)}")
-    bar = tqdm(range(steps), unit="step", file=sys.stdout)
-    start, done = time.perf_counter(), 0
+    bar = tqdm(range(first, steps), unit="step", file=sys.stdout)
+    start, done, loss = time.perf_counter(), 0, float("nan")
     for i in bar:
         if args.schedule == "linear":
             rt.lr = lr * (1 - i / steps)
@@ -114,7 +125,11 @@ def _train(args) -> int:
         rate = done / (time.perf_counter() - start)
         bar.set_postfix(loss=f"{loss:.4f}", img_s=f"{rate:.1f}",
                         peak=format_bytes(rt.stats.peak_bytes))
+        if args.save_every and (i + 1) % args.save_every == 0:
+            checkpoint.save(rt, args.save)
     bar.close()
+    if args.save:
+        checkpoint.save(rt, args.save)
     print(f"final loss {loss:.4f}; pool peak {rt.stats.peak_bytes:,} bytes "
           f"(planned {rt.plan.peak_bytes:,})")
     if dataset == "digits":
@@ -125,6 +140,22 @@ def _train(args) -> int:
             json.dump(rt.stats.trace, f, indent=1)
         print(f"trace of {len(rt.stats.trace)} steps written to {args.trace}")
     return 0
+
+
+def _resume(args, rt, stream) -> int:
+    """Check the checkpoint flags; with --resume, restore rt and advance the batch stream
+    past the steps already taken (the schedule and the data then continue exactly).
+    Returns the step to start from."""
+    from . import checkpoint
+
+    if args.save_every is not None and (args.save_every < 1 or not args.save):
+        raise ValueError("--save-every K needs K >= 1 and --save PATH")
+    if not args.resume:
+        return 0
+    checkpoint.load(rt, args.resume)
+    for _ in range(rt.stats.iterations):
+        next(stream)
+    return rt.stats.iterations
 
 
 def evaluate(rt, x, y) -> float:

@@ -61,6 +61,7 @@ class Stats:
 
 
 GRAPH_WARMUP = 2   # eager steps before a capture (compiles, autotuning, first-call caches)
+MOMENTUM_SUFFIX = ".momentum_buffer"   # state_dict() name of a parameter's momentum buffer
 
 
 def _mask_seed(seed: int, iteration: int, layer_index: int) -> int:
@@ -241,6 +242,54 @@ class Runtime:
                 raise ValueError(f"load_params: {name} must have shape {want}, got {got}")
         for name, value in state.items():
             self.tensors[named[name]].view().copy_(value)
+
+    # -- checkpoints: the whole training state, for an exact resume ---------------------
+    def state_dict(self) -> dict:
+        """Everything a run needs to continue bitwise as if never stopped, as CPU tensors:
+        parameters and batch-norm statistics under torch's names (as params()), each
+        momentum buffer as "<parameter>.momentum_buffer", and "iteration" (the steps taken)
+        and "seed" as 0-d int64 tensors (dropout draws its masks from both)."""
+        state = {name: self._v(tid).detach().to("cpu", copy=True)
+                 for name, tid in self._state_tensors().items()}
+        state["iteration"] = torch.tensor(self.stats.iterations, dtype=torch.int64)
+        state["seed"] = torch.tensor(self.seed, dtype=torch.int64)
+        return state
+
+    def load_state_dict(self, state: dict) -> None:
+        """Restore a state_dict(): every entry must be present with its shape and dtype and
+        no other; nothing changes unless all of them are."""
+        want = self._state_layout()
+        if not isinstance(state, dict) or set(state) != set(want):
+            names = set(state) if isinstance(state, dict) else set()
+            raise ValueError(f"load_state_dict: unknown names {sorted(names - set(want))}, "
+                             f"missing {sorted(set(want) - names)}")
+        for name, (shape, dtype) in want.items():
+            value = state[name]
+            if (not isinstance(value, torch.Tensor) or tuple(value.shape) != shape
+                    or value.dtype != dtype):
+                got = (f"{tuple(value.shape)} {value.dtype}" if isinstance(value, torch.Tensor)
+                       else type(value).__name__)
+                raise ValueError(f"load_state_dict: {name} must be {shape} {dtype}, got {got}")
+        for name in ("iteration", "seed"):
+            if int(state[name]) < 0:
+                raise ValueError(f"load_state_dict: {name} must be >= 0, got {int(state[name])}")
+        for name, tid in self._state_tensors().items():
+            self.tensors[tid].view().copy_(state[name])
+        self.stats.iterations = int(state["iteration"])
+        self.seed = int(state["seed"])
+
+    def _state_tensors(self) -> dict:
+        """state_dict()'s float32 entries -> tensor id: params, bn statistics, momentum."""
+        p = self.program
+        return {**p.param, **p.buffer,
+                **{name + MOMENTUM_SUFFIX: tid for name, tid in p.momentum.items()}}
+
+    def _state_layout(self) -> dict:
+        """state_dict()'s names -> (shape, dtype)."""
+        layout = {name: (tuple(self.tensors[tid].shape), torch.float32)
+                  for name, tid in self._state_tensors().items()}
+        layout.update({"iteration": ((), torch.int64), "seed": ((), torch.int64)})
+        return layout
 
     # -- input checks -----------------------------------------------------------------
     def _check_batch(self, images, labels):

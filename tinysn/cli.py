@@ -133,8 +133,11 @@ def _train(args) -> int:
     print(f"final loss {loss:.4f}; pool peak {rt.stats.peak_bytes:,} bytes "
           f"(planned {rt.plan.peak_bytes:,})")
     if dataset == "digits":
-        accuracy = evaluate(rt, test_x, test_y)
-        print(f"held-out accuracy {accuracy:.2%} on {len(test_y)} digits")
+        from torch.utils.data import DataLoader, TensorDataset
+
+        held_out = rt.evaluate(DataLoader(TensorDataset(test_x, test_y), batch_size=args.batch))
+        print(f"held-out accuracy {held_out['accuracy']:.2%}, loss {held_out['loss']:.4f} "
+              f"on {len(test_y)} digits")
     if args.trace:
         with open(args.trace, "w") as f:
             json.dump(rt.stats.trace, f, indent=1)
@@ -156,21 +159,6 @@ def _resume(args, rt, stream) -> int:
     for _ in range(rt.stats.iterations):
         next(stream)
     return rt.stats.iterations
-
-
-def evaluate(rt, x, y) -> float:
-    """Accuracy of `rt`'s network on (x, y), predicted batch by batch (the tail is padded)."""
-    import torch
-
-    batch, correct = rt.net.batch, 0
-    for i in range(0, len(y), batch):
-        chunk = x[i:i + batch]
-        n = len(chunk)
-        if n < batch:
-            chunk = torch.cat([chunk, chunk.new_zeros((batch - n, *chunk.shape[1:]))])
-        logits = rt.predict(chunk)[:n]
-        correct += int((logits.argmax(1) == y[i:i + n]).sum())
-    return correct / len(y)
 
 
 def _plan(args) -> int:

@@ -188,13 +188,17 @@ class Runtime:
         return loss
 
     def predict(self, images):
-        """Logits of the network for one batch of images (a CPU copy), without training.
+        """Logits for a batch of up to net.batch images (a CPU copy), in eval mode.
 
-        Runs the plan's forward steps up to the loss, with dropout off and batch norm using
-        the batch's statistics (as in training) without updating its running statistics;
-        then frees every activation, leaving the pool as it was before.
+        As `module.eval()` in torch: batch norm normalises with its running statistics and
+        dropout is off, so each image's logits depend on that image alone, and a smaller
+        batch is padded with zeros to the planned one. Runs the plan's forward steps up to
+        the loss, then frees every activation, leaving the pool as it was before.
         """
-        self._check_images(images)
+        n = self._check_images(images, up_to=True)
+        if n < self.net.batch:
+            pad = images.new_zeros((self.net.batch - n, *images.shape[1:]))
+            images = torch.cat([images, pad])
         self._images, self._predicting = images, True
         loss_layer = self.net.loss.name
         try:
@@ -207,7 +211,7 @@ class Runtime:
                     else:
                         self._ops[op[0]](*op[1:])
             logits = self.tensors[self.program.act[self.net.loss.inputs[0]]].view()
-            logits = logits.detach().to("cpu", copy=True)
+            logits = logits[:n].detach().to("cpu", copy=True)
         finally:
             self._images, self._predicting = None, False
             if self._cuda:                       # copies of a cut-short iteration: done
@@ -218,6 +222,28 @@ class Runtime:
                     if t.id not in persistent and t.state not in ("unallocated", "freed"):
                         t.free()
         return logits
+
+    def evaluate(self, loader) -> dict:
+        """{"loss": mean cross-entropy, "accuracy": fraction correct} in eval mode over
+        every sample of `loader`, an iterable of (images, labels) batches of any size (a
+        torch DataLoader, say); batches larger than net.batch are predicted in parts."""
+        import torch.nn.functional as F
+
+        count, loss_sum, correct = 0, 0.0, 0
+        for images, labels in loader:
+            if not isinstance(images, torch.Tensor) or images.dim() == 0:
+                raise ValueError(f"evaluate: images must be a batch tensor, got "
+                                 f"{type(images).__name__}")
+            self._check_labels(labels, len(images))
+            for i in range(0, len(labels), self.net.batch):
+                logits = self.predict(images[i:i + self.net.batch]).double()
+                y = labels[i:i + self.net.batch].cpu()
+                loss_sum += float(F.cross_entropy(logits, y, reduction="sum"))
+                correct += int((logits.argmax(1) == y).sum())
+            count += len(labels)
+        if count == 0:
+            raise ValueError("evaluate: the loader gave no samples")
+        return {"loss": loss_sum / count, "accuracy": correct / count}
 
     def params(self) -> dict:
         """Parameters and batch-norm statistics in torch layouts (CPU copies)."""
@@ -293,27 +319,37 @@ class Runtime:
 
     # -- input checks -----------------------------------------------------------------
     def _check_batch(self, images, labels):
-        net = self.net
         self._check_images(images)
+        self._check_labels(labels, self.net.batch)
+
+    def _check_labels(self, labels, n):
+        """int64 labels of shape (n,), each in [0, classes)."""
+        net = self.net
         if not isinstance(labels, torch.Tensor) or labels.dtype != torch.int64:
             raise ValueError(f"labels must be an int64 torch tensor, got "
                              f"{getattr(labels, 'dtype', type(labels).__name__)}")
-        if tuple(labels.shape) != (net.batch,):
-            raise ValueError(f"labels must have shape ({net.batch},), got {tuple(labels.shape)}")
+        if tuple(labels.shape) != (n,):
+            raise ValueError(f"labels must have shape ({n},), got {tuple(labels.shape)}")
         low, high = int(labels.min()), int(labels.max())
         if low < 0 or high >= net.classes:
             raise ValueError(f"labels must lie in [0, {net.classes}), got values in [{low}, {high}]")
 
-    def _check_images(self, images):
+    def _check_images(self, images, up_to=False) -> int:
+        """float32, finite, shape (batch, *input_shape); with up_to, any batch from 1 to
+        net.batch. Returns the batch."""
         net = self.net
-        want = (net.batch, *net.input_shape)
         if not isinstance(images, torch.Tensor) or images.dtype != torch.float32:
             raise ValueError(f"images must be a float32 torch tensor, got "
                              f"{getattr(images, 'dtype', type(images).__name__)}")
-        if tuple(images.shape) != want:
-            raise ValueError(f"images must have shape {want}, got {tuple(images.shape)}")
+        n = images.shape[0] if up_to and images.dim() else net.batch
+        want = (n, *net.input_shape)
+        if tuple(images.shape) != want or not 1 <= n <= net.batch:
+            sizes = f"(1..{net.batch}, " if up_to else f"({net.batch}, "
+            raise ValueError(f"images must have shape {sizes}"
+                             f"{', '.join(map(str, net.input_shape))}), got {tuple(images.shape)}")
         if not bool(torch.isfinite(images).all()):
             raise ValueError("images contain NaN or infinite values")
+        return n
 
     # -- memory operations ------------------------------------------------------------
     def _alloc(self, tid, offset):
@@ -425,10 +461,16 @@ class Runtime:
             rm = self._param(layer, "running_mean", p.buffer)
             rv = self._param(layer, "running_var", p.buffer)
             saved = p.saved[layer]
-            return lambda algos, ws: bn_k.forward(
-                v(ins[0]), g(), bb(), v(out), rm(), rv(), v(saved), self._ws(ws),
-                eps=a.get("eps", 1e-5), momentum=a.get("momentum", 0.1),
-                update_running=update_running and not self._predicting)
+
+            def launch_bn(algos, ws):
+                if self._predicting:           # eval mode: the running statistics
+                    bn_k.forward_eval(v(ins[0]), g(), bb(), v(out), rm(), rv(),
+                                      eps=a.get("eps", 1e-5))
+                else:
+                    bn_k.forward(v(ins[0]), g(), bb(), v(out), rm(), rv(), v(saved),
+                                 self._ws(ws), eps=a.get("eps", 1e-5),
+                                 momentum=a.get("momentum", 0.1), update_running=update_running)
+            return launch_bn
         if op == "relu":
             return lambda algos, ws: act_k.forward(v(ins[0]), v(out))
         if op == "pool":

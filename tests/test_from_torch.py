@@ -154,6 +154,24 @@ def test_layer_names_may_be_module_paths():
             net.conv(net.data_layer, 2, name=bad)
 
 
+def test_to_torch_nests_dotted_names_like_torch():
+    """The reference model registers "block.conv" inside "block", even when the child
+    layer comes first, so its state_dict keys are the layer parameter names."""
+    net = sn.Net(input_shape=(3, 6, 6), classes=2, batch=2)
+    a = net.conv(net.data(), 3, name="block.conv")
+    b = net.conv(a, 3, padding=1, name="block")
+    net.softmax_loss(net.fc(b, 2, name="head.fc"))
+    model = net.to_torch(seed=1)
+    assert set(model.state_dict()) == set(net.param_shapes())
+    assert isinstance(model.block.conv, nn.Conv2d) and isinstance(model.head.fc, nn.Linear)
+    images = torch.randn(2, 3, 6, 6)
+    w = net.init_params(1)
+    h = F.conv2d(F.conv2d(images, w["block.conv.weight"], w["block.conv.bias"]),
+                 w["block.weight"], w["block.bias"], padding=1)
+    torch.testing.assert_close(model(images), F.linear(h.flatten(1), w["head.fc.weight"],
+                                                       w["head.fc.bias"]))
+
+
 # ------------------------------------------------------------------ torchvision
 def _torchvision_case(name):
     """(module with dropout off, input shape, batch) for a small but faithful import."""

@@ -1,8 +1,10 @@
 """python -m tinysn train | plan
 
   train  trains a model under a memory cap with a progress bar (loss, images/s, pool peak);
-         lenet trains on scikit-learn's digits and reports held-out accuracy, the zoo models
-         on a fixed synthetic ImageNet-shaped batch.
+         lenet trains on scikit-learn's digits and reports held-out accuracy and loss (eval
+         mode), the zoo models on a fixed synthetic ImageNet-shaped batch; any model trains
+         on a directory of images with --data imagefolder:PATH. --save/--save-every write
+         checkpoints, --resume continues one exactly.
   plan   dry-runs the scheduler for every policy (or one) and prints the peak, the bytes moved
          and the recomputed steps; --plot draws the memory timeline (the paper's Fig. 10).
 """
@@ -30,8 +32,10 @@ def _parser():
     sub = parser.add_subparsers(dest="command", required=True)
     train = sub.add_parser("train", help="train a model under a memory cap")
     train.add_argument("--model", choices=sorted(MODELS), default="lenet")
-    train.add_argument("--data", choices=["digits", "synthetic"], default=None,
-                       help="digits for lenet (default), synthetic for the zoo models")
+    train.add_argument("--data", type=_data_arg, default=None,
+                       help="digits for lenet (default), synthetic for the zoo models, or "
+                            "imagefolder:PATH (one sub-directory of images per class; each "
+                            "epoch's last partial batch is dropped)")
     train.add_argument("--batch", type=int, default=32)
     train.add_argument("--memory", default="512MiB")
     train.add_argument("--policy", choices=POLICIES, default="all")
@@ -96,6 +100,12 @@ def _train(args) -> int:
         train_x, train_y, test_x, test_y = data.digits(seed=args.seed)
         net = models.lenet(batch=args.batch, classes=10, input_shape=(1, 8, 8))
         stream = data.batches(train_x, train_y, args.batch, seed=args.seed)
+    elif dataset.startswith("imagefolder:"):
+        try:
+            net, stream = _imagefolder(args, dataset.partition(":")[2])
+        except ValueError as err:       # no torchvision, no images, too few for a batch
+            print(f"error: {err}", file=sys.stderr)
+            return 2
     else:
         net = MODELS[args.model](batch=args.batch)
         fixed = data.synthetic(net, seed=args.seed)
@@ -143,6 +153,26 @@ def _train(args) -> int:
             json.dump(rt.stats.trace, f, indent=1)
         print(f"trace of {len(rt.stats.trace)} steps written to {args.trace}")
     return 0
+
+
+def _data_arg(value: str) -> str:
+    """--data: digits, synthetic or imagefolder:PATH."""
+    if value in ("digits", "synthetic") or (value.startswith("imagefolder:") and value[12:]):
+        return value
+    raise argparse.ArgumentTypeError(f"expected digits, synthetic or imagefolder:PATH, "
+                                     f"got {value!r}")
+
+
+def _imagefolder(args, root):
+    """(net, batch stream) for a directory of images: the model with one class per
+    sub-directory, at its own input shape."""
+    from . import data
+
+    shape = MODELS[args.model](batch=1).input_shape
+    dataset = data.imagefolder(root, shape)
+    net = MODELS[args.model](batch=args.batch, classes=len(dataset.classes))
+    print(f"{len(dataset)} images in {len(dataset.classes)} classes from {root}")
+    return net, data.loader_batches(dataset, args.batch, seed=args.seed)
 
 
 def _resume(args, rt, stream) -> int:

@@ -95,6 +95,40 @@ def test_classes_must_match_the_output():
         sn.from_torch(Branchy(), input_shape=(3, 10, 10), batch=2, classes=7)
 
 
+class Functional(nn.Module):
+    """The functional and method forms: F.local_response_norm, F.dropout, the adaptive pool,
+    x.relu(), .flatten(1), torch.flatten, .reshape(-1, F), .contiguous(), nn.Identity and a
+    concat of flattened values (torch.cat over dim -1)."""
+
+    def __init__(self, p=0.0):
+        super().__init__()
+        self.p = p
+        self.conv = nn.Conv2d(3, 4, 3, padding=1)
+        self.skip = nn.Identity()
+        self.fc = nn.Linear(32, 3)
+
+    def forward(self, x):
+        h = F.local_response_norm(self.conv(x), 3, alpha=1e-3, beta=0.7, k=1.5)
+        h = F.dropout(self.skip(h), self.p, self.training)
+        a = F.adaptive_avg_pool2d(h, (2, 2)).flatten(1)
+        b = torch.flatten(F.max_pool2d(h.relu(), 4), 1).contiguous()
+        return self.fc(torch.cat([a, b.reshape(-1, 16)], -1))
+
+
+def test_functional_forms_map_exactly():
+    torch.manual_seed(2)
+    module = Functional()
+    net = sn.from_torch(module, input_shape=(3, 8, 8), batch=2)
+    assert [layer.op for layer in net] == ["data", "conv", "lrn", "pool", "relu", "pool",
+                                            "concat", "fc", "softmax_loss"]
+    assert net["local_response_norm"].attrs == {"size": 3, "alpha": 1e-3, "beta": 0.7, "k": 1.5}
+    ref = net.to_torch(params=module.state_dict()).double()
+    images = torch.randn(2, 3, 8, 8, dtype=torch.float64)
+    torch.testing.assert_close(ref(images), module.double()(images))
+    with_drop = sn.from_torch(Functional(p=0.3), input_shape=(3, 8, 8), batch=2)
+    assert [layer.attrs["p"] for layer in with_drop if layer.op == "dropout"] == [0.3]
+
+
 class _Sigmoid(nn.Module):
     def __init__(self):
         super().__init__()

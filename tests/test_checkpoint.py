@@ -24,8 +24,8 @@ def _batches(net, count, seed=5):
              torch.randint(0, net.classes, (net.batch,), generator=gen)) for _ in range(count)]
 
 
-def _runtime(net, policy="recompute", seed=7):
-    return sn.Runtime(net, "64MiB", policy, device="cpu", lr=0.1, momentum=0.9, seed=seed,
+def _runtime(net, policy="recompute", seed=7, device="cpu"):
+    return sn.Runtime(net, "64MiB", policy, device=device, lr=0.1, momentum=0.9, seed=seed,
                       conv_algos={})
 
 
@@ -46,26 +46,35 @@ def test_state_dict_holds_params_bn_stats_momentum_iteration_and_seed():
     assert set(net.buffer_shapes()) < set(state)
 
 
-def test_resume_from_a_file_is_bitwise_equal_to_the_uninterrupted_run(tmp_path):
+def _check_resume(tmp_path, device):
     """Dropout (its masks depend on seed and iteration), batch norm (running statistics)
     and momentum all carry over; the resumed Runtime even has another seed and policy."""
     net = block_net(batch=2, p=0.3)
-    batches = _batches(net, 4)
-    straight = _runtime(net)
+    batches = [(x.to(device), y.to(device)) for x, y in _batches(net, 4)]
+    straight = _runtime(net, device=device)
     for images, labels in batches:
         straight.step(images, labels)
-    first = _runtime(net)
+    first = _runtime(net, device=device)
     for images, labels in batches[:2]:
         first.step(images, labels)
     path = tmp_path / "run.safetensors"
     checkpoint.save(first, path)
-    resumed = _runtime(net, policy="baseline", seed=123)
+    resumed = _runtime(net, policy="baseline", seed=123, device=device)
     header = checkpoint.load(resumed, path)
     assert header["net"] == checkpoint.fingerprint(net)
     assert resumed.stats.iterations == 2 and resumed.seed == 7
     for images, labels in batches[2:]:
         resumed.step(images, labels)
     _assert_states_equal(straight.state_dict(), resumed.state_dict())
+
+
+def test_resume_from_a_file_is_bitwise_equal_to_the_uninterrupted_run(tmp_path):
+    _check_resume(tmp_path, "cpu")
+
+
+@pytest.mark.gpu
+def test_resume_on_the_gpu_is_bitwise_equal_to_the_uninterrupted_run(tmp_path):
+    _check_resume(tmp_path, "cuda")
 
 
 def test_load_state_dict_checks_everything_before_changing_anything():

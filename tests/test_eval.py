@@ -15,17 +15,21 @@ def _data(net, n, seed):
             torch.randint(0, net.classes, (n,), generator=gen))
 
 
-@pytest.fixture(scope="module")
-def trained():
+def _trained(device):
     """every_layer_net (bn, dropout p=0.4, fan, joins) after two steps, so the running
-    statistics are neither the initial ones nor the batch's."""
+    statistics are neither the initial ones nor the batch's; and its torch eval model."""
     net = every_layer_net(batch=4, p=0.4)
-    rt = sn.Runtime(net, "64MiB", "recompute", device="cpu", lr=0.1, momentum=0.9,
+    rt = sn.Runtime(net, "64MiB", "recompute", device=device, lr=0.1, momentum=0.9,
                     precision="ieee")
     for seed in (1, 2):
-        rt.step(*_data(net, net.batch, seed))
+        rt.step(*(t.to(device) for t in _data(net, net.batch, seed)))
     ref = net.to_torch(params=rt.params()).double().eval()
     return net, rt, ref
+
+
+@pytest.fixture(scope="module")
+def trained():
+    return _trained("cpu")
 
 
 @pytest.mark.parametrize("n", [4, 3, 1])
@@ -41,6 +45,15 @@ def test_predict_matches_torch_eval_mode_for_any_batch_up_to_the_planned(trained
     after = rt.params()                  # running statistics untouched, pool as it was
     assert all(torch.equal(before[k], after[k]) for k in before)
     assert rt.arena.allocator.in_use == in_use
+
+
+@pytest.mark.gpu
+def test_predict_on_the_gpu_matches_torch_eval_mode():
+    net, rt, ref = _trained("cuda")
+    images, _ = _data(net, 3, seed=13)
+    with torch.no_grad():
+        want = ref(images.double())
+    torch.testing.assert_close(rt.predict(images.cuda()).double(), want, rtol=1e-4, atol=1e-5)
 
 
 def test_predict_is_per_image(trained):

@@ -58,17 +58,11 @@ class _Value(NamedTuple):
 
 
 class _Tracer(fx.Tracer):
-    """An fx tracer that records, for each node, the user's source frames (not torch's or
-    tinysn's)."""
+    """An fx tracer that records each node's stack trace (for the source line in errors)."""
 
     def __init__(self):
         super().__init__()
         self.record_stack_traces = True
-
-    def _filter_traceback_frames(self, summary):
-        summary = super()._filter_traceback_frames(summary)     # from the first forward on
-        frames = [f for f in summary if not f.filename.startswith(_LIBRARY_DIRS)]
-        return type(summary).from_list(frames)
 
 
 def from_torch(module, input_shape, batch, classes=None) -> Net:
@@ -401,15 +395,17 @@ def _path(node):
 
 
 def _source(node) -> str:
-    """'file:line: code' of the user's frame that created the node, if recorded."""
+    """'file:line: code' of the innermost frame outside torch and tinysn that created the
+    node (the user's forward), if the trace recorded one."""
     lines = (node.stack_trace or "").strip().splitlines()
     for i in range(len(lines) - 1, -1, -1):
         line = lines[i].strip()
         if line.startswith('File "'):
             file, _, rest = line[6:].partition('", line ')
-            number = rest.split(",")[0]
+            if file.startswith(_LIBRARY_DIRS):
+                continue
             code = lines[i + 1].strip() if i + 1 < len(lines) else ""
-            return f"{file}:{number}: {code}"
+            return f"{file}:{rest.split(',')[0]}: {code}"
     return "a forward inside torch (no user source line)"
 
 

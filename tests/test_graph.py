@@ -108,7 +108,7 @@ def test_automatic_and_explicit_names():
     assert net.bn(c3).name == "bn1" and net.relu(c3).name == "relu1"
     with pytest.raises(ValueError, match="duplicate layer name"):
         net.relu(c3, name="conv1")
-    for bad in ("a.b", "", "1x", 3, "has space"):
+    for bad in ("a..b", "", ".a", "a.", 3, "has space"):
         with pytest.raises(ValueError, match="layer name"):
             net.relu(c3, name=bad)
 

@@ -18,6 +18,7 @@ from .graph import Net, Layer  # noqa: E402
 from . import models, data  # noqa: E402
 from .sched.plan import plan, max_batch, POLICIES, Plan  # noqa: E402
 from .runtime import Runtime  # noqa: E402
+from .from_torch import from_torch  # noqa: E402
 
 __all__ = ["OutOfMemory", "Tensor", "parse_bytes", "pool", "Net", "Layer", "models", "plan",
-           "max_batch", "POLICIES", "Plan", "Runtime"]
+           "max_batch", "POLICIES", "Plan", "Runtime", "from_torch"]

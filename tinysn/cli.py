@@ -2,7 +2,10 @@
 
   train  trains a model under a memory cap with a progress bar on stderr (loss, images/s
          after the warm-up step, pool peak); lenet trains on scikit-learn's digits and reports
-         held-out accuracy, the zoo models on a fixed synthetic ImageNet-shaped batch.
+         held-out accuracy and loss (eval mode), the zoo models on a fixed synthetic
+         ImageNet-shaped batch, any model on a directory of images (--data
+         imagefolder:PATH); --save/--save-every write checkpoints, --resume continues one
+         exactly.
   plan   dry-runs the scheduler for every policy (or one) and prints the peak, the bytes moved
          and the recomputed steps; for a policy that does not fit, the smallest --memory and
          the largest --batch that would; --plot draws the memory timeline (the paper's Fig. 10).
@@ -128,8 +131,10 @@ def _train_parser(p):
     _common_args(p, "lenet", 32, "512MiB")
     p.add_argument("--policy", choices=POLICIES, default="all",
                    help="memory policy (below)")
-    p.add_argument("--data", choices=["digits", "synthetic"], default=None,
-                   help="digits for lenet (default), synthetic for the zoo models")
+    p.add_argument("--data", type=_data_arg, default=None,
+                   help="digits for lenet (default), synthetic for the zoo models, or "
+                        "imagefolder:PATH (one sub-directory of images per class; each "
+                        "epoch's last partial batch is dropped)")
     p.add_argument("--steps", type=_checked(_count(1), "--steps 20"), default=None,
                    help="iterations (default: 200 for digits, 20 otherwise)")
     p.add_argument("--device", choices=["cpu", "cuda"], default=None,
@@ -150,6 +155,12 @@ def _train_parser(p):
     p.add_argument("--cuda-graph", action="store_true",
                    help="replay each step as a CUDA graph (needs --schedule constant and a "
                         "model without dropout)")
+    # checkpoints (tinysn/checkpoint.py): save, periodically and at the end; resume exactly
+    p.add_argument("--save", default=None, help="checkpoint path, written at the end")
+    p.add_argument("--save-every", type=_checked(_count(1), "--save-every 50"), default=None,
+                   help="also write the checkpoint every K steps (needs --save)")
+    p.add_argument("--resume", default=None,
+                   help="continue from this checkpoint: its step, weights, momentum")
 
 
 def _plan_parser(p):
@@ -208,6 +219,8 @@ def _check_args(args) -> None:
                          "--model lenet --data digits")
     if args.cuda_graph and args.schedule != "constant":
         raise UsageError("--cuda-graph replays a fixed learning rate: add --schedule constant")
+    if args.save_every is not None and not args.save:
+        raise UsageError("--save-every K needs a checkpoint path, e.g. --save run.safetensors")
     if args.cuda_graph and args.trace:
         raise UsageError("--trace records eager steps, which --cuda-graph replaces: drop one")
     if args.device is None:
@@ -360,7 +373,15 @@ def _train(args) -> int:
     lr = args.lr if args.lr is not None else (0.05 if _dataset(args) == "digits" else 0.01)
     make_net = _net_maker(args)
     net = make_net(batch=args.batch)
-    stream, test = _data(args, net)
+    if _dataset(args).startswith("imagefolder:"):
+        try:
+            net, stream = _imagefolder(args, _dataset(args).partition(":")[2])
+        except ValueError as err:       # no torchvision, no images, too few for a batch
+            raise UsageError(str(err)) from None
+        make_net, test = (lambda batch: MODELS[args.model](batch=batch,
+                                                           classes=net.classes)), None
+    else:
+        stream, test = _data(args, net)
     if args.device == "cuda":
         print(f"compiling and tuning kernels for the first step (tuning cached in "
               f"{cache.cache_dir()})", file=sys.stderr)
@@ -374,19 +395,29 @@ def _train(args) -> int:
         advice = fit_advice(make_net, args.batch, args.memory, args.policy,
                             momentum=args.momentum, host_memory=args.host_memory)
         raise _explained(err, advice) from None
+    try:
+        first = _resume(args, rt, stream)
+    except ValueError as err:           # a damaged checkpoint, another net's
+        raise UsageError(str(err)) from None
     print(f"{args.model} batch {args.batch} on {rt.device}, policy {args.policy}, cap "
           f"{format_bytes(rt.plan.capacity)}: planned peak {format_bytes(rt.plan.peak_bytes)}")
     if args.trace:
         from .trace import Recorder
         rt.recorder = Recorder()
     warmup = GRAPH_WARMUP + 1 if args.cuda_graph else 1
-    loss, rate = _run(rt, stream, steps, lr, args, warmup)
+    loss, rate = _run(rt, stream, range(first, steps), lr, args, warmup)
+    if args.save:
+        from . import checkpoint
+        checkpoint.save(rt, args.save)
     speed = f"{rate:,.1f} images/s after {warmup} warm-up step(s)" if rate else "no timed steps"
     print(f"final loss {loss:.4f}; {speed}; pool peak {rt.stats.peak_bytes:,} bytes "
           f"(planned {rt.plan.peak_bytes:,})")
     if test is not None:
-        accuracy = evaluate(rt, *test)
-        print(f"held-out accuracy {accuracy:.2%} on {len(test[1])} digits")
+        from torch.utils.data import DataLoader, TensorDataset
+
+        held_out = rt.evaluate(DataLoader(TensorDataset(*test), batch_size=args.batch))
+        print(f"held-out accuracy {held_out['accuracy']:.2%}, loss {held_out['loss']:.4f} "
+              f"on {len(test[1])} digits")
     if args.trace:
         from .trace import write
         count = write(rt.recorder, args.trace)
@@ -406,41 +437,64 @@ def _data(args, net):
 
 
 def _run(rt, stream, steps, lr, args, warmup):
-    """Train `steps` iterations with a progress bar on stderr; return (last loss, images/s
-    over the steps after the first `warmup`, or None when there were none)."""
+    """Train the iterations in range `steps` with a progress bar on stderr (and a checkpoint
+    every --save-every); return (last loss, images/s over the steps after the first `warmup`,
+    or None when there were none)."""
     from tqdm import tqdm
 
-    bar = tqdm(range(steps), unit="step", file=sys.stderr,
+    from . import checkpoint
+
+    bar = tqdm(steps, unit="step", file=sys.stderr,
                bar_format="{l_bar}{bar}| {n_fmt}/{total_fmt} [{elapsed}<{remaining}{postfix}]")
-    rate, start = None, None
-    for i in bar:
+    rate, start, loss = None, None, float("nan")
+    for done, i in enumerate(steps, 1):
         if args.schedule == "linear":
-            rt.lr = lr * (1 - i / steps)
+            rt.lr = lr * (1 - i / steps.stop)
         loss = rt.step(*next(stream))
         now = time.perf_counter()
-        if i + 1 == warmup:
+        if done == warmup:
             start = now
         elif start is not None:
-            rate = (i + 1 - warmup) * args.batch / (now - start)
+            rate = (done - warmup) * args.batch / (now - start)
+        if args.save_every and (i + 1) % args.save_every == 0:
+            checkpoint.save(rt, args.save)
         bar.set_postfix(loss=f"{loss:.4f}", img_s="warm-up" if rate is None else f"{rate:.1f}",
                         peak=format_bytes(rt.stats.peak_bytes))
     bar.close()
     return loss, rate
 
 
-def evaluate(rt, x, y) -> float:
-    """Accuracy of `rt`'s network on (x, y), predicted batch by batch (the tail is padded)."""
-    import torch
+def _data_arg(value: str) -> str:
+    """--data: digits, synthetic or imagefolder:PATH."""
+    if value in ("digits", "synthetic") or (value.startswith("imagefolder:") and value[12:]):
+        return value
+    raise argparse.ArgumentTypeError(f"expected digits, synthetic or imagefolder:PATH, "
+                                     f"got {value!r}, e.g. --data imagefolder:./images")
 
-    batch, correct = rt.net.batch, 0
-    for i in range(0, len(y), batch):
-        chunk = x[i:i + batch]
-        n = len(chunk)
-        if n < batch:
-            chunk = torch.cat([chunk, chunk.new_zeros((batch - n, *chunk.shape[1:]))])
-        logits = rt.predict(chunk)[:n]
-        correct += int((logits.argmax(1) == y[i:i + n]).sum())
-    return correct / len(y)
+
+def _imagefolder(args, root):
+    """(net, batch stream) for a directory of images: the model with one class per
+    sub-directory, at its own input shape."""
+    from . import data
+
+    shape = MODELS[args.model](batch=1).input_shape
+    dataset = data.imagefolder(root, shape)
+    net = MODELS[args.model](batch=args.batch, classes=len(dataset.classes))
+    print(f"{len(dataset)} images in {len(dataset.classes)} classes from {root}")
+    return net, data.loader_batches(dataset, args.batch, seed=args.seed)
+
+
+def _resume(args, rt, stream) -> int:
+    """With --resume, restore rt and advance the batch stream past the steps already taken
+    (the schedule and the data then continue exactly). Returns the step to start from."""
+    from . import checkpoint
+
+    if not args.resume:
+        return 0
+    checkpoint.load(rt, args.resume)
+    for _ in range(rt.stats.iterations):
+        next(stream)
+    return rt.stats.iterations
 
 
 def _plan(args) -> int:

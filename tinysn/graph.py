@@ -30,7 +30,9 @@ OPS = ("data", "conv", "bn", "relu", "pool", "lrn", "fc", "dropout", "add", "con
        "softmax_loss")
 BN_EPS = 1e-5
 BN_MOMENTUM = 0.1
-_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_\-]*\Z")
+# a name may be a dotted module path ("layer1.0.conv1", or "0" in an nn.Sequential), so
+# that a layer imported from a torch module keeps torch's parameter names
+_NAME = re.compile(r"[A-Za-z0-9_\-]+(\.[A-Za-z0-9_\-]+)*\Z")
 
 
 class Layer:
@@ -167,8 +169,8 @@ class Net:
             self._counters[op] = n
             return name
         if not isinstance(name, str) or not _NAME.match(name):
-            raise ValueError(f"layer name must be a string of letters, digits, '_' or '-' "
-                             f"not starting with a digit (no '.'), got {name!r}")
+            raise ValueError(f"layer name must be a string of letters, digits, '_' or '-', "
+                             f"optionally in '.'-separated parts (a module path), got {name!r}")
         if name in self._by_name:
             raise ValueError(f"duplicate layer name {name!r}")
         return name
@@ -528,9 +530,27 @@ def _module(layer: Layer) -> nn.Module:
     raise AssertionError(layer.op)
 
 
+def _place(root: nn.Module, path: str, module: nn.Module) -> nn.Module:
+    """Register `module` under a dotted layer name ("layer1.0.conv1"), creating empty
+    container modules for the missing parents, so that its state_dict keys are
+    "<name>.weight", ... as in the torch module the name came from. Returns `module`.
+
+    _modules is set directly: add_module refuses names like "forward" or "training", and
+    state_dict only reads _modules."""
+    *parents, leaf = path.split(".")
+    node = root
+    for part in parents:
+        node = node._modules.setdefault(part, nn.Module())
+    earlier = node._modules.get(leaf)     # a container made for a deeper name, placed first
+    if earlier is not None:
+        module._modules.update(earlier._modules)
+    node._modules[leaf] = module
+    return module
+
+
 class TorchNet(nn.Module):
-    """A Net as torch modules, one per layer, registered under the layer's name (so the
-    state_dict keys are "<layer>.weight", ...). Runs layers in creation order (a valid
+    """A Net as torch modules, one per layer, registered under the layer's (possibly
+    dotted) name, so the state_dict keys are "<layer>.weight", .... Runs layers in creation order (a valid
     topological order). Any batch size works; .double() gives a float64 reference.
 
     forward(images) -> logits; loss(images, labels) -> mean cross-entropy;
@@ -549,11 +569,10 @@ class TorchNet(nn.Module):
             for n in ins:
                 last_use[n] = i
         self._last_use = last_use
+        self._layer_modules = {}
         with torch.device("meta"):      # no wasted random init; Net.to_torch loads values
             for layer in net.layers:
-                # set _modules directly: add_module refuses names like "forward" or
-                # "training", and state_dict only reads _modules.
-                self._modules[layer.name] = _module(layer)
+                self._layer_modules[layer.name] = _place(self, layer.name, _module(layer))
         self.to_empty(device="cpu")
 
     def __setattr__(self, name, value):
@@ -567,7 +586,7 @@ class TorchNet(nn.Module):
     def outputs(self, images, labels=None, keep=True):
         values = {}
         for i, (name, op, ins) in enumerate(self.plan):
-            module = self._modules[name]
+            module = self._layer_modules[name]
             if op == "data":
                 values[name] = module(images)
             elif op == "softmax_loss":

@@ -145,10 +145,15 @@ def _bn_forward(rt, layer, update_running):
     x, y, saved = _act(rt, layer.inputs[0]), _act(rt, layer), _optional(rt, rt.program.saved[layer])
     w, b = _param(rt, layer, "weight"), _param(rt, layer, "bias")
     mean, var = _buffer(rt, layer, "running_mean"), _buffer(rt, layer, "running_var")
-    a = layer.attrs
-    return lambda algos, ws: bn_k.forward(
-        x(), w(), b(), y(), mean(), var(), saved(), ws, eps=a.get("eps", 1e-5),
-        momentum=a.get("momentum", 0.1), update_running=update_running and not rt.predicting)
+    eps, momentum = layer.attrs.get("eps", 1e-5), layer.attrs.get("momentum", 0.1)
+
+    def launch(algos, ws):
+        if rt.predicting:           # eval mode: normalise with the running statistics
+            bn_k.forward_eval(x(), w(), b(), y(), mean(), var(), eps=eps)
+        else:
+            bn_k.forward(x(), w(), b(), y(), mean(), var(), saved(), ws, eps=eps,
+                         momentum=momentum, update_running=update_running)
+    return launch
 
 
 def _bn_backward(rt, step):

@@ -85,6 +85,7 @@ GRAPH_WARMUP = 2   # eager steps before a capture (compiles, autotuning, first-c
 # What max_memory_allocated may show beyond `memory` (see the module docstring): torch's
 # rounding of the arena's one allocation (under 2 MiB) with room to spare.
 PROCESS_SLACK_BYTES = 4 << 20
+MOMENTUM_SUFFIX = ".momentum_buffer"   # state_dict() name of a parameter's momentum buffer
 
 
 def _mask_seed(seed: int, iteration: int, layer_index: int) -> int:
@@ -262,13 +263,17 @@ class Runtime:
         return loss
 
     def predict(self, images):
-        """Logits of the network for one batch of images (a CPU copy), without training.
+        """Logits for a batch of up to net.batch images (a CPU copy), in eval mode.
 
-        Runs the plan's forward steps up to the loss, with dropout off and batch norm using
-        the batch's statistics (as in training) without updating its running statistics;
-        then frees every activation, leaving the pool as it was before.
+        As `module.eval()` in torch: batch norm normalises with its running statistics and
+        dropout is off, so each image's logits depend on that image alone, and a smaller
+        batch is padded with zeros to the planned one. Runs the plan's forward steps up to
+        the loss, then frees every activation, leaving the pool as it was before.
         """
-        self._check_images(images)
+        n = self._check_images(images, up_to=True)
+        if n < self.net.batch:
+            pad = images.new_zeros((self.net.batch - n, *images.shape[1:]))
+            images = torch.cat([images, pad])
         loss_layer = self.net.loss.name
         stop = next(s.index for s in self.plan.steps
                     if s.phase == "forward" and s.layer == loss_layer)
@@ -276,7 +281,7 @@ class Runtime:
         try:
             self._walk(images, None, until=stop)
             logits = self.view(self.program.act[self.net.loss.inputs[0]])
-            logits = logits.detach().to("cpu", copy=True)
+            logits = logits[:n].detach().to("cpu", copy=True)
         finally:
             self.predicting = False
             if self._cuda:                       # copies of a cut-short iteration: done
@@ -288,6 +293,28 @@ class Runtime:
                         t.free()
         return logits
 
+    def evaluate(self, loader) -> dict:
+        """{"loss": mean cross-entropy, "accuracy": fraction correct} in eval mode over
+        every sample of `loader`, an iterable of (images, labels) batches of any size (a
+        torch DataLoader, say); batches larger than net.batch are predicted in parts."""
+        import torch.nn.functional as F
+
+        count, loss_sum, correct = 0, 0.0, 0
+        for images, labels in loader:
+            if not isinstance(images, torch.Tensor) or images.dim() == 0:
+                raise ValueError(f"evaluate: images must be a batch tensor, got "
+                                 f"{type(images).__name__}")
+            self._check_labels(labels, len(images))
+            for i in range(0, len(labels), self.net.batch):
+                logits = self.predict(images[i:i + self.net.batch]).double()
+                y = labels[i:i + self.net.batch].cpu()
+                loss_sum += float(F.cross_entropy(logits, y, reduction="sum"))
+                correct += int((logits.argmax(1) == y).sum())
+            count += len(labels)
+        if count == 0:
+            raise ValueError("evaluate: the loader gave no samples")
+        return {"loss": loss_sum / count, "accuracy": correct / count}
+
     def params(self) -> dict:
         """Parameters and batch-norm statistics in torch layouts (CPU copies)."""
         named = {**self.program.param, **self.program.buffer}
@@ -295,8 +322,11 @@ class Runtime:
                 for name, tid in named.items()}
 
     def load_params(self, state: dict) -> None:
-        """Copy parameters (and bn statistics) in; names and shapes must match exactly."""
+        """Copy parameters (and bn statistics) in; names and shapes must match exactly.
+        A torch module's state_dict loads as it is: its batch norms' num_batches_tracked
+        counters (which tinysn does not use) are skipped."""
         named = {**self.program.param, **self.program.buffer}
+        state = {k: v for k, v in state.items() if not _bn_counter(self.net, k)}
         unknown = sorted(set(state) - set(named))
         missing = sorted(set(self.program.param) - set(state))
         if unknown or missing:
@@ -309,31 +339,89 @@ class Runtime:
         for name, value in state.items():
             self.tensors[named[name]].view().copy_(value)
 
+    # -- checkpoints: the whole training state, for an exact resume ---------------------
+    def state_dict(self) -> dict:
+        """Everything a run needs to continue bitwise as if never stopped, as CPU tensors:
+        parameters and batch-norm statistics under torch's names (as params()), each
+        momentum buffer as "<parameter>.momentum_buffer", and "iteration" (the steps taken)
+        and "seed" as 0-d int64 tensors (dropout draws its masks from both)."""
+        state = {name: self.view(tid).detach().to("cpu", copy=True)
+                 for name, tid in self._state_tensors().items()}
+        state["iteration"] = torch.tensor(self.stats.iterations, dtype=torch.int64)
+        state["seed"] = torch.tensor(self.seed, dtype=torch.int64)
+        return state
+
+    def load_state_dict(self, state: dict) -> None:
+        """Restore a state_dict(): every entry must be present with its shape and dtype and
+        no other; nothing changes unless all of them are."""
+        want = self._state_layout()
+        if not isinstance(state, dict) or set(state) != set(want):
+            names = set(state) if isinstance(state, dict) else set()
+            raise ValueError(f"load_state_dict: unknown names {sorted(names - set(want))}, "
+                             f"missing {sorted(set(want) - names)}")
+        for name, (shape, dtype) in want.items():
+            value = state[name]
+            if (not isinstance(value, torch.Tensor) or tuple(value.shape) != shape
+                    or value.dtype != dtype):
+                got = (f"{tuple(value.shape)} {value.dtype}" if isinstance(value, torch.Tensor)
+                       else type(value).__name__)
+                raise ValueError(f"load_state_dict: {name} must be {shape} {dtype}, got {got}")
+        for name in ("iteration", "seed"):
+            if int(state[name]) < 0:
+                raise ValueError(f"load_state_dict: {name} must be >= 0, got {int(state[name])}")
+        for name, tid in self._state_tensors().items():
+            self.tensors[tid].view().copy_(state[name])
+        self.stats.iterations = int(state["iteration"])
+        self.seed = int(state["seed"])
+
+    def _state_tensors(self) -> dict:
+        """state_dict()'s float32 entries -> tensor id: params, bn statistics, momentum."""
+        p = self.program
+        return {**p.param, **p.buffer,
+                **{name + MOMENTUM_SUFFIX: tid for name, tid in p.momentum.items()}}
+
+    def _state_layout(self) -> dict:
+        """state_dict()'s names -> (shape, dtype)."""
+        layout = {name: (tuple(self.tensors[tid].shape), torch.float32)
+                  for name, tid in self._state_tensors().items()}
+        layout.update({"iteration": ((), torch.int64), "seed": ((), torch.int64)})
+        return layout
+
     # -- input checks -----------------------------------------------------------------
     def _check_batch(self, images, labels):
-        net = self.net
         self._check_images(images)
+        self._check_labels(labels, self.net.batch)
+
+    def _check_labels(self, labels, n):
+        """int64 labels of shape (n,), each in [0, classes)."""
+        net = self.net
         if not isinstance(labels, torch.Tensor) or labels.dtype != torch.int64:
             raise ValueError(f"labels must be an int64 torch tensor, got "
                              f"{getattr(labels, 'dtype', type(labels).__name__)}")
-        if tuple(labels.shape) != (net.batch,):
-            raise ValueError(f"labels must have shape ({net.batch},), got {tuple(labels.shape)}")
+        if tuple(labels.shape) != (n,):
+            raise ValueError(f"labels must have shape ({n},), got {tuple(labels.shape)}")
         low, high = (int(v) for v in torch.aminmax(labels))   # a GPU tensor: two scalars
         if low < 0 or high >= net.classes:
             raise ValueError(f"labels must lie in [0, {net.classes}), got values in [{low}, {high}]")
 
-    def _check_images(self, images):
+    def _check_images(self, images, up_to=False) -> int:
+        """float32, finite, shape (batch, *input_shape); with up_to, any batch from 1 to
+        net.batch. Returns the batch."""
         net = self.net
-        want = (net.batch, *net.input_shape)
         if not isinstance(images, torch.Tensor) or images.dtype != torch.float32:
             raise ValueError(f"images must be a float32 torch tensor, got "
                              f"{getattr(images, 'dtype', type(images).__name__)}")
-        if tuple(images.shape) != want:
-            raise ValueError(f"images must have shape {want}, got {tuple(images.shape)}")
+        n = images.shape[0] if up_to and images.dim() else net.batch
+        want = (n, *net.input_shape)
+        if tuple(images.shape) != want or not 1 <= n <= net.batch:
+            sizes = f"(1..{net.batch}, " if up_to else f"({net.batch}, "
+            raise ValueError(f"images must have shape {sizes}"
+                             f"{', '.join(map(str, net.input_shape))}), got {tuple(images.shape)}")
         # a float64 sum of float32 values overflows only if one is inf or NaN; on a GPU
         # tensor it allocates one scalar, where isfinite() would allocate the batch's size
         if not math.isfinite(images.sum(dtype=torch.float64)):
             raise ValueError("images contain NaN or infinite values")
+        return n
 
     # -- memory operations ------------------------------------------------------------
     def _alloc(self, op: Alloc):
@@ -440,6 +528,12 @@ class Runtime:
                              None if mom is None else self.view(mom), lr=self.lr,
                              momentum=self.momentum, weight_decay=self.weight_decay)
         return launch
+
+
+def _bn_counter(net, name) -> bool:
+    """Is `name` torch's "<bn layer>.num_batches_tracked" for a batch norm of `net`?"""
+    layer, _, suffix = name.rpartition(".")
+    return suffix == "num_batches_tracked" and layer in net and net[layer].op == "bn"
 
 
 def _check_graph_request(cuda_graph, device, net) -> None:

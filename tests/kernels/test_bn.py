@@ -240,3 +240,47 @@ def test_bn_random_gpu(shape, seed, accumulate, update_running, grads):
     assume(shape[0] * shape[2] * shape[3] >= 2)
     _check(shape, seed, device="cuda", accumulate=accumulate, update_running=update_running,
            grads=grads)
+
+
+# ----------------------------------------------------------------------------- eval mode
+def _check_eval(shape, seed=0, device="cpu"):
+    """forward_eval against F.batch_norm(training=False) in float64; stats untouched."""
+    n, c, h, w = shape
+    x = _rand(shape, seed, device, scale=2.0, offset=0.5)
+    gamma, beta = _rand((c,), seed + 1, device), _rand((c,), seed + 2, device)
+    rmean = _rand((c,), seed + 3, device)
+    rvar = _rand((c,), seed + 4, device).abs() + 0.1
+    rmean0, rvar0 = rmean.clone(), rvar.clone()
+    y = torch.full_like(x, NAN)
+    bn.forward_eval(x, gamma, beta, y, rmean, rvar, eps=1e-5)
+    ref = F.batch_norm(x.double(), rmean.double(), rvar.double(), gamma.double(),
+                       beta.double(), training=False, eps=1e-5)
+    torch.testing.assert_close(y.double(), ref, rtol=1e-6, atol=1e-6)
+    assert torch.equal(rmean, rmean0) and torch.equal(rvar, rvar0)
+
+
+@pytest.mark.parametrize("shape", [(1, 1, 1, 1), (1, 3, 1, 1), (2, 5, 3, 7), (3, 4, 33, 40),
+                                   (2, 70, 2, 2)])
+def test_bn_eval_matches_torch(shape):
+    _check_eval(shape, seed=sum(shape))
+
+
+def test_bn_eval_bad_input():
+    x = torch.zeros(2, 3, 4, 4)
+    y, v = torch.zeros_like(x), torch.ones(3)
+    bad = [((x[0], v, v, y[0], v, v), {}, "4-D"),
+           ((x, v[:2], v, y, v, v), {}, "gamma"),
+           ((x, v, v, y, v, v.double()), {}, "running_var"),
+           ((x, v, v, y[:1], v, v), {}, "y"),
+           ((x, v, v, y, v, v), {"eps": 0}, "eps")]
+    for args, kwargs, match in bad:
+        with pytest.raises(ValueError, match=match):
+            bn.forward_eval(*args, **kwargs)
+    assert not y.any()
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not GPU, reason="needs a CUDA GPU")
+@pytest.mark.parametrize("shape", [(1, 64, 56, 56), (32, 2048, 7, 7)])
+def test_bn_eval_gpu(shape):
+    _check_eval(shape, device="cuda")

@@ -14,6 +14,10 @@ API
         dx (+)= gamma * inv_std / n * (n dy - dbeta - xhat dgamma).
         dx, dgamma, dbeta may each be None; dgamma / dbeta always overwrite.
     workspace_bytes(shape, phase) -> bytes of scratch, phase "forward" | "backward".
+    forward_eval(x, gamma, beta, y, running_mean, running_var, *, eps=1e-5)
+        eval mode (nn.BatchNorm2d after .eval()): one elementwise pass,
+        y = (x - running_mean) / sqrt(running_var + eps) * gamma + beta; no workspace,
+        no statistics written, any batch (even one value per channel).
 
 Reductions (three launches per phase, no atomics, bitwise deterministic):
   1. partials: channel c's N x HW values are cut into chunks (row ranges x column ranges of
@@ -185,6 +189,24 @@ def _bn_norm_kernel(x, y, saved, gamma, beta, NC, C, HW,
 
 
 @triton.jit
+def _bn_eval_kernel(x, y, rmean, rvar, gamma, beta, NC, C, HW, eps,
+                    R: tl.constexpr, COLS: tl.constexpr):
+    """y = (x - rmean) * (gamma / sqrt(rvar + eps)) + beta over [R rows of N*C, COLS] tiles."""
+    rows = tl.program_id(0).to(tl.int64) * R + tl.arange(0, R)
+    cols = tl.program_id(1) * COLS + tl.arange(0, COLS)
+    rm = rows < NC
+    c = (rows % C).to(tl.int32)
+    mean = tl.load(rmean + c, mask=rm, other=0.0)
+    var = tl.load(rvar + c, mask=rm, other=1.0)
+    scale = tl.load(gamma + c, mask=rm, other=0.0) / tl.sqrt_rn(var + eps)
+    b = tl.load(beta + c, mask=rm, other=0.0)
+    m = rm[:, None] & (cols < HW)[None, :]
+    offs = (rows * HW)[:, None] + cols[None, :]
+    v = tl.load(x + offs, mask=m, other=0.0)
+    tl.store(y + offs, (v - mean[:, None]) * scale[:, None] + b[:, None], mask=m)
+
+
+@triton.jit
 def _bn_bwd_partial_kernel(x, dy, saved, ws, N, C, HW, RPC, CPC, NCH, NHC,
                            ROWS: tl.constexpr, COLS: tl.constexpr):
     """ws[c, chunk] = (sum dy, sum dy * (x - mean)) over one chunk of channel c."""
@@ -325,6 +347,24 @@ def forward(x, gamma, beta, y, running_mean, running_var, saved, workspace, *,
     grid, r, cols = _elementwise_grid(n, c, hw)
     _bn_norm_kernel[grid](x, y, saved, gamma, beta, n * c, c, hw, R=r, COLS=cols,
                           num_warps=_WARPS)
+
+
+def forward_eval(x, gamma, beta, y, running_mean, running_var, *, eps=1e-5):
+    """Eval-mode batch norm with the running statistics; see the module docstring."""
+    check_tensor("x", x)
+    n, c, h, w = _shape4(x.shape)
+    dev = x.device
+    check_tensor("y", y, x.shape)
+    if y.device != dev:
+        raise ValueError(f"y is on {y.device} but x is on {dev}")
+    for name, t in (("gamma", gamma), ("beta", beta), ("running_mean", running_mean),
+                    ("running_var", running_var)):
+        _check_vec(name, t, c, dev)
+    if not (isinstance(eps, (int, float)) and eps > 0):
+        raise ValueError(f"eps must be a positive number, got {eps!r}")
+    grid, r, cols = _elementwise_grid(n, c, h * w)
+    _bn_eval_kernel[grid](x, y, running_mean, running_var, gamma, beta, n * c, c, h * w,
+                          float(eps), R=r, COLS=cols, num_warps=_WARPS)
 
 
 def backward(x, gamma, dy, saved, dx, dgamma, dbeta, workspace, *, accumulate=False):

@@ -222,7 +222,7 @@ def small_bytes_for(capacity: int) -> int:
 
 def plan(net, memory, policy: str = "all", *, momentum: float = 0.0, conv_algos=None,
          checkpoints=offload.DEFAULT_CHECKPOINTS, block_bytes: int = 1024,
-         layout: str = "auto", host_memory=None) -> Plan:
+         layout: str = "auto", host_memory=None, data_parallel: bool = False) -> Plan:
     """Dry-run one training iteration of `net` under a `memory` cap and `policy`.
 
     Raises OutOfMemory naming the first step that does not fit. `conv_algos` pins conv
@@ -230,7 +230,9 @@ def plan(net, memory, policy: str = "all", *, momentum: float = 0.0, conv_algos=
     `layout` is "auto" (plain first fit, then small requests from the top if that
     fragments too much), "first_fit" or "two_ended" (force one). `host_memory` caps the
     pinned host arena (default: unbounded); when copies would overflow it, policy "all"
-    turns to recomputation and the others raise OutOfMemory.
+    turns to recomputation and the others raise OutOfMemory. `data_parallel` plans one
+    rank of data-parallel training: each layer's update waits for its gradients' all-reduce,
+    one backward step later (liveness.Program), so those gradients live that much longer.
     """
     if layout not in ("auto", "first_fit", "two_ended"):
         raise ValueError(f"layout must be 'auto', 'first_fit' or 'two_ended', got {layout!r}")
@@ -238,7 +240,9 @@ def plan(net, memory, policy: str = "all", *, momentum: float = 0.0, conv_algos=
         raise ValueError(f"unknown policy {policy!r}; choose one of {POLICIES}")
     capacity = parse_bytes(memory)
     host_capacity = HOST_CAPACITY if host_memory is None else parse_bytes(host_memory)
-    program = liveness.Program(net, momentum=momentum)
+    if not isinstance(data_parallel, bool):
+        raise ValueError(f"data_parallel must be a bool, got {data_parallel!r}")
+    program = liveness.Program(net, momentum=momentum, data_parallel=data_parallel)
 
     def fit(drops):
         """Plain first fit; if that fragments too much, small requests from the top."""

@@ -55,16 +55,19 @@ def _train(net, policy, rank):
 
 
 def _worker(rank, port, out_dir):
-    """One rank: trains every case and saves what it measured for the parent to check."""
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
-                            world_size=WORLD)
+    """One rank, set up as torchrun would (distributed.from_env): trains every case and
+    saves what it measured for the parent to check."""
+    os.environ.update(WORLD_SIZE=str(WORLD), RANK=str(rank), LOCAL_RANK=str(rank),
+                      MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    group, got_rank, world = distributed.from_env("cpu")
+    assert (got_rank, world, dist.get_backend(group)) == (rank, WORLD, "gloo")
     try:
         results = {("conv", policy): _train(conv_net(), policy, rank) for policy in sn.POLICIES}
         results[("conv", "again")] = _train(conv_net(), "all", rank)
         results[("bn", "all")] = _train(bn_net(), "all", rank)
         torch.save(results, os.path.join(out_dir, f"rank{rank}.pt"))
     finally:
-        dist.destroy_process_group()
+        distributed.close(group)
 
 
 def _free_port() -> int:

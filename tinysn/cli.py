@@ -5,11 +5,15 @@
          on a fixed synthetic ImageNet-shaped batch.
   plan   dry-runs the scheduler for every policy (or one) and prints the peak, the bytes moved
          and the recomputed steps; --plot draws the memory timeline (the paper's Fig. 10).
+
+Under `torchrun --nproc-per-node N -m tinysn train ...` each process is one rank of
+data-parallel training (tinysn/distributed.py) under its own cap; rank 0 prints.
 """
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 import time
 
@@ -32,7 +36,9 @@ def _parser():
     train.add_argument("--model", choices=sorted(MODELS), default="lenet")
     train.add_argument("--data", choices=["digits", "synthetic"], default=None,
                        help="digits for lenet (default), synthetic for the zoo models")
-    train.add_argument("--batch", type=int, default=32)
+    train.add_argument("--batch", type=int, default=32,
+                       help="images per step (per rank under torchrun: each rank trains on "
+                            "its shard of a batch WORLD_SIZE times larger)")
     train.add_argument("--memory", default="512MiB")
     train.add_argument("--policy", choices=POLICIES, default="all")
     train.add_argument("--steps", type=int, default=None,
@@ -73,7 +79,7 @@ def main(argv=None) -> int:
 def _train(args) -> int:
     from tqdm import tqdm
 
-    from . import data
+    from . import data, distributed
     from .runtime import Runtime
 
     dataset = args.data or ("digits" if args.model == "lenet" else "synthetic")
@@ -84,20 +90,26 @@ def _train(args) -> int:
         print("--cuda-graph replays a fixed learning rate: add --schedule constant",
               file=sys.stderr)
         return 2
+    group, rank, world = distributed.from_env(args.device)   # torchrun: one rank per process
+    if rank:
+        sys.stdout = open(os.devnull, "w")                   # rank 0 prints
     steps = args.steps or (200 if dataset == "digits" else 20)
     lr = args.lr if args.lr is not None else (0.05 if dataset == "digits" else 0.01)
     if dataset == "digits":
         train_x, train_y, test_x, test_y = data.digits(seed=args.seed)
         net = models.lenet(batch=args.batch, classes=10, input_shape=(1, 8, 8))
-        stream = data.batches(train_x, train_y, args.batch, seed=args.seed)
+        stream = (distributed.shard(x, y, rank, world)
+                  for x, y in data.batches(train_x, train_y, args.batch * world, seed=args.seed))
     else:
         net = MODELS[args.model](batch=args.batch)
-        fixed = data.synthetic(net, seed=args.seed)
+        fixed = distributed.shard(*data.synthetic(MODELS[args.model](batch=args.batch * world),
+                                                  seed=args.seed), rank, world)
         stream = iter(lambda: fixed, None)
     try:
         rt = Runtime(net, args.memory, args.policy, device=args.device, lr=lr,
                      momentum=args.momentum, weight_decay=args.weight_decay, seed=args.seed,
-                     host_memory=args.host_memory, cuda_graph=args.cuda_graph)
+                     host_memory=args.host_memory, cuda_graph=args.cuda_graph,
+                     process_group=group)
     except ValueError as err:           # e.g. --cuda-graph on a CPU or with dropout
         print(f"error: {err}", file=sys.stderr)
         return 2
@@ -110,7 +122,7 @@ def _train(args) -> int:
             rt.lr = lr * (1 - i / steps)
         images, labels = next(stream)
         loss = rt.step(images, labels)
-        done += args.batch
+        done += args.batch * world
         rate = done / (time.perf_counter() - start)
         bar.set_postfix(loss=f"{loss:.4f}", img_s=f"{rate:.1f}",
                         peak=format_bytes(rt.stats.peak_bytes))
@@ -120,10 +132,11 @@ def _train(args) -> int:
     if dataset == "digits":
         accuracy = evaluate(rt, test_x, test_y)
         print(f"held-out accuracy {accuracy:.2%} on {len(test_y)} digits")
-    if args.trace:
+    if args.trace and rank == 0:
         with open(args.trace, "w") as f:
             json.dump(rt.stats.trace, f, indent=1)
         print(f"trace of {len(rt.stats.trace)} steps written to {args.trace}")
+    distributed.close(group)
     return 0
 
 

@@ -106,6 +106,12 @@ def from_env(device=None):
     return dist.group.WORLD, dist.get_rank(), dist.get_world_size()
 
 
+def close(group) -> None:
+    """Tear down what `from_env` set up (nothing when `group` is None)."""
+    if group is not None:
+        dist.destroy_process_group()
+
+
 def shard(images, labels, rank: int, world: int):
     """Rank `rank`'s contiguous share of a global batch (its size must divide by `world`)."""
     n = len(labels)

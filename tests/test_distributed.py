@@ -1,7 +1,6 @@
 """Data-parallel training (tinysn/distributed.py): two gloo ranks on 127.0.0.1 against a
 float64 torch reference, the plan's extended gradient liveness, and the input checks."""
 import os
-import socket
 
 import pytest
 import torch
@@ -70,17 +69,11 @@ def _worker(rank, port, out_dir):
         distributed.close(group)
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.fixture(scope="module")
 def ranks(tmp_path_factory):
     """What each of the two gloo ranks measured (one spawn for every test here)."""
     out = tmp_path_factory.mktemp("ranks")
-    mp.spawn(_worker, args=(_free_port(), str(out)), nprocs=WORLD, join=True)
+    mp.spawn(_worker, args=(distributed.free_port(), str(out)), nprocs=WORLD, join=True)
     return [torch.load(out / f"rank{r}.pt") for r in range(WORLD)]
 
 

@@ -113,7 +113,8 @@ def _train(args) -> int:
     except ValueError as err:           # e.g. --cuda-graph on a CPU or with dropout
         print(f"error: {err}", file=sys.stderr)
         return 2
-    print(f"{args.model} batch {args.batch} on {rt.device}, policy {args.policy}, cap "
+    ranks = f" x {world} ranks" if world > 1 else ""
+    print(f"{args.model} batch {args.batch}{ranks} on {rt.device}, policy {args.policy}, cap "
           f"{format_bytes(rt.plan.capacity)}: planned peak {format_bytes(rt.plan.peak_bytes)}")
     bar = tqdm(range(steps), unit="step", file=sys.stdout)
     start, done = time.perf_counter(), 0

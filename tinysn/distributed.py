@@ -33,6 +33,7 @@ NCCL needs CUDA devices (one per rank: `from_env` selects LOCAL_RANK's); gloo ru
 from __future__ import annotations
 
 import os
+import socket
 
 import torch
 import torch.distributed as dist
@@ -110,6 +111,13 @@ def close(group) -> None:
     """Tear down what `from_env` set up (nothing when `group` is None)."""
     if group is not None:
         dist.destroy_process_group()
+
+
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that is free now (for a rendezvous of local processes)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
 
 
 def shard(images, labels, rank: int, world: int):

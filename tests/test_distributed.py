@@ -151,6 +151,55 @@ def test_batch_norm_keeps_per_rank_statistics_as_ddp(ranks):
                            ranks[1][("bn", "all")]["final"]["bn.running_mean"])
 
 
+# -- two GPUs: NCCL, eager and graphed -------------------------------------------------
+def _gpu_net():
+    return sn.models.resnet(blocks=[1, 1, 1, 1], batch=4, classes=10, input_shape=(3, 32, 32))
+
+
+def _gpu_worker(rank, port, out_dir):
+    """One NCCL rank: each policy eager and graphed side by side, five steps each (two
+    eager warm-ups, the capture, two replays); saves losses and parameters."""
+    os.environ.update(WORLD_SIZE=str(WORLD), RANK=str(rank), LOCAL_RANK=str(rank),
+                      MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), NCCL_NVLS_ENABLE="0")
+    group, _, _ = distributed.from_env("cuda")
+    try:
+        results = {}
+        for policy in ("baseline", "offload", "all"):
+            runs = [sn.Runtime(_gpu_net(), "4GiB", policy, device="cuda", lr=0.05,
+                               momentum=0.9, seed=rank, conv_algos={}, cuda_graph=graph,
+                               process_group=group) for graph in (False, True)]
+            losses = [[], []]
+            for step in range(5):
+                images, labels = distributed.shard(*global_batch(_gpu_net(), step), rank, WORLD)
+                for i, rt in enumerate(runs):
+                    losses[i].append(rt.step(images.cuda(), labels.cuda()))
+            results[policy] = {"losses": losses, "params": [rt.params() for rt in runs],
+                               "peak_equals_plan": [rt.stats.peak_bytes == rt.plan.peak_bytes
+                                                    for rt in runs]}
+        torch.save(results, os.path.join(out_dir, f"rank{rank}.pt"))
+    finally:
+        distributed.close(group)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two CUDA GPUs")
+def test_nccl_ranks_agree_and_graph_replays_match_eager(tmp_path):
+    """On two GPUs: graphed steps (the all-reduces captured) equal eager ones bit for bit,
+    every rank ends with the same parameters, and peak == plan."""
+    mp.spawn(_gpu_worker, args=(distributed.free_port(), str(tmp_path)), nprocs=WORLD,
+             join=True)
+    ranks = [torch.load(tmp_path / f"rank{r}.pt") for r in range(WORLD)]
+    for policy, run in ranks[0].items():
+        for rank in range(WORLD):
+            mine = ranks[rank][policy]
+            assert all(mine["peak_equals_plan"]), (policy, rank)
+            assert mine["losses"][0] == mine["losses"][1], (policy, rank)
+            for name, value in mine["params"][1].items():
+                assert torch.equal(value, mine["params"][0][name]), (policy, rank, name)
+                if not name.endswith(("running_mean", "running_var")):
+                    assert torch.equal(value, run["params"][0][name]), (policy, rank, name)
+
+
 # -- single process: the plan and the checks --------------------------------------------
 def _launch_index(plan, logical):
     """Executed step index of the Launch of logical step `logical`."""
@@ -158,7 +207,7 @@ def _launch_index(plan, logical):
                 if type(op).__name__ == "Launch" and op.key == logical)
 
 
-def test_program_defers_each_update_one_backward_step():
+def test_program_defers_each_update_by_the_lag():
     net = bn_net()
     single, parallel = liveness.Program(net), liveness.Program(net, data_parallel=True)
     last = len(parallel.steps) - 1

@@ -9,14 +9,14 @@ batch; the caller passes the local images and labels). The ranks stay equal beca
 - in the backward pass, right after a layer's backward kernel has written its parameter
   gradients, their all-reduce starts (asynchronously, in place on the pool buffers, one
   call per gradient tensor, so the "buckets" are the layers in backward order); it runs
-  while the next backward kernel does. The layer's SGD update is not part of its own
-  backward step but of the next one (sched/liveness.py: `Program.updates`, `UPDATE_LAG`):
-  after that step's kernel, the update waits for the all-reduce, averages (sum / world
-  size) and applies SGD. The planner sees the update step read the gradients, so their
-  liveness spans the all-reduce, every policy's plan accounts for those bytes and
-  peak == plan still holds. The last backward step (the first layer) updates its own
-  parameters after a blocking wait: nothing is left to overlap it with. No bucket buffer
-  exists: the collectives read and write the gradients where the plan put them.
+  while the next backward kernels do. The layer's SGD update is not part of its own
+  backward step but of the one `UPDATE_LAG` steps later (sched/liveness.py:
+  `Program.updates`): after that step's kernel, the update waits for the all-reduce,
+  averages (sum / world size) and applies SGD. The planner sees the update step read the
+  gradients, so their liveness spans the all-reduce, every policy's plan accounts for
+  those bytes and peak == plan still holds. The last backward steps (the first layers)
+  update at the last step, after waiting: nothing is left to overlap them with. No bucket
+  buffer exists: the collectives read and write the gradients where the plan put them.
 
 Semantics: after a step, every rank's parameters equal those of single-process training on
 the concatenation of the ranks' batches (rank order), up to the order of the reduction (the

@@ -24,6 +24,10 @@ it; later steps copy the batch into static buffers and replay. Changing lr, mome
 weight_decay triggers a new capture (they are launch arguments). Not for nets with dropout
 (p > 0): its mask seed changes every iteration. The static batch buffers (images and labels)
 live outside the pool: a graph reads fixed addresses.
+
+With `process_group` the Runtime is one rank of data-parallel training (distributed.py):
+parameters broadcast from rank 0, each layer's gradients all-reduced while the backward pass
+goes on, its update a few steps later (`_then_update`).
 """
 from __future__ import annotations
 

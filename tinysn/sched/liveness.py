@@ -8,7 +8,7 @@ lists the tensors it reads and writes.
 
 Data parallel (`data_parallel=True`, tinysn/distributed.py): a layer's parameter gradients
 are all-reduced across ranks while the backward pass goes on, so its update moves to the
-next backward step (`UPDATE_LAG` steps later, or the last step), which then also reads
+backward step `UPDATE_LAG` steps later (or the last step), which then also reads
 those gradients: their live range, and with it every plan's peak, covers the all-reduce. From that, every tensor's uses give its live range,
 and the in/out live sets of every step follow: a tensor is live from the step that writes it
 first to the last step that reads it.
@@ -23,7 +23,8 @@ import torch
 from ..ops import spec
 from . import route
 
-UPDATE_LAG = 1   # data parallel: backward steps between a layer's gradients and its update
+UPDATE_LAG = 2   # data parallel: backward steps between a layer's gradients and its update
+                 # (the all-reduce overlaps that many kernels; costs that many layers' gradients)
 
 
 @dataclass

@@ -232,7 +232,7 @@ def plan(net, memory, policy: str = "all", *, momentum: float = 0.0, conv_algos=
     pinned host arena (default: unbounded); when copies would overflow it, policy "all"
     turns to recomputation and the others raise OutOfMemory. `data_parallel` plans one
     rank of data-parallel training: each layer's update waits for its gradients' all-reduce,
-    one backward step later (liveness.Program), so those gradients live that much longer.
+    a few backward steps later (liveness.UPDATE_LAG), so those gradients live that long.
     """
     if layout not in ("auto", "first_fit", "two_ended"):
         raise ValueError(f"layout must be 'auto', 'first_fit' or 'two_ended', got {layout!r}")

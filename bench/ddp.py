@@ -32,10 +32,9 @@ import tinysn as sn  # noqa: E402
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 import torch.multiprocessing as mp  # noqa: E402
-import torch.nn.functional as F  # noqa: E402
 
 from bench import common  # noqa: E402
-from bench.train import PYTORCH_CONFIGS, host_batch, timed  # noqa: E402
+from bench.train import PYTORCH_CONFIGS, host_batch, timed, torch_step  # noqa: E402
 from tinysn import distributed  # noqa: E402
 from tinysn.cli import MODELS  # noqa: E402
 
@@ -109,16 +108,7 @@ def _pytorch(net, args, device, group) -> dict:
             model, device_ids=[device.index] if device.type == "cuda" else None,
             process_group=group, gradient_as_bucket_view=True)
     forward = torch.compile(model) if args.pytorch == "torch.compile" else model
-    images, labels = host_batch(net, device)
-
-    def step():
-        x = images.to(device, non_blocking=True).contiguous(memory_format=fmt)
-        y = labels.to(device, non_blocking=True)
-        opt.zero_grad(set_to_none=True)
-        loss = F.cross_entropy(forward(x), y)
-        loss.backward()
-        opt.step()
-        return loss.detach()
+    step = torch_step(forward, opt, host_batch(net, device), device, fmt)
     _barrier(group)
     return timed(step, device, args.warmup, args.steps)
 

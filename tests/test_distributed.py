@@ -252,3 +252,14 @@ def test_shard_and_environment():
         distributed.shard(images, labels, 0, 4)
     if "WORLD_SIZE" not in os.environ:
         assert distributed.from_env("cpu") == (None, 0, 1)
+
+
+def test_bench_scaling_per_side_and_its_arguments():
+    from bench import ddp
+    runs = {"1": {"tinysn": {"images_per_s": 100.0}, "pytorch": {"images_per_s": 200.0}},
+            "2": {"tinysn": {"images_per_s": 190.0}, "pytorch": {"error": "failed"}}}
+    assert ddp.scaling(runs, 2) == {"tinysn": pytest.approx(1.9), "pytorch": None}
+    assert ddp.scaling({"1": {"error": "failed"}}, 2) == {"tinysn": None, "pytorch": None}
+    for bad in (["--configs", "b32,nope"], ["--gpus", "1"], ["--warmup", "1"]):
+        with pytest.raises(SystemExit):
+            ddp.parse_args(bad)

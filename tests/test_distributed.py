@@ -64,6 +64,11 @@ def _worker(rank, port, out_dir):
         results = {("conv", policy): _train(conv_net(), policy, rank) for policy in sn.POLICIES}
         results[("conv", "again")] = _train(conv_net(), "all", rank)
         results[("bn", "all")] = _train(bn_net(), "all", rank)
+        try:                                   # rank 1 builds a larger local batch
+            sn.Runtime(conv_net(batch=LOCAL_BATCH + rank), "4MiB", device="cpu",
+                       process_group=group)
+        except ValueError as err:
+            results["mismatch"] = str(err)
         torch.save(results, os.path.join(out_dir, f"rank{rank}.pt"))
     finally:
         distributed.close(group)
@@ -137,6 +142,11 @@ def test_ranks_agree_bitwise_across_policies_and_runs(ranks):
                 assert torch.equal(value, first[name]), f"rank {rank} {key} {name}"
         for name, value in ranks[0][("conv", "all")]["final"].items():
             assert torch.equal(value, ranks[rank][("conv", "all")]["final"][name]), name
+
+
+def test_ranks_with_different_nets_refuse_together(ranks):
+    for rank in range(WORLD):
+        assert "build different networks" in ranks[rank].get("mismatch", ""), rank
 
 
 def test_batch_norm_keeps_per_rank_statistics_as_ddp(ranks):

@@ -23,8 +23,10 @@ the concatenation of the ranks' batches (rank order), up to the order of the red
 loss is each rank's mean, the gradients are averaged over ranks). Batch norm normalises
 with each rank's own batch statistics and keeps its own running statistics, as PyTorch's
 DistributedDataParallel does without SyncBatchNorm and with `broadcast_buffers=False`.
-Run to run the result is bitwise the same (same world size, same backend): the collectives
-are deterministic for a fixed group and every kernel is. Under a CUDA graph
+Run to run the result is bitwise the same (same world size, same backend, same conv
+algorithms: pin them with `conv_algos` where rankings are measured): the collectives are
+deterministic for a fixed group and every kernel is. Every rank must build the same network
+at the same local batch; `check_group` compares them before anything is planned. Under a CUDA graph
 (`cuda_graph=True`) the NCCL all-reduces and their waits are captured with the step; the
 eager warm-up steps create the communicators before the capture.
 
@@ -34,13 +36,15 @@ from __future__ import annotations
 
 import os
 import socket
+import zlib
 
 import torch
 import torch.distributed as dist
 
 
-def check_group(group, device) -> None:
-    """Raise ValueError unless `group` is None or a usable process group for `device`."""
+def check_group(group, device, net) -> None:
+    """Raise ValueError unless `group` is None or a usable process group for `device` whose
+    ranks all train the same `net` (a collective: every rank calls it)."""
     if group is None:
         return
     if not dist.is_available() or not dist.is_initialized():
@@ -52,6 +56,13 @@ def check_group(group, device) -> None:
     backend = dist.get_backend(group)
     if backend == "nccl" and torch.device(device).type != "cuda":
         raise ValueError(f"process_group uses NCCL, which needs device 'cuda', got {device}")
+    mine = zlib.crc32(repr((net.batch, net.input_shape, net.classes,
+                            sorted(net.param_shapes().items()))).encode())
+    fingerprints = torch.tensor([mine, -mine], dtype=torch.int64, device=device)
+    dist.all_reduce(fingerprints, op=dist.ReduceOp.MIN, group=group)
+    if fingerprints.tolist() != [mine, -mine]:
+        raise ValueError("the ranks of process_group build different networks or local "
+                         "batches; every rank must train the same net at the same batch")
 
 
 class GradientSync:

@@ -76,7 +76,6 @@ class Runtime:
                  cuda_graph: bool = False, process_group=None):
         device = _pick_device(device)
         _check_graph_request(cuda_graph, device, net)
-        distributed.check_group(process_group, device)
         if policy not in plan_mod.POLICIES:
             raise ValueError(f"unknown policy {policy!r}; choose one of {plan_mod.POLICIES}")
         for name, value in (("lr", lr), ("momentum", momentum), ("weight_decay", weight_decay)):
@@ -86,6 +85,7 @@ class Runtime:
             raise ValueError(f"seed must be a non-negative int, got {seed!r}")
         if precision not in (None, "tf32", "ieee"):
             raise ValueError(f"precision must be None, 'tf32' or 'ieee', got {precision!r}")
+        distributed.check_group(process_group, device, net)   # last check: a collective
         if device.type == "cuda" and policy == "all" and conv_algos is None:
             from .sched.workspace import measure_rankings
             measure_rankings(net, device)

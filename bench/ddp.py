@@ -22,6 +22,7 @@ N-GPU run uses that batch, after every rank has checked that its plan fits. With
 same code runs on the CPU with gloo as a smoke test (`--model lenet`).
 """
 import argparse
+import gc
 import json
 import os
 import sys
@@ -55,14 +56,14 @@ def _join(rank, world, port, device):
 
 
 def _plans(net, args, device, group) -> bool:
-    """Whether the net plans on every rank, with this GPU's conv rankings (what Runtime
-    plans with), agreed over the group so that no rank waits alone in a collective."""
+    """Whether the net plans as one data-parallel rank (so the one-GPU run's batch suits
+    the N-GPU run too) on every rank, with this GPU's conv rankings (what Runtime plans
+    with), agreed over the group so that no rank waits alone in a collective."""
     if device.type == "cuda":
         from tinysn.sched.workspace import measure_rankings
         measure_rankings(net, device)
     try:
-        sn.plan(net, args.memory, "all", momentum=args.momentum,
-                data_parallel=group is not None)
+        sn.plan(net, args.memory, "all", momentum=args.momentum, data_parallel=True)
         ok = 1
     except sn.OutOfMemory:
         ok = 0
@@ -125,6 +126,7 @@ def _side(run) -> dict:
     except Exception as err:  # noqa: BLE001  (recorded in the row)
         return {"error": f"{type(err).__name__}: {err}"[:500]}
     finally:
+        gc.collect()                 # tinysn's arena goes before PyTorch's side runs
         if torch.cuda.is_available():
             torch.cuda.empty_cache()
 

@@ -26,9 +26,9 @@ DistributedDataParallel does without SyncBatchNorm and with `broadcast_buffers=F
 Run to run the result is bitwise the same (same world size, same backend, same conv
 algorithms: pin them with `conv_algos` where rankings are measured): the collectives are
 deterministic for a fixed group and every kernel is. Every rank must build the same network
-at the same local batch; `check_group` compares them before anything is planned. Under a CUDA graph
-(`cuda_graph=True`) the NCCL all-reduces and their waits are captured with the step; the
-eager warm-up steps create the communicators before the capture.
+at the same local batch; `check_group` compares them before anything is planned. Under a
+CUDA graph (`cuda_graph=True`) the NCCL all-reduces and their waits are captured with the
+step; the eager warm-up steps create the communicators before the capture.
 
 NCCL needs CUDA devices (one per rank: `from_env` selects LOCAL_RANK's); gloo runs on CPUs.
 """

@@ -4,14 +4,14 @@ The training iteration is first written down as a *logical program*, independent
 policy: one forward step per layer in route order, then one backward step per layer in
 reverse order (the SGD update of a layer's parameters is part of its backward step, since
 no parameter is used again in the iteration once its layer's backward has run). Each step
-lists the tensors it reads and writes.
+lists the tensors it reads and writes. From that, every tensor's uses give its live range,
+and the in/out live sets of every step follow: a tensor is live from the step that writes it
+first to the last step that reads it.
 
 Data parallel (`data_parallel=True`, tinysn/distributed.py): a layer's parameter gradients
 are all-reduced across ranks while the backward pass goes on, so its update moves to the
-backward step `UPDATE_LAG` steps later (or the last step), which then also reads
-those gradients: their live range, and with it every plan's peak, covers the all-reduce. From that, every tensor's uses give its live range,
-and the in/out live sets of every step follow: a tensor is live from the step that writes it
-first to the last step that reads it.
+backward step `UPDATE_LAG` steps later (or the last step), which then also reads those
+gradients: their live range, and with it every plan's peak, covers the all-reduce.
 """
 from __future__ import annotations
 

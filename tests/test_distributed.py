@@ -69,6 +69,11 @@ def _worker(rank, port, out_dir):
                        process_group=group)
         except ValueError as err:
             results["mismatch"] = str(err)
+        try:                                   # rank 1's cap is too small
+            sn.Runtime(conv_net(), "4MiB" if rank == 0 else "8KiB", device="cpu",
+                       process_group=group)
+        except sn.OutOfMemory as err:
+            results["too_small"] = str(err)
         torch.save(results, os.path.join(out_dir, f"rank{rank}.pt"))
     finally:
         distributed.close(group)
@@ -147,6 +152,11 @@ def test_ranks_agree_bitwise_across_policies_and_runs(ranks):
 def test_ranks_with_different_nets_refuse_together(ranks):
     for rank in range(WORLD):
         assert "build different networks" in ranks[rank].get("mismatch", ""), rank
+
+
+def test_a_cap_too_small_on_one_rank_stops_every_rank(ranks):
+    assert "another rank's plan does not fit" in ranks[0].get("too_small", "")
+    assert "plan does not fit" in ranks[1].get("too_small", "")
 
 
 def test_batch_norm_keeps_per_rank_statistics_as_ddp(ranks):

@@ -41,6 +41,8 @@ import zlib
 import torch
 import torch.distributed as dist
 
+from .errors import OutOfMemory
+
 
 def check_group(group, device, net) -> None:
     """Raise ValueError unless `group` is None or a usable process group for `device` whose
@@ -63,6 +65,25 @@ def check_group(group, device, net) -> None:
     if fingerprints.tolist() != [mine, -mine]:
         raise ValueError("the ranks of process_group build different networks or local "
                          "batches; every rank must train the same net at the same batch")
+
+
+def plan_everywhere(group, device, make_plan):
+    """`make_plan()`, and with a group the ranks' agreement that every rank's plan fits: a
+    rank whose plan fits raises OutOfMemory too when another's does not (a collective), so
+    no rank goes on alone into the broadcast and waits there forever."""
+    if group is None:
+        return make_plan()
+    try:
+        result, error = make_plan(), None
+    except OutOfMemory as err:
+        result, error = None, err
+    fits = torch.tensor([int(error is None)], dtype=torch.int64, device=device)
+    dist.all_reduce(fits, op=dist.ReduceOp.MIN, group=group)
+    if error is not None:
+        raise error
+    if not fits.item():
+        raise OutOfMemory("another rank's plan does not fit its cap, so no rank trains")
+    return result
 
 
 class GradientSync:

@@ -89,9 +89,9 @@ class Runtime:
         if device.type == "cuda" and policy == "all" and conv_algos is None:
             from .sched.workspace import measure_rankings
             measure_rankings(net, device)
-        self.plan = plan_mod.plan(net, memory, policy, momentum=momentum, conv_algos=conv_algos,
-                                  layout=layout, host_memory=host_memory,
-                                  data_parallel=process_group is not None)
+        self.plan = distributed.plan_everywhere(process_group, device, lambda: plan_mod.plan(
+            net, memory, policy, momentum=momentum, conv_algos=conv_algos, layout=layout,
+            host_memory=host_memory, data_parallel=process_group is not None))
         self.net, self.policy, self.device = net, policy, device
         self.lr, self.momentum, self.weight_decay, self.seed = lr, momentum, weight_decay, seed
         self.precision = precision

@@ -5,8 +5,8 @@
 Configurations (`--configs`): "b32-graph" (batch 32 per GPU, the step replayed as a CUDA
 graph), "b32" (the same, eager) and "largest" (the largest batch per GPU that policy "all"
 plans under `--memory` for one data-parallel rank, eager). Each configuration runs twice,
-each time in fresh processes: on one GPU (plain single-process training, no process group)
-and on `--gpus` GPUs (one process per GPU, NCCL; NVLink multicast stays off). In every
+each time in fresh processes: on `--gpus` GPUs (one process per GPU, NCCL; NVLink multicast
+stays off), then on one GPU (plain single-process training, no process group). In every
 process tinysn trains first, then PyTorch trains the same graph's torch twin
 (`Net.to_torch()`, `--pytorch` configuration, wrapped in DistributedDataParallel on N GPUs)
 with the same SGD settings; PyTorch runs without a cap, and its max_memory_allocated is
@@ -16,10 +16,10 @@ same synthetic batch from pinned host memory (speed does not depend on the data)
 
 images/s counts every GPU's images; `scaling` is images/s on N GPUs over images/s on one,
 per configuration, for tinysn and for PyTorch. "largest": the batch comes from the planner's
-dry run (sn.max_batch with data_parallel=True); the single-GPU run lowers it by 3% steps
-until it plans on the GPU too (conv rankings measured there may change workspaces), and the
-N-GPU run uses that batch, after every rank has checked that its plan fits. Without CUDA the
-same code runs on the CPU with gloo as a smoke test (`--model lenet`).
+dry run (sn.max_batch with data_parallel=True); the N-GPU run lowers it in 3% steps while
+the Runtime refuses it (conv rankings measured on the GPU may change workspaces; the ranks
+agree on every refusal), and the one-GPU run trains the batch it settled on. Without CUDA
+the same code runs on the CPU with gloo as a smoke test (`--model lenet`).
 """
 import argparse
 import gc
@@ -55,44 +55,30 @@ def _join(rank, world, port, device):
     return dist.group.WORLD, device
 
 
-def _plans(net, args, device, group) -> bool:
-    """Whether the net plans as one data-parallel rank (so the one-GPU run's batch suits
-    the N-GPU run too) on every rank, with this GPU's conv rankings (what Runtime plans
-    with), agreed over the group so that no rank waits alone in a collective."""
-    if device.type == "cuda":
-        from tinysn.sched.workspace import measure_rankings
-        measure_rankings(net, device)
-    try:
-        sn.plan(net, args.memory, "all", momentum=args.momentum, data_parallel=True)
-        ok = 1
-    except sn.OutOfMemory:
-        ok = 0
-    if group is not None:
-        flag = torch.tensor([ok], device=device)
-        dist.all_reduce(flag, op=dist.ReduceOp.MIN, group=group)
-        ok = int(flag.item())
-    return bool(ok)
-
-
-def _fit_batch(batch, args, device, group) -> int:
-    """`batch`, lowered by SHRINK steps until it plans (raises after ten tries)."""
+def _runtime(batch, shrink, cuda_graph, args, device, group):
+    """(batch, Runtime): with `shrink`, `batch` lowered in SHRINK steps while the Runtime
+    refuses it (OutOfMemory comes on every rank together: distributed.plan_everywhere)."""
     for _ in range(10):
-        if _plans(MODELS[args.model](batch=batch), args, device, group):
-            return batch
-        if group is not None:     # the N-GPU run takes the one-GPU run's batch as it is
-            break
-        batch = max(1, int(batch * SHRINK))
-    raise sn.OutOfMemory(f"{args.model} at batch {batch} does not plan under {args.memory}")
+        try:
+            return batch, sn.Runtime(MODELS[args.model](batch=batch), args.memory, "all",
+                                     device=device, lr=args.lr, momentum=args.momentum,
+                                     weight_decay=args.weight_decay, cuda_graph=cuda_graph,
+                                     process_group=group)
+        except sn.OutOfMemory:
+            if not shrink:
+                raise
+            batch = max(1, int(batch * SHRINK))
+    raise sn.OutOfMemory(f"{args.model} does not fit {args.memory} down to batch {batch}")
 
 
-def _tinysn(net, cuda_graph, args, device, group) -> dict:
-    rt = sn.Runtime(net, args.memory, "all", device=device, lr=args.lr, momentum=args.momentum,
-                    weight_decay=args.weight_decay, cuda_graph=cuda_graph,
-                    process_group=group)
-    images, labels = host_batch(net, device)
+def _tinysn(batch, shrink, cuda_graph, args, device, group) -> dict:
+    """The Runtime at the batch it settles on (`batch` in the row), timed."""
+    batch, rt = _runtime(batch, shrink, cuda_graph, args, device, group)
+    images, labels = host_batch(rt.net, device)
     _barrier(group)
     row = timed(lambda: rt.step(images, labels), device, args.warmup, args.steps)
-    row.update(peak_bytes=rt.stats.peak_bytes, planned_peak_bytes=rt.plan.peak_bytes,
+    row.update(batch=batch, peak_bytes=rt.stats.peak_bytes,
+               planned_peak_bytes=rt.plan.peak_bytes,
                peak_equals_plan=rt.stats.peak_bytes == rt.plan.peak_bytes)
     return row
 
@@ -131,19 +117,19 @@ def _side(run) -> dict:
             torch.cuda.empty_cache()
 
 
-def _worker(rank, world, port, batch, cuda_graph, args, out):
-    """One process of one run: finds the batch ("largest"), times tinysn, then PyTorch;
-    rank 0 writes the rows to `out`."""
+def _worker(rank, world, port, batch, shrink, cuda_graph, args, out):
+    """One process of one run: settles the batch (`shrink`: see _runtime), times tinysn,
+    then PyTorch; rank 0 writes the rows to `out`."""
     torch.backends.cudnn.allow_tf32 = True      # as bench/train.py sets PyTorch up
     torch.backends.cuda.matmul.allow_tf32 = True
     torch.backends.cudnn.benchmark = True
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     group, device = _join(rank, world, port, device)
     try:
-        batch = _fit_batch(batch, args, device, group)
+        tinysn = _side(lambda: _tinysn(batch, shrink, cuda_graph, args, device, group))
+        batch = tinysn.get("batch", batch)
         net = MODELS[args.model](batch=batch)
-        rows = {"batch": batch,
-                "tinysn": _side(lambda: _tinysn(net, cuda_graph, args, device, group)),
+        rows = {"batch": batch, "tinysn": tinysn,
                 "pytorch": _side(lambda: _pytorch(net, args, device, group))}
         for row in (rows["tinysn"], rows["pytorch"]):
             if "ms_per_step" in row:
@@ -155,12 +141,12 @@ def _worker(rank, world, port, batch, cuda_graph, args, out):
         distributed.close(group)
 
 
-def run(world, batch, cuda_graph, args) -> dict:
+def run(world, batch, shrink, cuda_graph, args) -> dict:
     """One configuration on `world` GPUs, in fresh processes; rank 0's rows."""
     with tempfile.TemporaryDirectory() as tmp:
         out = os.path.join(tmp, "rank0.json")
-        mp.spawn(_worker, args=(world, distributed.free_port(), batch, cuda_graph, args, out),
-                 nprocs=world, join=True)
+        mp.spawn(_worker, args=(world, distributed.free_port(), batch, shrink, cuda_graph,
+                                args, out), nprocs=world, join=True)
         with open(out) as f:
             return json.load(f)
 
@@ -175,15 +161,16 @@ def scaling(runs: dict, world: int) -> dict:
 
 
 def configuration(name, args) -> dict:
-    """Both runs of one configuration (1 GPU, then N) and their scaling."""
+    """Both runs of one configuration (N GPUs, then 1) and their scaling."""
     batch, cuda_graph = CONFIGS[name]
-    if batch is None:
+    shrink = batch is None
+    if shrink:
         batch = sn.max_batch(MODELS[args.model], args.memory, "all", momentum=args.momentum,
                              data_parallel=True)
     result = {"batch_per_gpu": batch, "cuda_graph": cuda_graph, "runs": {}}
-    for world in (1, args.gpus):
+    for world in (args.gpus, 1):
         try:
-            rows = run(world, batch, cuda_graph, args)
+            rows = run(world, batch, shrink and world > 1, cuda_graph, args)
         except Exception as err:  # noqa: BLE001  (the configuration records why)
             result["runs"][str(world)] = {"error": f"{type(err).__name__}: {err}"[:500]}
             break

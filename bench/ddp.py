@@ -1,6 +1,7 @@
 """Data-parallel scaling: tinysn on N GPUs against 1, beside PyTorch DDP in the same run.
 
-    NCCL_NVLS_ENABLE=0 PYTHONPATH=. python bench/ddp.py --gpus 2 [--out PATH]
+    NCCL_NVLS_ENABLE=0 PYTHONPATH=. python bench/ddp.py --gpus 2 [--configs ...] [--out PATH]
+                                                        [--merge]
 
 Configurations (`--configs`): "b32-graph" (batch 32 per GPU, the step replayed as a CUDA
 graph), "b32" (the same, eager) and "largest" (the largest batch per GPU that policy "all"
@@ -207,6 +208,8 @@ def parse_args(argv=None):
     ap.add_argument("--momentum", type=float, default=0.9)
     ap.add_argument("--weight-decay", type=float, default=5e-4)
     common.add_out_argument(ap)
+    ap.add_argument("--merge", action="store_true",
+                    help="keep the other configurations already in the --out file")
     args = ap.parse_args(argv)
     unknown = [c for c in args.configs.split(",") if c not in CONFIGS]
     if unknown:
@@ -227,7 +230,7 @@ def main(argv=None) -> dict:
               "timer": "wall clock over the timed steps on rank 0, synchronized",
               "sgd": {"lr": args.lr, "momentum": args.momentum,
                       "weight_decay": args.weight_decay},
-              "configs": {}}
+              "configs": common.read(args.out).get("configs", {}) if args.merge else {}}
     for name in args.configs.split(","):
         result["configs"][name] = configuration(name, args)
         print(describe(name, result["configs"][name], args.gpus), flush=True)

@@ -91,7 +91,14 @@ def pytorch_row(net, config, device, args) -> dict:
     opt = torch.optim.SGD(model.parameters(), lr=args.lr, momentum=args.momentum,
                           weight_decay=args.weight_decay)
     forward = torch.compile(model) if config == "torch.compile" else model
-    images, labels = host_batch(net, device)
+    step = torch_step(forward, opt, host_batch(net, device), device, fmt)
+    return timed(step, device, args.warmup, args.steps)
+
+
+def torch_step(forward, opt, batch, device, fmt):
+    """One PyTorch training step as a function: the host batch copied in (in `fmt`), the
+    loss, backward, SGD; it returns the loss (a device tensor: no synchronization)."""
+    images, labels = batch
 
     def step():
         x = images.to(device, non_blocking=True).contiguous(memory_format=fmt)
@@ -101,7 +108,7 @@ def pytorch_row(net, config, device, args) -> dict:
         loss.backward()
         opt.step()
         return loss.detach()
-    return timed(step, device, args.warmup, args.steps)
+    return step
 
 
 def tinysn_row(net, policy, cuda_graph, device, args) -> dict:

@@ -12,6 +12,9 @@
   cache  shows or clears the kernel tuning cache (location: $TINYSN_CACHE_DIR, else
          ~/.cache/tinysn).
 
+Under `torchrun --nproc-per-node N -m tinysn train ...` each process is one rank of
+data-parallel training (tinysn/distributed.py) under its own cap; rank 0 prints.
+
 Bad arguments give one line on stderr and exit status 2, before any work.
 """
 from __future__ import annotations
@@ -366,11 +369,14 @@ def _cache(args) -> int:
 
 
 def _train(args) -> int:
-    from . import cache
+    from . import cache, distributed
     from .runtime import GRAPH_WARMUP, Runtime
 
     steps = args.steps or (200 if _dataset(args) == "digits" else 20)
     lr = args.lr if args.lr is not None else (0.05 if _dataset(args) == "digits" else 0.01)
+    group, rank, world = distributed.from_env(args.device)   # torchrun: one rank per process
+    if rank:
+        sys.stdout = open(os.devnull, "w")                   # rank 0 prints
     make_net = _net_maker(args)
     net = make_net(batch=args.batch)
     if _dataset(args).startswith("imagefolder:"):
@@ -381,14 +387,15 @@ def _train(args) -> int:
         make_net, test = (lambda batch: MODELS[args.model](batch=batch,
                                                            classes=net.classes)), None
     else:
-        stream, test = _data(args, net)
+        stream, test = _data(args, net, rank, world)
     if args.device == "cuda":
         print(f"compiling and tuning kernels for the first step (tuning cached in "
               f"{cache.cache_dir()})", file=sys.stderr)
     try:
         rt = Runtime(net, args.memory, args.policy, device=args.device, lr=lr,
                      momentum=args.momentum, weight_decay=args.weight_decay, seed=args.seed,
-                     host_memory=args.host_memory, cuda_graph=args.cuda_graph)
+                     host_memory=args.host_memory, cuda_graph=args.cuda_graph,
+                     process_group=group)
     except ValueError as err:           # e.g. --cuda-graph with dropout
         raise UsageError(str(err)) from None
     except OutOfMemory as err:
@@ -399,7 +406,8 @@ def _train(args) -> int:
         first = _resume(args, rt, stream)
     except ValueError as err:           # a damaged checkpoint, another net's
         raise UsageError(str(err)) from None
-    print(f"{args.model} batch {args.batch} on {rt.device}, policy {args.policy}, cap "
+    ranks = f" x {world} ranks" if world > 1 else ""
+    print(f"{args.model} batch {args.batch}{ranks} on {rt.device}, policy {args.policy}, cap "
           f"{format_bytes(rt.plan.capacity)}: planned peak {format_bytes(rt.plan.peak_bytes)}")
     if args.trace:
         from .trace import Recorder
@@ -418,21 +426,25 @@ def _train(args) -> int:
         held_out = rt.evaluate(DataLoader(TensorDataset(*test), batch_size=args.batch))
         print(f"held-out accuracy {held_out['accuracy']:.2%}, loss {held_out['loss']:.4f} "
               f"on {len(test[1])} digits")
-    if args.trace:
+    if args.trace and rank == 0:
         from .trace import write
         count = write(rt.recorder, args.trace)
         print(f"trace of the last step ({count} events) written to {args.trace}")
+    distributed.close(group)
     return 0
 
 
-def _data(args, net):
-    """(endless batch stream, held-out (x, y) or None) for the command's dataset."""
-    from . import data
+def _data(args, net, rank=0, world=1):
+    """(endless batch stream, held-out (x, y) or None) for the command's dataset; under
+    data parallelism each rank's shard of a batch `world` times larger."""
+    from . import data, distributed
 
     if _dataset(args) == "digits":
         train_x, train_y, test_x, test_y = data.digits(seed=args.seed)
-        return data.batches(train_x, train_y, args.batch, seed=args.seed), (test_x, test_y)
-    fixed = data.synthetic(net, seed=args.seed)
+        batches = data.batches(train_x, train_y, args.batch * world, seed=args.seed)
+        return ((distributed.shard(x, y, rank, world) for x, y in batches), (test_x, test_y))
+    whole = data.synthetic(MODELS[args.model](batch=args.batch * world), seed=args.seed)
+    fixed = distributed.shard(*whole, rank, world)
     return iter(lambda: fixed, None), None
 
 

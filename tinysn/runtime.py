@@ -39,6 +39,10 @@ it; later steps copy the batch into the pool's data and labels tensors at their 
 (the plan is static, so the graph reads fixed addresses inside the pool) and replay. Changing
 lr, momentum or weight_decay triggers a new capture (they are launch arguments). Not for nets
 with dropout (p > 0): its mask seed changes every iteration.
+
+With `process_group` the Runtime is one rank of data-parallel training (distributed.py):
+parameters broadcast from rank 0, each layer's gradients all-reduced while the backward pass
+goes on, its update a few steps later (`_then_update`).
 """
 from __future__ import annotations
 
@@ -48,6 +52,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from . import distributed
 from .kernels import sgd as sgd_k
 from .ops import spec
 from .pool.arena import Arena, check_available
@@ -99,7 +104,7 @@ class Runtime:
     def __init__(self, net, memory, policy: str = "baseline", device=None, lr: float = 0.01,
                  momentum: float = 0.0, weight_decay: float = 0.0, seed: int = 0,
                  conv_algos=None, precision=None, layout="auto", host_memory=None,
-                 cuda_graph: bool = False):
+                 cuda_graph: bool = False, process_group=None):
         device = _pick_device(device)
         _check_graph_request(cuda_graph, device, net)
         if policy not in plan_mod.POLICIES:
@@ -112,11 +117,13 @@ class Runtime:
         if precision not in (None, "tf32", "ieee"):
             raise ValueError(f"precision must be None, 'tf32' or 'ieee', got {precision!r}")
         _check_machine(memory, host_memory, device)
+        distributed.check_group(process_group, device, net)   # last check: a collective
         if device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(device)
         self.net, self.policy, self.device = net, policy, device
-        self._plan_in_pool(memory, momentum=momentum, conv_algos=conv_algos, layout=layout,
-                           host_memory=host_memory)
+        distributed.plan_everywhere(process_group, device, lambda: self._plan_in_pool(
+            memory, momentum=momentum, conv_algos=conv_algos, layout=layout,
+            host_memory=host_memory, data_parallel=process_group is not None))
         self.lr, self.momentum, self.weight_decay, self.seed = lr, momentum, weight_decay, seed
         self.precision = precision
         self.program = self.plan.program
@@ -132,6 +139,8 @@ class Runtime:
         self._views = [{} for _ in self.tensors]      # tensor id -> {offset: torch view}
         for op in self.plan.setup:
             self._alloc(op)
+        self.grad_sync = None if process_group is None else distributed.GradientSync(
+            self.program, process_group, self.view)       # data parallel (distributed.py)
         self.images, self.predicting = None, False
         self._launch = self._build_launchers()
         self._execute = {Alloc: self._alloc, Free: self._free, Drop: self._drop,
@@ -141,6 +150,9 @@ class Runtime:
         self.load_params(net.init_params(seed))
         for tid in self.program.momentum.values():
             self.view(tid).zero_()
+        if self.grad_sync is not None:                     # every rank starts from rank 0's
+            self.grad_sync.broadcast([*self.program.param.values(),
+                                      *self.program.buffer.values()])
         self.cuda_graph = cuda_graph
         self._graph = self._graph_key = self._pool_batch = None
         self._graph_moved = (0, 0)          # bytes each captured step copies (to host, device)
@@ -500,7 +512,7 @@ class Runtime:
 
     def _build_launchers(self) -> dict:
         """Launch key -> launch(algos, workspace): one per logical step (a backward step's
-        launch also applies the SGD update of the layer's parameters) and one per layer for
+        launch also applies the SGD updates the program places there) and one per layer for
         its recomputation (which leaves batch-norm running statistics alone)."""
         launch = {}
         for step in self.program.steps:
@@ -508,25 +520,35 @@ class Runtime:
             if step.phase == "forward":
                 launch[step.index] = op.forward(self, step.layer, True)
             else:
-                launch[step.index] = self._then_update(op.backward(self, step), step.layer)
+                launch[step.index] = self._then_update(op.backward(self, step), step)
         for layer in self.program.order:
             launch[("recompute", layer.index)] = spec(layer).forward(self, layer, False)
         return launch
 
-    def _then_update(self, kernel, layer):
-        """`kernel`, followed by the SGD update of each of the layer's parameters."""
-        p = self.program
-        names = [f"{layer.name}.{suffix}" for suffix in layer.params]
-        if not names:
+    def _then_update(self, kernel, step):
+        """`kernel`, then (data parallel) the start of the all-reduce of the layer's
+        parameter gradients, then the SGD updates that `program.updates` places at this
+        step, each after its layer's all-reduce when data parallel (distributed.py)."""
+        p, sync = self.program, self.grad_sync
+        reduce = step.layer if sync is not None and step.layer.params else None
+        layers = p.updates.get(step.index, [])
+        if reduce is None and not layers:
             return kernel
-        updates = [(p.param[n], p.pgrad[n], p.momentum.get(n)) for n in names]
+        updates = [[(p.param[n], p.pgrad[n], p.momentum.get(n))
+                    for n in (f"{layer.name}.{suffix}" for suffix in layer.params)]
+                   for layer in layers]
 
         def launch(algos, ws):
             kernel(algos, ws)
-            for param, grad, mom in updates:
-                sgd_k.update(self.view(param), self.view(grad),
-                             None if mom is None else self.view(mom), lr=self.lr,
-                             momentum=self.momentum, weight_decay=self.weight_decay)
+            if reduce is not None:
+                sync.start(reduce)
+            for layer, tensors in zip(layers, updates):
+                if sync is not None:
+                    sync.finish(layer)
+                for param, grad, mom in tensors:
+                    sgd_k.update(self.view(param), self.view(grad),
+                                 None if mom is None else self.view(mom), lr=self.lr,
+                                 momentum=self.momentum, weight_decay=self.weight_decay)
         return launch
 
 

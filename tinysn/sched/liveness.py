@@ -7,6 +7,11 @@ no parameter is used again in the iteration once its layer's backward has run). 
 lists the tensors it reads and writes. From that, every tensor's uses give its live range,
 and the in/out live sets of every step follow: a tensor is live from the step that writes it
 first to the last step that reads it.
+
+Data parallel (`data_parallel=True`, tinysn/distributed.py): a layer's parameter gradients
+are all-reduced across ranks while the backward pass goes on, so its update moves to the
+backward step `UPDATE_LAG` steps later (or the last step), which then also reads those
+gradients: their live range, and with it every plan's peak, covers the all-reduce.
 """
 from __future__ import annotations
 
@@ -17,6 +22,9 @@ import torch
 
 from ..ops import spec
 from . import route
+
+UPDATE_LAG = 2   # data parallel: backward steps between a layer's gradients and its update
+                 # (the all-reduce overlaps that many kernels; costs that many layers' gradients)
 
 
 @dataclass
@@ -50,10 +58,11 @@ class LogicalStep:
 class Program:
     """The logical program of one training iteration of `net` and its tensors."""
 
-    def __init__(self, net, momentum: float = 0.0):
+    def __init__(self, net, momentum: float = 0.0, data_parallel: bool = False):
         net.check()
         self.net = net
         self.momentum_value = momentum
+        self.data_parallel = data_parallel
         self.order = route.forward_order(net)
         self.requires_grad = set()   # layers whose output's gradient reaches a parameter
         for layer in self.order:
@@ -65,6 +74,7 @@ class Program:
         self._make_tensors(momentum)
         self.steps: list[LogicalStep] = []
         self._make_steps()
+        self.updates = self._place_updates()
         self.uses = self._uses()
 
     # -- tensors -------------------------------------------------------------------------
@@ -151,6 +161,26 @@ class Program:
                     written.add(gid)
             step.writes += self._layer_params(layer, self.pgrad)
             self.steps.append(step)
+
+    def _place_updates(self) -> dict:
+        """Backward step index -> layers whose SGD update runs at the end of that step.
+
+        Single process: each layer at its own backward step. Data parallel: `UPDATE_LAG`
+        backward steps later (at most the last step), and that step reads the layer's
+        parameter gradients, parameters and momentum, which extends the gradients' liveness
+        over the all-reduce in flight."""
+        updates = {}
+        last = len(self.steps) - 1
+        for step in self.steps:
+            if step.phase != "backward" or not step.layer.params:
+                continue
+            at = min(step.index + UPDATE_LAG, last) if self.data_parallel else step.index
+            updates.setdefault(at, []).append(step.layer)
+            if at != step.index:
+                later = self.steps[at]
+                for table in (self.pgrad, self.param, self.momentum):
+                    later.reads += self._layer_params(step.layer, table)
+        return updates
 
     def _uses(self) -> dict:
         """tensor id -> sorted logical step indices that read or write it."""

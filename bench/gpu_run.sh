@@ -9,7 +9,7 @@ set -u
 export PYTHONPATH=${PYTHONPATH:-.}
 export PYTHONUNBUFFERED=1
 OUT=${OUT:-/tmp/tinysn-gpu}
-STAGES="streams tests runtime kernels pool train memory-a memory-b deep-graph ddp-b32 ddp-largest"
+STAGES="streams tests runtime cap kernels pool train memory-a memory-b deep-graph ddp-b32 ddp-largest"
 for stage in "$@"; do
   case " $STAGES " in *" $stage "*) ;; *) echo "unknown stage '$stage' (stages: $STAGES)"; exit 2 ;; esac
 done

@@ -253,7 +253,7 @@ def test_process_peak_stays_within_the_cap(tmp_path, monkeypatch, cuda_graph, pi
     rt = sn.Runtime(net, memory, "all", device="cuda", lr=0.05, momentum=0.9,
                     cuda_graph=cuda_graph)
     assert os.listdir(tmp_path / "conv-rankings"), "rankings were timed and kept"
-    assert rt.rankings and rt.plan.capacity == memory
+    assert rt.rankings and rt.plan.capacity <= memory       # "all": a grid cap (plan.py)
     losses = []
     for i in range(sn.runtime.GRAPH_WARMUP + 3):
         images, labels = batch_for(net, seed=i % 2)

@@ -197,7 +197,7 @@ def table_rows(result: dict) -> list:
             reason = row.get("refused") or row.get("error")
             rows.append(f"| {name} | {why} | | | {reason} |")
             continue
-        allocated = row.get("process_peak_bytes", row.get("max_memory_allocated"))  # TODO-GPU
+        allocated = row.get("process_peak_bytes", row.get("max_memory_allocated"))  # older runs
         memory = (f"pool peak {row['peak_bytes']:,} B" if "peak_bytes" in row else
                   "-" if allocated is None else f"{allocated:,} B allocated")
         rows.append(f"| {name} | {row['images_per_s']:,.0f} | "

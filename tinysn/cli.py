@@ -32,6 +32,8 @@ from .errors import OutOfMemory
 from .sched.plan import POLICIES
 from .units import format_bytes, parse_bytes
 
+_STARTED = [time.perf_counter()]   # main() resets it: the first-step notice counts from there
+
 MODELS = {"lenet": models.lenet, "alexnet": models.alexnet, "vgg16": models.vgg16,
           "resnet50": models.resnet50, "resnet101": models.resnet101,
           "resnet152": models.resnet152, "inception_v4": models.inception_v4,
@@ -189,6 +191,7 @@ def _version() -> str:
 
 def main(argv=None) -> int:
     """Run one command; return its exit status (2: bad arguments or a cap too small)."""
+    _STARTED[0] = time.perf_counter()
     try:
         args = _parser().parse_args(argv)
     except SystemExit as stop:          # --help, --version and argparse's one-line errors
@@ -464,6 +467,9 @@ def _run(rt, stream, steps, lr, args, warmup):
             rt.lr = lr * (1 - i / steps.stop)
         loss = rt.step(*next(stream))
         now = time.perf_counter()
+        if done == 1:
+            bar.write(f"first step done {now - _STARTED[0]:.1f} s after the command started "
+                      "(compiling and tuning included)", file=sys.stderr)
         if done == warmup:
             start = now
         elif start is not None:

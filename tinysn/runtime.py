@@ -54,6 +54,7 @@ import torch
 
 from . import distributed
 from .kernels import sgd as sgd_k
+from .kernels._common import INTERPRET, compiling_in_parallel
 from .ops import spec
 from .pool.arena import Arena, check_available
 from .sched import plan as plan_mod
@@ -147,16 +148,29 @@ class Runtime:
                          Offload: self._offload, Release: self._release, Evict: self._evict,
                          Prefetch: self._prefetch, Wait: self._wait, Sync: self._sync,
                          Mark: self._mark, Launch: self._run_kernel}
+        self.cuda_graph = cuda_graph
+        self._graph = self._graph_key = self._pool_batch = None
+        self._graph_moved = (0, 0)          # bytes each captured step copies (to host, device)
+        self.recorder = None                # a tinysn.trace.Recorder times each walked step
+        if self._cuda and self.grad_sync is None and not INTERPRET:
+            self._compile_kernels()
         self.load_params(net.init_params(seed))
         for tid in self.program.momentum.values():
             self.view(tid).zero_()
         if self.grad_sync is not None:                     # every rank starts from rank 0's
             self.grad_sync.broadcast([*self.program.param.values(),
                                       *self.program.buffer.values()])
-        self.cuda_graph = cuda_graph
-        self._graph = self._graph_key = self._pool_batch = None
-        self._graph_moved = (0, 0)          # bytes each captured step copies (to host, device)
-        self.recorder = None                # a tinysn.trace.Recorder times each walked step
+
+    def _compile_kernels(self):
+        """Compile every kernel of a step at once, on a thread pool, before the parameters
+        exist: one walk of the plan inside `compiling_in_parallel`, in which no kernel runs,
+        so the first real step finds them compiled (cold, that is most of its time). The
+        walk's statistics are dropped."""
+        images = torch.zeros((self.net.batch, *self.net.input_shape))
+        with compiling_in_parallel():
+            self._walk(images, torch.zeros(self.net.batch, dtype=torch.long))
+        torch.cuda.synchronize(self.device)
+        self.stats = Stats(conv_algos=self.plan.conv_algos, device=self.device)
 
     def _plan_in_pool(self, memory, **options):
         """Set self.plan, self.rankings and self.arena (exactly `memory` bytes, empty).

@@ -4,6 +4,7 @@ autotuning, argument and workspace checks.
 Kernels take torch views of the arena (contiguous float32) and write into outputs that the
 caller preallocated; nothing here allocates device memory.
 """
+import contextlib
 import hashlib
 import inspect
 import os
@@ -80,7 +81,7 @@ def autotune(configs, interpreted_config, restore=(), **kwargs):
     if restore:
         kwargs["pre_hook"] = HostRestore(restore)
     if not INTERPRET and "do_bench" in inspect.signature(triton.autotune).parameters:
-        kwargs.setdefault("do_bench", bench_ms)
+        kwargs.setdefault("do_bench", tuning_bench_ms)
 
     def wrap(fn):
         tuner = triton.autotune(configs=autotune_configs(configs, interpreted_config),
@@ -136,6 +137,12 @@ def bench_ms(fn, quantiles=None, warmup_ms: float = 5, rep_ms: float = 20):
     times = sorted(a.elapsed_time(b) for a, b in events)
     pick = lambda q: times[min(len(times) - 1, round(q * (len(times) - 1)))]  # noqa: E731
     return pick(0.5) if quantiles is None else [pick(q) for q in quantiles]
+
+
+def tuning_bench_ms(fn, quantiles=None):
+    """`bench_ms` as the autotuners time a config: shorter (2 ms warm-up, 8 ms of calls), as
+    a cold start times hundreds of configs and the picks differ by tens of percent."""
+    return bench_ms(fn, quantiles, warmup_ms=2, rep_ms=8)
 
 
 def check_tensor(name: str, t: torch.Tensor, shape=None, dtype=torch.float32) -> None:
@@ -206,7 +213,38 @@ def float_workspace(where: str, workspace, nbytes: int, device) -> torch.Tensor:
 
 
 _TUNED = {}   # (autotuner, scalar arguments, keyword arguments) -> the config it picked
+_COMPILE_ONLY = []   # non-empty inside `compiling_in_parallel`: launch() compiles, runs nothing
+
+
+@contextlib.contextmanager
+def compiling_in_parallel(workers=None):
+    """Inside this block `launch` compiles every config of an autotuned kernel on a pool of
+    `workers` threads (default: the CPU count) instead of tuning and running it; leaving the
+    block waits for the compilations. Triton compiles with the GIL released, so a cold start
+    that would compile hundreds of (kernel, config, shape) variants one by one takes about
+    1/workers of the time; the later real launches find them compiled. Kernels launched
+    launched through `run` compile the same way; no kernel runs inside the block (torch
+    operations still do)."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    mode = getattr(triton, "AsyncCompileMode", None)
+    with ThreadPoolExecutor(workers or os.cpu_count() or 1) as pool:
+        with (mode(pool) if mode is not None else contextlib.nullcontext()):
+            _COMPILE_ONLY.append(True)
+            try:
+                yield
+            finally:
+                _COMPILE_ONLY.pop()
 _BY_TUNING_KEY = {}   # (autotuner, its tuning key) -> config: from this process or the disk
+
+
+def run(kernel, grid, *args, **kwargs):
+    """Launch a @triton.jit kernel that is not autotuned: `kernel[grid](*args, **kwargs)`,
+    or, inside `compiling_in_parallel`, only its compilation (queued on the thread pool)."""
+    if _COMPILE_ONLY and not INTERPRET:
+        kernel.warmup(*args, grid=grid, **kwargs)
+    else:
+        kernel[grid](*args, **kwargs)
 
 
 def launch(tuner, grid, args, kwargs):
@@ -215,6 +253,9 @@ def launch(tuner, grid, args, kwargs):
     on a miss, goes through the autotuner and stores its pick there; later launches run the
     pick directly, skipping the autotuner's per-call bookkeeping (host time per launch
     matters: the runtime launches hundreds of kernels per step)."""
+    if _COMPILE_ONLY and not INTERPRET:
+        tuner.warmup(*args, grid=grid, **kwargs)
+        return
     key = (id(tuner), tuple(a for a in args if not isinstance(a, torch.Tensor)),
            tuple(kwargs.items()))
     cfg = _TUNED.get(key)

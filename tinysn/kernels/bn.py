@@ -42,7 +42,7 @@ entry do not matter.
 import triton
 import triton.language as tl
 
-from ._common import INTERPRET, check_tensor, float_workspace
+from ._common import INTERPRET, check_tensor, float_workspace, run
 
 _TILE = 1024 if INTERPRET else 2048          # elements per tile of the streaming passes
 _WARPS = 4 if INTERPRET else 8
@@ -335,18 +335,18 @@ def forward(x, gamma, beta, y, running_mean, running_var, saved, workspace, *,
     rpc, nr, cpc, nh = _chunks(n, c, hw)
     nch = nr * nh
     rows, cols = _tile_shape(rpc, min(cpc, hw))
-    _bn_stats_kernel[(c * nch,)](x, ws, n, c, hw, rpc, cpc, nch, nh,
-                                 ROWS=rows, COLS=cols, num_warps=_WARPS)
+    run(_bn_stats_kernel, (c * nch,), x, ws, n, c, hw, rpc, cpc, nch, nh,
+        ROWS=rows, COLS=cols, num_warps=_WARPS)
     total = n * hw
     cb, nchp = _finalize_shape(c, nch)
     rm = running_mean if update_running else saved
     rv = running_var if update_running else saved
-    _bn_finalize_kernel[(triton.cdiv(c, cb),)](ws, saved, rm, rv, c, nch, float(total),
-                                         total / (total - 1), float(eps), float(momentum),
-                                         UPDATE=update_running, CB=cb, NCHP=nchp)
+    run(_bn_finalize_kernel, (triton.cdiv(c, cb),), ws, saved, rm, rv, c, nch, float(total),
+        total / (total - 1), float(eps), float(momentum),
+        UPDATE=update_running, CB=cb, NCHP=nchp)
     grid, r, cols = _elementwise_grid(n, c, hw)
-    _bn_norm_kernel[grid](x, y, saved, gamma, beta, n * c, c, hw, R=r, COLS=cols,
-                          num_warps=_WARPS)
+    run(_bn_norm_kernel, grid, x, y, saved, gamma, beta, n * c, c, hw, R=r, COLS=cols,
+        num_warps=_WARPS)
 
 
 def forward_eval(x, gamma, beta, y, running_mean, running_var, *, eps=1e-5):
@@ -363,8 +363,8 @@ def forward_eval(x, gamma, beta, y, running_mean, running_var, *, eps=1e-5):
     if not (isinstance(eps, (int, float)) and eps > 0):
         raise ValueError(f"eps must be a positive number, got {eps!r}")
     grid, r, cols = _elementwise_grid(n, c, h * w)
-    _bn_eval_kernel[grid](x, y, running_mean, running_var, gamma, beta, n * c, c, h * w,
-                          float(eps), R=r, COLS=cols, num_warps=_WARPS)
+    run(_bn_eval_kernel, grid, x, y, running_mean, running_var, gamma, beta, n * c, c, h * w,
+        float(eps), R=r, COLS=cols, num_warps=_WARPS)
 
 
 def backward(x, gamma, dy, saved, dx, dgamma, dbeta, workspace, *, accumulate=False):
@@ -396,16 +396,16 @@ def backward(x, gamma, dy, saved, dx, dgamma, dbeta, workspace, *, accumulate=Fa
     rpc, nr, cpc, nh = _chunks(n, c, hw)
     nch = nr * nh
     rows, cols = _tile_shape(rpc, min(cpc, hw))
-    _bn_bwd_partial_kernel[(c * nch,)](x, dy, saved, ws, n, c, hw, rpc, cpc, nch, nh,
-                                       ROWS=rows, COLS=cols, num_warps=_WARPS)
+    run(_bn_bwd_partial_kernel, (c * nch,), x, dy, saved, ws, n, c, hw, rpc, cpc, nch, nh,
+        ROWS=rows, COLS=cols, num_warps=_WARPS)
     sums = ws[c * nch * 2: c * nch * 2 + 2 * c]
     cb, nchp = _finalize_shape(c, nch)
-    _bn_bwd_finalize_kernel[(triton.cdiv(c, cb),)](
+    run(_bn_bwd_finalize_kernel, (triton.cdiv(c, cb),), 
         ws, sums, saved, dgamma if dgamma is not None else sums,
         dbeta if dbeta is not None else sums, c, nch,
         HAS_DG=dgamma is not None, HAS_DB=dbeta is not None, CB=cb, NCHP=nchp)
     if dx is None:
         return
     grid, r, cols = _elementwise_grid(n, c, hw)
-    _bn_dx_kernel[grid](x, dy, dx, saved, gamma, sums, n * c, c, hw, 1.0 / (n * hw),
-                        ACC=accumulate, R=r, COLS=cols, num_warps=_WARPS)
+    run(_bn_dx_kernel, grid, x, dy, dx, saved, gamma, sums, n * c, c, hw, 1.0 / (n * hw),
+        ACC=accumulate, R=r, COLS=cols, num_warps=_WARPS)

@@ -83,7 +83,7 @@ import triton
 import triton.language as tl
 
 from ._common import _TUNED, INTERP_TILE, INTERPRET, autotune, check_device  # noqa: F401
-from ._common import check_no_overlap, check_tensor, dot_precision, float_workspace, pair
+from ._common import check_no_overlap, check_tensor, dot_precision, float_workspace, pair, run
 from ._common import launch as _launch
 
 PHASES = ("forward", "backward_data", "backward_weight")
@@ -1026,7 +1026,7 @@ def forward(x, w, b, y, *, stride, padding, algo="implicit", workspace=None, pre
     # im2col: col [N, C*R*S, P, Q], then a 1x1 conv of col with w as [K, C*R*S, 1, 1]
     crs = c * r * s
     bm, bk = (16, 16) if INTERPRET else (128, 32)
-    _im2col_kernel[(triton.cdiv(n * p * q, bm), triton.cdiv(crs, bk))](
+    run(_im2col_kernel, (triton.cdiv(n * p * q, bm), triton.cdiv(crs, bk)), 
         x, ws, n, c, sh, sw, ph, pw, H=h, W=wd, P=p, Q=q, R=r, S=s, BLOCK_M=bm, BLOCK_K=bk,
         num_warps=4)
     _launch_fwd(ws, w, b, y, n, crs, p, q, k, p, q, 1, 1, 0, 0, 1, 1, prec)
@@ -1051,7 +1051,7 @@ def _launch_bwd_data_t(dy, w, wt, dx, n, c, h, wd, k, p, q, sh, sw, ph, pw, r, s
         bk, bj = min(64, triton.next_power_of_2(k)), min(1024, triton.next_power_of_2(c * r * s))
     else:
         bk, bj = 64, 64
-    _weight_rsck_kernel[(triton.cdiv(k, bk), triton.cdiv(c * r * s, bj))](
+    run(_weight_rsck_kernel, (triton.cdiv(k, bk), triton.cdiv(c * r * s, bj)), 
         w, wt, k, c, RS=r * s, BLOCK_K=bk, BLOCK_J=bj, num_warps=4)
     _launch_bwd_data(dy, wt, dx, n, c, h, wd, k, p, q, sh, sw, ph, pw, r, s, accumulate, prec,
                      kernels=(_conv_bwd_data_t, _conv_bwd_data_t_acc))
@@ -1072,7 +1072,7 @@ def _run_bwd_data(dy, w, dx, x_shape, geo, algo, ws, accumulate, prec):
         # dx = conv(dY, wF [C, K, R, S], stride 1, padding (R-1-ph, S-1-pw)): the forward
         # kernel with C <-> K and (H, W) <-> (P, Q)
         total = k * c * r * s
-        _weight_flip_kernel[(triton.cdiv(total, _ELEM_BLOCK),)](
+        run(_weight_flip_kernel, (triton.cdiv(total, _ELEM_BLOCK),), 
             w, ws, total, k, c, RS=r * s, BLOCK=_ELEM_BLOCK, num_warps=4)
         _launch_fwd(dy, ws, None, dx, n, k, p, q, c, h, wd, 1, 1, r - 1 - ph, s - 1 - pw, r, s,
                     prec, accumulate)
@@ -1080,7 +1080,7 @@ def _run_bwd_data(dy, w, dx, x_shape, geo, algo, ws, accumulate, prec):
     # zero_insert: z [N, K, H+R-1, W+S-1], then a stride-1 conv of z with the flipped weight,
     # which is the implicit stride-1 kernel with padding (R-1, S-1) over z
     hz, wz = h + r - 1, wd + s - 1
-    _zero_insert_kernel[(n * k, triton.cdiv(hz * wz, _ELEM_BLOCK))](
+    run(_zero_insert_kernel, (n * k, triton.cdiv(hz * wz, _ELEM_BLOCK)), 
         dy, ws, p, q, hz, wz, sh, sw, r - 1 - ph, s - 1 - pw, BLOCK=_ELEM_BLOCK, num_warps=4)
     _launch_bwd_data(ws, w, dx, n, c, h, wd, k, hz, wz, 1, 1, r - 1, s - 1, r, s, accumulate,
                      prec)
@@ -1126,8 +1126,8 @@ def _bias_blocks(n, k, pq, tile):
 def _launch_bias_grad(dy, db, n, k, pq):
     """db = dY summed over images and pixels, BLOCK_C channels per program."""
     bc, bi, blk = _bias_blocks(n, k, pq, _BIAS_TILE)
-    _bias_grad_kernel[(triton.cdiv(k, bc),)](dy, db, n, k, pq, BLOCK_C=bc, BLOCK_I=bi, BLOCK=blk,
-                                             num_warps=4)
+    run(_bias_grad_kernel, (triton.cdiv(k, bc),), dy, db, n, k, pq, BLOCK_C=bc, BLOCK_I=bi, BLOCK=blk,
+        num_warps=4)
 
 
 def _run_bwd_weight(x, dy, dw, db, geo, algo, ws, prec):
@@ -1152,7 +1152,7 @@ def _run_bwd_weight(x, dy, dw, db, geo, algo, ws, prec):
             dict(H=h, W=wd, P=p, Q=q, R=r, S=s, IS_1X1=is_1x1, PRECISION=prec))
     if algo == "splitk":
         total = k * crs
-        _splitk_reduce_kernel[(triton.cdiv(total, _ELEM_BLOCK),)](
+        run(_splitk_reduce_kernel, (triton.cdiv(total, _ELEM_BLOCK),), 
             ws, dw, total, splits, BLOCK=_ELEM_BLOCK, num_warps=4)
 
 

@@ -23,7 +23,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ._common import check_tensor
+from ._common import check_tensor, run
 
 BLOCK = 4096      # elements per program (BLOCK // 4 Philox calls); any multiple of 4 gives
 NUM_WARPS = 8     # the same mask
@@ -87,9 +87,9 @@ def _launch(src, dst, p, seed, offset, accumulate):
         return
     p = float(p)
     scale = 1.0 / (1.0 - p)
-    _dropout_kernel[(triton.cdiv(n, BLOCK),)](src, dst, n, p, scale, seed, offset,
-                                              BLOCK=BLOCK, ACCUMULATE=accumulate,
-                                              num_warps=NUM_WARPS)
+    run(_dropout_kernel, (triton.cdiv(n, BLOCK),), src, dst, n, p, scale, seed, offset,
+        BLOCK=BLOCK, ACCUMULATE=accumulate,
+        num_warps=NUM_WARPS)
 
 
 def forward(x: torch.Tensor, y: torch.Tensor, *, p: float, seed: int, offset: int) -> None:

@@ -24,7 +24,7 @@ import triton
 import triton.language as tl
 
 from ._common import autotune, check_device, check_no_overlap, check_tensor, dot_precision
-from ._common import launch
+from ._common import launch, run
 
 _FWD, _DX, _DW = 0, 1, 2
 
@@ -203,8 +203,8 @@ def backward(x, w, dy: torch.Tensor, dx, dw, db, *, accumulate: bool = False,
         _launch(dy, x, dw, None, db, o, f, n, 1, o, f, 1, _DW, False, prec)
     elif db is not None:
         block_o = min(triton.next_power_of_2(o), 256)
-        _colsum_kernel[(triton.cdiv(o, block_o),)](dy, db, n, o, BLOCK_O=block_o, ROWS=8,
-                                                   num_warps=4)
+        run(_colsum_kernel, (triton.cdiv(o, block_o),), dy, db, n, o, BLOCK_O=block_o, ROWS=8,
+            num_warps=4)
 
 
 def workspace_bytes(n: int, f: int, o: int, phase=None) -> int:

@@ -42,7 +42,7 @@ The backward kernel declares restore=["dx"] so that autotuning an accumulating l
 import triton
 import triton.language as tl
 
-from ._common import INTERP_TILE, autotune, check_device, check_tensor, launch, pair
+from ._common import INTERP_TILE, autotune, check_device, check_tensor, launch, pair, run
 
 _FWD_GPU = [
     triton.Config({"BLOCK": 256}, num_warps=4),
@@ -290,7 +290,7 @@ def forward(x, y, *, mode, kernel, stride, padding):
         hw = h * w
         cols = min(triton.next_power_of_2(hw), 1024)
         rows = max(2, _GLOBAL_LANES // cols)
-        _pool_global_fwd_kernel[(triton.cdiv(planes, rows),)](
+        run(_pool_global_fwd_kernel, (triton.cdiv(planes, rows),), 
             x, y, planes, hw, IS_MAX=is_max, INDEX64=index64, COLS=cols, PLANES=rows,
             num_warps=4)
         return

@@ -21,7 +21,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ._common import INTERP_TILE, INTERPRET, check_tensor, float_workspace
+from ._common import INTERP_TILE, INTERPRET, check_tensor, float_workspace, run
 
 _MAX_BLOCK_K = 1024          # columns per block of a row (tests lower it to exercise the loop)
 _REDUCE_BLOCK = 1024         # row losses summed per step of the final reduction
@@ -148,9 +148,9 @@ def forward(logits: torch.Tensor, labels: torch.Tensor, loss: torch.Tensor,
     rows = float_workspace("softmax", workspace, workspace_bytes(n, k), logits.device)
     bk = _block_k(k)
     per = _rows_per_program(n, bk)
-    _ce_rows_kernel[(triton.cdiv(n, per),)](logits, labels, rows, n, k, ROWS=per, BLOCK_K=bk,
-                                             num_warps=_num_warps(bk))
-    _mean_kernel[(1,)](rows, loss, n, 1.0 / n, BLOCK=_REDUCE_BLOCK, num_warps=4)
+    run(_ce_rows_kernel, (triton.cdiv(n, per),), logits, labels, rows, n, k, ROWS=per, BLOCK_K=bk,
+        num_warps=_num_warps(bk))
+    run(_mean_kernel, (1,), rows, loss, n, 1.0 / n, BLOCK=_REDUCE_BLOCK, num_warps=4)
 
 
 def backward(logits: torch.Tensor, labels: torch.Tensor, dlogits: torch.Tensor, *,
@@ -173,6 +173,6 @@ def backward(logits: torch.Tensor, labels: torch.Tensor, dlogits: torch.Tensor, 
         raise ValueError("dlogits partly overlaps logits")
     bk = _block_k(k)
     per = _rows_per_program(n, bk)
-    _ce_bwd_kernel[(triton.cdiv(n, per),)](logits, labels, dlogits, n, k, float(scale) / n,
-                                            ROWS=per, BLOCK_K=bk, ACCUMULATE=accumulate,
-                                            num_warps=_num_warps(bk))
+    run(_ce_bwd_kernel, (triton.cdiv(n, per),), logits, labels, dlogits, n, k, float(scale) / n,
+        ROWS=per, BLOCK_K=bk, ACCUMULATE=accumulate,
+        num_warps=_num_warps(bk))

@@ -17,6 +17,7 @@ from __future__ import annotations
 import json
 import os
 import sys
+import time
 
 from .. import cache
 from ..kernels import conv as conv_k
@@ -139,32 +140,57 @@ def cached_rankings(net, device):
     return {key: stored[key] for key in wanted}
 
 
-def measure_rankings(net, scratch, rep_ms: int = 20, progress: bool = True) -> dict:
+def measure_rankings(net, scratch, rep_ms: int = 8, progress: bool = True) -> dict:
     """Rankings of every conv shape of `net`: from the disk cache, the rest timed on the GPU.
 
     `scratch` is a uint8 CUDA tensor whose bytes are free (the Runtime passes its empty
     device pool), so timing allocates nothing outside the memory cap. Each shape is timed at
     its full batch when its buffers and largest workspace fit in `scratch`, else at the
     largest halved batch that fits (the order is what counts). New rankings are added to the
-    cache (`rankings_path`). A notice and a progress bar go to stderr while timing.
+    cache (`rankings_path`). Every algorithm's kernels are compiled first, in parallel
+    (`compiling_in_parallel`), then timed one by one. A notice and progress bars go to stderr.
     """
     path = rankings_path(scratch.device)
     stored = load_rankings(path)
     todo = [g for g in net_geometries(net) if any((*g, ph) not in stored for ph in PHASES)]
     if todo:
-        from tqdm import tqdm
-
         print(f"tinysn: timing conv algorithms for {len(todo)} conv shapes, once per GPU model "
               f"(kept in {path})", file=sys.stderr, flush=True)
-        measured = {}
-        for g in tqdm(todo, desc="conv rankings", unit="shape", file=sys.stderr,
-                      disable=not progress):
-            for phase, times in _time_geometry(g, scratch, rep_ms).items():
-                measured[(*g, phase)] = sorted(times, key=times.get)
+        started = time.perf_counter()
+        _compile_all(todo, scratch, progress)
+        compiled = time.perf_counter()
+        measured = _time_all(todo, scratch, rep_ms, progress)
+        print(f"tinysn: conv kernels compiled in {compiled - started:.1f} s, algorithms timed "
+              f"in {time.perf_counter() - compiled:.1f} s", file=sys.stderr, flush=True)
         save_rankings(path, measured)
         stored.update(measured)
     return {(*g, ph): stored[(*g, ph)] for g in net_geometries(net) for ph in PHASES
             if (*g, ph) in stored}
+
+
+def _compile_all(geometries, scratch, progress) -> None:
+    """Compile every algorithm's kernels (every autotuning config) for `geometries` at once,
+    on a thread pool: cold, compilation is most of the ranking's time."""
+    from tqdm import tqdm
+
+    from ..kernels._common import compiling_in_parallel
+
+    with compiling_in_parallel():
+        for g in tqdm(geometries, desc="compiling conv kernels", unit="shape",
+                      file=sys.stderr, disable=not progress):
+            _time_geometry(g, scratch, 0, compile_only=True)
+
+
+def _time_all(geometries, scratch, rep_ms, progress) -> dict:
+    """{(*geometry, phase): algorithms fastest first} for `geometries`, timed one by one."""
+    from tqdm import tqdm
+
+    measured = {}
+    for g in tqdm(geometries, desc="conv rankings", unit="shape", file=sys.stderr,
+                  disable=not progress):
+        for phase, times in _time_geometry(g, scratch, rep_ms).items():
+            measured[(*g, phase)] = sorted(times, key=times.get)
+    return measured
 
 
 def _numel(shape) -> int:
@@ -196,8 +222,10 @@ def timing_geometry(geometry, capacity: int, block_bytes: int = 1024):
     return (n, *x[1:]), w, s, p
 
 
-def _time_geometry(geometry, scratch, rep_ms) -> dict:
-    """{phase: {algo: ms}} for one conv geometry, timed on a sub-arena over `scratch`."""
+def _time_geometry(geometry, scratch, rep_ms, compile_only=False) -> dict:
+    """{phase: {algo: ms}} for one conv geometry, timed on a sub-arena over `scratch`; with
+    `compile_only` each algorithm is launched once inside `compiling_in_parallel` (its
+    kernels compile on the thread pool) and nothing is timed."""
     import torch
 
     from ..kernels._common import bench_ms
@@ -209,7 +237,7 @@ def _time_geometry(geometry, scratch, rep_ms) -> dict:
     t = {}
     for name, shape in _buffer_shapes(g).items():
         t[name] = arena.view(arena.alloc(max(4 * _numel(shape), 1)), shape)
-        if name in ("x", "w", "dy"):
+        if name in ("x", "w", "dy") and not compile_only:
             t[name].normal_(generator=gen)
     stride, padding = g[2], g[3]
     launch = {
@@ -229,7 +257,8 @@ def _time_geometry(geometry, scratch, rep_ms) -> dict:
                 continue
             block = arena.alloc(size) if size else None
             ws = arena.view(block, (size,), torch.uint8) if size else None
-            times[phase][algo] = bench_ms(lambda: launch[phase](algo, ws), rep_ms=rep_ms)
+            run = lambda: launch[phase](algo, ws)  # noqa: E731
+            times[phase][algo] = run() if compile_only else bench_ms(run, rep_ms=rep_ms)
             if block is not None:
                 arena.free(block)
     return times

@@ -54,6 +54,15 @@ class OpSpec:
     is_loss                the network's loss: its output lives across iterations, it reads
                            the labels, and no gradient flows into it
     saves_statistics       writes a saved-statistics tensor and running buffers (batch norm)
+    counts_batches         its torch twin keeps a "num_batches_tracked" counter (batch norm),
+                           which tinysn does not use and load_params skips
+    is_data                the data layer: its output is the batch, it comes first in a net
+    has_algorithms         its kernels come in several algorithms whose workspaces differ
+                           (conv): the planner picks one per step (sched/workspace.py)
+    draws_mask             draws new random numbers every iteration (a bool, or a function of
+                           the layer: dropout with p > 0), so a CUDA graph cannot replay it
+    in_place_in_caffe      Caffe (the paper's base) runs it in place on its input, so the
+                           tensor the paper offloads after a checkpoint conv is its output
     workspace              (layer, "forward" | "backward") -> bytes of scratch its kernels
                            need (conv's depend on the algorithm: sched/workspace.py)
     cost                   (layer, "forward" | "backward") -> (flops, bytes moved to and
@@ -67,13 +76,26 @@ class OpSpec:
     recomputable: bool = False
     is_loss: bool = False
     saves_statistics: bool = False
+    counts_batches: bool = False
+    is_data: bool = False
+    has_algorithms: bool = False
+    draws_mask: bool | Callable = False
+    in_place_in_caffe: bool = False
     workspace: Callable = _no_workspace
     cost: Callable = _streamed
 
     def reads_input(self, layer) -> bool:
         """True when the layer's backward kernel needs its forward inputs."""
-        rule = self.backward_reads_input
-        return rule(layer) if callable(rule) else rule
+        return _apply(self.backward_reads_input, layer)
+
+    def draws(self, layer) -> bool:
+        """True when the layer draws new random numbers every iteration."""
+        return _apply(self.draws_mask, layer)
+
+
+def _apply(rule, layer) -> bool:
+    """A per-layer rule: a bool, or a function of the layer."""
+    return rule(layer) if callable(rule) else rule
 
 
 # -- what launchers share ---------------------------------------------------------------
@@ -171,7 +193,7 @@ def _conv_cost(layer, phase) -> tuple:
     x, w, y = 4 * layer.inputs[0].numel, 4 * k * c * r * s, 4 * layer.numel
     if phase == "forward":
         return 2 * macs, x + w + y
-    gradients = 2 if layer.inputs[0].op != "data" else 1   # the data gradient, if any
+    gradients = 1 if spec(layer.inputs[0]).is_data else 2   # the data gradient, if any
     return 2 * macs * gradients, 2 * (x + w + y)
 
 
@@ -256,6 +278,10 @@ def _fc_workspace(layer, phase) -> int:
     return linear_k.workspace_bytes(layer.shape[0], features, layer.shape[1], phase)
 
 
+def _dropout_draws(layer) -> bool:
+    return layer.attrs["p"] > 0
+
+
 def _dropout_forward(rt, layer, update_running):
     x, y, p = _act(rt, layer.inputs[0]), _act(rt, layer), layer.attrs["p"]
     return lambda algos, ws: dropout_k.forward(
@@ -312,17 +338,20 @@ def _softmax_workspace(layer, phase) -> int:
 
 
 SPECS = {
-    "data": OpSpec(_data_forward),
-    "conv": OpSpec(_conv_forward, _conv_backward, backward_reads_input=True, cost=_conv_cost),
+    "data": OpSpec(_data_forward, is_data=True),
+    "conv": OpSpec(_conv_forward, _conv_backward, backward_reads_input=True, has_algorithms=True,
+                   cost=_conv_cost),
     "bn": OpSpec(_bn_forward, _bn_backward, backward_reads_input=True, recomputable=True,
-                 saves_statistics=True, workspace=_bn_workspace),
-    "relu": OpSpec(_relu_forward, _relu_backward, backward_reads_output=True, recomputable=True),
+                 saves_statistics=True, counts_batches=True, workspace=_bn_workspace),
+    "relu": OpSpec(_relu_forward, _relu_backward, backward_reads_output=True, recomputable=True,
+                   in_place_in_caffe=True),
     "pool": OpSpec(_pool_forward, _pool_backward, backward_reads_input=_pool_reads_input,
                    recomputable=True),
     "lrn": OpSpec(_lrn_forward, _lrn_backward, backward_reads_input=True, recomputable=True),
     "fc": OpSpec(_fc_forward, _fc_backward, backward_reads_input=True, workspace=_fc_workspace,
                  cost=_fc_cost),
-    "dropout": OpSpec(_dropout_forward, _dropout_backward, recomputable=True),
+    "dropout": OpSpec(_dropout_forward, _dropout_backward, recomputable=True,
+                      draws_mask=_dropout_draws),
     "add": OpSpec(_add_forward, _add_backward),
     "concat": OpSpec(_concat_forward, _concat_backward),
     "softmax_loss": OpSpec(_softmax_forward, _softmax_backward, backward_reads_input=True,

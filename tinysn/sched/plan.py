@@ -32,6 +32,7 @@ from dataclasses import dataclass, field
 import torch
 
 from ..errors import OutOfMemory
+from ..ops import spec
 from ..pool.allocator import BlockAllocator
 from ..units import format_bytes, parse_bytes
 from . import liveness, offload, recompute, workspace
@@ -542,7 +543,7 @@ class _Planner:
 
     def _default_workspace(self, step) -> int:
         layer = step.layer
-        if layer.op == "conv":
+        if spec(layer).has_algorithms:
             return self.chooser.choose(layer, self._conv_phases(step), 0)[1]
         return workspace.fixed_workspace(layer, step.phase)
 
@@ -877,11 +878,11 @@ class _Planner:
         layer = step.layer
         if self.policy == "baseline":
             algos = None
-            if layer.op == "conv":
+            if spec(layer).has_algorithms:
                 algos, _ = self.chooser.choose(layer, self._conv_phases(step), 0)
                 self.conv_algos.setdefault(layer.name, {}).update(algos)
             return algos, self.baseline_ws.get(step.index)
-        if layer.op == "conv":
+        if spec(layer).has_algorithms:
             algos, size = self.chooser.choose(layer, self._conv_phases(step), self.dev.largest_free)
             self.conv_algos.setdefault(layer.name, {}).update(algos)
         else:

@@ -7,13 +7,13 @@ scheduler (sched/) and the runtime consult `SPECS[layer.op]` instead of testing 
 adding an op touches graph.py (the builder and shape rule), kernels/<op>.py (the Triton
 kernels) and one OpSpec here.
 
-Launchers. `spec.forward(rt, layer, update_running)` and `spec.backward(rt, step)` are
-called once, when the Runtime is built; each returns `launch(algos, workspace)`, the function
-the runtime calls every time the plan's Launch operation for that step comes up. They look
-their tensors up through `rt.view(tensor id)` at launch time (so a scheduling bug that reads
-a freed, dropped or in-flight tensor raises instead of computing garbage) and read from `rt`:
-`program` (tensor ids), `precision`, `images` (the batch being fed), `predicting` and
-`dropout_seed(layer)`.
+Launchers. `spec.forward(rt, layer, update_running)` and `spec.backward(rt, lp)` (`lp` the
+layer's backward `liveness.LayerPass`) are called once, when the Runtime is built; each
+returns `launch(algos, workspace)`, the function the runtime calls every time the plan's
+Launch operation for that pass comes up. They look their tensors up through `rt.view(tensor
+id)` at launch time (so a scheduling bug that reads a freed, dropped or in-flight tensor
+raises instead of computing garbage) and read from `rt`: `program` (tensor ids),
+`precision`, `images` (the batch being fed), `predicting` and `dropout_seed(layer)`.
 """
 from __future__ import annotations
 
@@ -124,18 +124,18 @@ def _param_grad(rt, layer, suffix):
 
 @dataclass(frozen=True)
 class _Grads:
-    """The gradients a backward step reads and writes: dy (None for the loss), one dx per
+    """The gradients a backward pass reads and writes: dy (None for the loss), one dx per
     input (None where the input needs no gradient) and whether each dx write accumulates."""
     dy: Callable
     dx: list
     accumulate: list
 
 
-def _grads(rt, step) -> _Grads:
-    p, layer = rt.program, step.layer
+def _grads(rt, lp) -> _Grads:
+    p, layer = rt.program, lp.layer
     dx_ids = [p.grad.get(x) for x in layer.inputs]
     return _Grads(_optional(rt, p.grad.get(layer)), [_optional(rt, d) for d in dx_ids],
-                  [d is not None and step.accumulate.get(d, False) for d in dx_ids])
+                  [d is not None and lp.accumulate.get(d, False) for d in dx_ids])
 
 
 # -- the ops, each forward beside its backward ------------------------------------------
@@ -153,8 +153,8 @@ def _conv_forward(rt, layer, update_running):
         workspace=ws, precision=rt.precision)
 
 
-def _conv_backward(rt, step):
-    layer, a, g = step.layer, step.layer.attrs, _grads(rt, step)
+def _conv_backward(rt, lp):
+    layer, a, g = lp.layer, lp.layer.attrs, _grads(rt, lp)
     x, w = _act(rt, layer.inputs[0]), _param(rt, layer, "weight")
     dw, db = _param_grad(rt, layer, "weight"), _param_grad(rt, layer, "bias")
     return lambda algos, ws: conv_k.backward(
@@ -178,8 +178,8 @@ def _bn_forward(rt, layer, update_running):
     return launch
 
 
-def _bn_backward(rt, step):
-    layer, g = step.layer, _grads(rt, step)
+def _bn_backward(rt, lp):
+    layer, g = lp.layer, _grads(rt, lp)
     x, w, saved = _act(rt, layer.inputs[0]), _param(rt, layer, "weight"), _optional(rt, rt.program.saved[layer])
     dw, db = _param_grad(rt, layer, "weight"), _param_grad(rt, layer, "bias")
     return lambda algos, ws: bn_k.backward(x(), w(), g.dy(), saved(), g.dx[0](), dw(), db(), ws,
@@ -206,8 +206,8 @@ def _relu_forward(rt, layer, update_running):
     return lambda algos, ws: act_k.forward(x(), y())
 
 
-def _relu_backward(rt, step):
-    y, g = _act(rt, step.layer), _grads(rt, step)
+def _relu_backward(rt, lp):
+    y, g = _act(rt, lp.layer), _grads(rt, lp)
     return lambda algos, ws: act_k.backward(y(), g.dy(), g.dx[0](), accumulate=g.accumulate[0])
 
 
@@ -217,10 +217,10 @@ def _pool_forward(rt, layer, update_running):
                                             stride=a["stride"], padding=a["padding"])
 
 
-def _pool_backward(rt, step):
+def _pool_backward(rt, lp):
     # max pooling recomputes its argmax from x; average pooling reads neither x nor y, so
     # it runs after both were freed
-    layer, a, g = step.layer, step.layer.attrs, _grads(rt, step)
+    layer, a, g = lp.layer, lp.layer.attrs, _grads(rt, lp)
     x = _act(rt, layer.inputs[0]) if _pool_reads_input(layer) else (lambda: None)
     return lambda algos, ws: pool_k.backward(
         x(), None, g.dy(), g.dx[0](), mode=a["mode"], kernel=a["kernel"], stride=a["stride"],
@@ -237,8 +237,8 @@ def _lrn_forward(rt, layer, update_running):
                                            beta=a["beta"], k=a["k"])
 
 
-def _lrn_backward(rt, step):
-    layer, a, g = step.layer, step.layer.attrs, _grads(rt, step)
+def _lrn_backward(rt, lp):
+    layer, a, g = lp.layer, lp.layer.attrs, _grads(rt, lp)
     x = _act(rt, layer.inputs[0])
     return lambda algos, ws: lrn_k.backward(
         x(), g.dy(), g.dx[0](), size=a["size"], alpha=a["alpha"], beta=a["beta"], k=a["k"],
@@ -251,8 +251,8 @@ def _fc_forward(rt, layer, update_running):
     return lambda algos, ws: linear_k.forward(x().view(n, -1), w(), b(), y(), precision=rt.precision)
 
 
-def _fc_backward(rt, step):
-    layer, g, n = step.layer, _grads(rt, step), step.layer.shape[0]
+def _fc_backward(rt, lp):
+    layer, g, n = lp.layer, _grads(rt, lp), lp.layer.shape[0]
     x, w = _act(rt, layer.inputs[0]), _param(rt, layer, "weight")
     dw, db = _param_grad(rt, layer, "weight"), _param_grad(rt, layer, "bias")
 
@@ -288,8 +288,8 @@ def _dropout_forward(rt, layer, update_running):
         x(), y(), p=0.0 if rt.predicting else p, seed=rt.dropout_seed(layer), offset=0)
 
 
-def _dropout_backward(rt, step):
-    layer, g = step.layer, _grads(rt, step)
+def _dropout_backward(rt, lp):
+    layer, g = lp.layer, _grads(rt, lp)
     return lambda algos, ws: dropout_k.backward(
         g.dy(), g.dx[0](), p=layer.attrs["p"], seed=rt.dropout_seed(layer), offset=0,
         accumulate=g.accumulate[0])
@@ -300,8 +300,8 @@ def _add_forward(rt, layer, update_running):
     return lambda algos, ws: join_k.add_forward([x() for x in xs], y())
 
 
-def _add_backward(rt, step):
-    g = _grads(rt, step)
+def _add_backward(rt, lp):
+    g = _grads(rt, lp)
     return lambda algos, ws: join_k.add_backward(g.dy(), [dx() for dx in g.dx],
                                                  accumulate=g.accumulate)
 
@@ -311,8 +311,8 @@ def _concat_forward(rt, layer, update_running):
     return lambda algos, ws: join_k.concat_forward([x() for x in xs], y())
 
 
-def _concat_backward(rt, step):
-    g, channels = _grads(rt, step), [x.shape[1] for x in step.layer.inputs]
+def _concat_backward(rt, lp):
+    g, channels = _grads(rt, lp), [x.shape[1] for x in lp.layer.inputs]
     return lambda algos, ws: join_k.concat_backward(g.dy(), [dx() for dx in g.dx],
                                                     accumulate=g.accumulate, channels=channels)
 
@@ -323,8 +323,8 @@ def _softmax_forward(rt, layer, update_running):
     return lambda algos, ws: softmax_k.forward(x(), labels(), loss(), ws)
 
 
-def _softmax_backward(rt, step):
-    x, g = _act(rt, step.layer.inputs[0]), _grads(rt, step)
+def _softmax_backward(rt, lp):
+    x, g = _act(rt, lp.layer.inputs[0]), _grads(rt, lp)
     labels = _optional(rt, rt.program.labels)
     return lambda algos, ws: softmax_k.backward(x(), labels(), g.dx[0](),
                                                 accumulate=g.accumulate[0])

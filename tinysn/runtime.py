@@ -309,27 +309,27 @@ class Runtime:
         return _mask_seed(self.seed, self.stats.iterations, layer.index)
 
     def _build_launchers(self) -> dict:
-        """Launch key -> launch(algos, workspace): one per logical step (a backward step's
+        """Launch key -> launch(algos, workspace): one per layer pass (a backward pass's
         launch also applies the SGD updates the program places there) and one per layer for
         its recomputation (which leaves batch-norm running statistics alone)."""
         launch = {}
-        for step in self.program.steps:
-            op = spec(step.layer)
-            if step.phase == "forward":
-                launch[step.index] = op.forward(self, step.layer, True)
+        for lp in self.program.passes:
+            op = spec(lp.layer)
+            if lp.phase == "forward":
+                launch[lp.index] = op.forward(self, lp.layer, True)
             else:
-                launch[step.index] = self._then_update(op.backward(self, step), step)
+                launch[lp.index] = self._then_update(op.backward(self, lp), lp)
         for layer in self.program.order:
             launch[("recompute", layer.index)] = spec(layer).forward(self, layer, False)
         return launch
 
-    def _then_update(self, kernel, step):
+    def _then_update(self, kernel, lp):
         """`kernel`, then (data parallel) the start of the all-reduce of the layer's
         parameter gradients, then the SGD updates that `program.updates` places at this
-        step, each after its layer's all-reduce when data parallel (distributed.py)."""
+        pass, each after its layer's all-reduce when data parallel (distributed.py)."""
         p, sync = self.program, self.grad_sync
-        reduce = step.layer if sync is not None and step.layer.params else None
-        layers = p.updates.get(step.index, [])
+        reduce = lp.layer if sync is not None and lp.layer.params else None
+        layers = p.updates.get(lp.index, [])
         if reduce is None and not layers:
             return kernel
         updates = [[(p.param[n], p.pgrad[n], p.momentum.get(n))

@@ -114,7 +114,7 @@ class Mark:
 
 @dataclass(frozen=True)
 class Launch:
-    """Launch a layer's kernels. `key` is a logical step index (forward or backward) or
+    """Launch a layer's kernels. `key` is a layer pass index (forward or backward) or
     ("recompute", layer index); `algos` the conv algorithms; `workspace` a tensor id or None."""
     key: object
     algos: dict | None
@@ -566,12 +566,12 @@ class _Planner:
             self._alloc(tid, setup)
         if self.policy == "baseline":
             self.baseline_ws = {}
-            for step in p.steps:
+            for step in p.passes:
                 size = self._default_workspace(step)
                 if size:
                     self.baseline_ws[step.index] = self._new_workspace(step.layer, size, setup)
         setup_bytes = self.dev.in_use
-        for step in p.steps:
+        for step in p.passes:
             self.where = f"{step.phase} of layer {step.layer.name}"
             if step.phase == "backward" and self.schedule:
                 for tid in self.schedule.rebuild.get(step.index, ()):
@@ -616,8 +616,8 @@ class _Planner:
                 self.cache.touch(tid)
         self.locked = set()
         self._after(step.index, touched, ops)
-        if step.index + 1 < len(self.program.steps):
-            self._lookahead(self.program.steps[step.index + 1], ops)
+        if step.index + 1 < len(self.program.passes):
+            self._lookahead(self.program.passes[step.index + 1], ops)
 
     def _track_floor(self, step):
         """Raise `floor` to the bytes this step holds at any cap, its kernel about to launch.
@@ -644,7 +644,7 @@ class _Planner:
         inputs = [self.program.act[x] for x in layer.inputs]
         for xid in inputs:
             self._make_readable(xid, ops)
-        self.locked = set(inputs) | set(self.program.steps[step.index].reads) | {tid}
+        self.locked = set(inputs) | set(self.program.passes[step.index].reads) | {tid}
         self._alloc(tid, ops)
         size = workspace.fixed_workspace(layer, "forward")
         ws = self._new_workspace(layer, size, ops) if size else None

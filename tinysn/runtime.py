@@ -32,7 +32,7 @@ Beside it, each found by name: inputs.py (every argument check), graphs.py (`cud
 after `GRAPH_WARMUP` eager steps the step is captured once as a CUDA graph and replayed),
 evaluate.py (`predict`, `evaluate`), checkpoint.py (`params`, `state_dict` and their loads)
 and distributed.py (`process_group`: one rank of data-parallel training, each layer's
-gradients all-reduced during the backward pass and its update a few steps later).
+gradients all-reduced during the backward pass and its update a few passes later).
 """
 from __future__ import annotations
 

@@ -9,7 +9,7 @@ import triton
 import triton.language as tl
 
 import tinysn as sn
-from tinysn import cache
+from tinysn import cache, inputs
 from tinysn.kernels import conv
 from tinysn.kernels._common import HostRestore
 from tinysn.pool import Arena
@@ -188,7 +188,7 @@ def test_batch_checks_catch_every_non_finite_value_and_accept_huge_finite_ones()
     assert all(torch.equal(v, rt.params()[k]) for k, v in before.items())
     assert rt.stats.iterations == 0
     huge = torch.full_like(images, 3e38)       # a float32 sum would overflow to inf
-    rt._check_batch(huge, labels)
+    inputs.check_batch(net, huge, labels)
     with pytest.raises(ValueError, match=rf"\[0, {net.classes}\), got values in \[-1, "):
         rt.step(images, labels - labels.min() - 1)
     assert rt.stats.process_peak_bytes is None         # no device memory on the CPU
@@ -267,7 +267,7 @@ def test_process_peak_stays_within_the_cap(tmp_path, monkeypatch, cuda_graph, pi
     assert rt.stats.peak_bytes == rt.plan.peak_bytes
     assert losses[-1] < losses[0] or losses[-2] < losses[1]
     if cuda_graph:
-        assert rt._graph is not None
+        assert rt.replay.graph is not None
 
 
 @pytest.mark.gpu

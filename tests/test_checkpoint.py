@@ -189,3 +189,24 @@ def test_cli_refuses_save_every_without_save_and_a_damaged_resume(tmp_path, caps
     bad.write_bytes(b"not a checkpoint")
     assert cli.main(base + ["--resume", str(bad)]) == 2
     assert "not a readable tinysn checkpoint" in capsys.readouterr().err
+
+
+def test_load_params_takes_a_torch_state_dict_skipping_only_batch_norm_counters():
+    """Batch norms' num_batches_tracked (torch's BatchNorm2d keeps them, tinysn does not)
+    are skipped; the same name on a layer without one is an unknown name, and nothing
+    changes."""
+    net = block_net(batch=2, p=0.0)
+    rt = _runtime(net, policy="baseline")
+    norms = [layer.name for layer in net.layers if layer.buffers]
+    conv = next(layer.name for layer in net.layers if layer.params and not layer.buffers)
+    assert norms
+    state = {**net.to_torch(seed=11).state_dict(),
+             **{f"{name}.num_batches_tracked": torch.tensor(3) for name in norms}}
+    rt.load_params(state)
+    for name, value in rt.params().items():
+        assert torch.equal(value, state[name]), name
+    before = rt.params()
+    with pytest.raises(ValueError, match=rf"unknown names \['{conv}.num_batches_tracked'\]"):
+        rt.load_params({**net.to_torch(seed=12).state_dict(),
+                        f"{conv}.num_batches_tracked": torch.tensor(0)})
+    _assert_states_equal(rt.params(), before)

@@ -222,7 +222,7 @@ def test_nccl_ranks_agree_and_graph_replays_match_eager(tmp_path):
 
 # -- single process: the plan and the checks --------------------------------------------
 def _launch_index(plan, logical):
-    """Executed step index of the Launch of logical step `logical`."""
+    """Executed step index of the Launch of layer pass `logical`."""
     return next(s.index for s in plan.steps for op in s.ops
                 if type(op).__name__ == "Launch" and op.key == logical)
 
@@ -230,8 +230,8 @@ def _launch_index(plan, logical):
 def test_program_defers_each_update_by_the_lag():
     net = bn_net()
     single, parallel = liveness.Program(net), liveness.Program(net, data_parallel=True)
-    last = len(parallel.steps) - 1
-    for step in parallel.steps:
+    last = len(parallel.passes) - 1
+    for step in parallel.passes:
         if step.phase == "backward" and step.layer.params:
             at = min(step.index + liveness.UPDATE_LAG, last)
             assert step.layer in single.updates[step.index]

@@ -163,7 +163,7 @@ def test_cuda_graph_replays_match_eager_bitwise():
             eager, graphed = (rt.step(images, labels) for rt in runs)
             assert graphed == eager, (policy, i)
         eager_rt, graph_rt = runs
-        assert graph_rt._graph is not None and graph_rt._graph_key[0] == 0.02
+        assert graph_rt.replay.graph is not None and graph_rt.replay.key[0] == 0.02
         assert graph_rt.stats.peak_bytes == graph_rt.plan.peak_bytes
         assert graph_rt.stats.bytes_to_host == eager_rt.stats.bytes_to_host
         if policy == "offload":

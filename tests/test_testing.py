@@ -39,15 +39,15 @@ def sites(plan, kind):
 
 
 def forward_of(plan, layer_index):
-    """The logical forward step of the layer with net index `layer_index`."""
-    return next(s for s in plan.program.steps
+    """The forward layer pass of the layer with net index `layer_index`."""
+    return next(s for s in plan.program.passes
                 if s.phase == "forward" and s.layer.index == layer_index)
 
 
 def touched(plan, launch):
     """Tensor ids a Launch reads or writes."""
     key = launch.key
-    step = forward_of(plan, key[1]) if isinstance(key, tuple) else plan.program.steps[key]
+    step = forward_of(plan, key[1]) if isinstance(key, tuple) else plan.program.passes[key]
     return set(step.reads) | set(step.writes) | {launch.workspace} - {None}
 
 

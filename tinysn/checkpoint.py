@@ -10,6 +10,10 @@ or policy, so a run may resume under another policy or cap) and a SHA-256 of the
 A file is written to a temporary file in the same directory, flushed to disk, then renamed
 over the target, so a reader sees the old checkpoint or the new one, never a torn one; a file
 damaged anyway (truncated, bytes flipped, another net's) fails with one CheckpointError.
+
+The Runtime's `params`, `load_params`, `state_dict` and `load_state_dict` are the functions
+of the same names here (each takes the runtime), so the state a file holds and the state a
+runtime gives and takes are defined in one place.
 """
 from __future__ import annotations
 
@@ -20,8 +24,11 @@ import tempfile
 
 import torch
 
+from .ops import spec
+
 FORMAT = "tinysn-checkpoint/1"
 _KEY = "tinysn"          # the safetensors metadata entry holding the JSON header
+MOMENTUM_SUFFIX = ".momentum_buffer"   # state_dict() name of a parameter's momentum buffer
 
 
 class CheckpointError(ValueError):
@@ -116,3 +123,87 @@ def _write_atomically(path: str, blob: bytes) -> None:
         os.fsync(dir_fd)
     finally:
         os.close(dir_fd)
+
+
+# -- a runtime's state, as rt.params() / rt.state_dict() give it and take it back ------------
+def params(rt) -> dict:
+    """Parameters and batch-norm statistics in torch layouts (CPU copies)."""
+    named = {**rt.program.param, **rt.program.buffer}
+    return {name: rt.view(tid).detach().to("cpu", copy=True) for name, tid in named.items()}
+
+
+def load_params(rt, state: dict) -> None:
+    """Copy parameters (and bn statistics) in; names and shapes must match exactly. A torch
+    module's state_dict loads as it is: its batch norms' num_batches_tracked counters (which
+    tinysn does not use) are skipped."""
+    named = {**rt.program.param, **rt.program.buffer}
+    state = {k: v for k, v in state.items() if not _batch_counter(rt.net, k)}
+    unknown = sorted(set(state) - set(named))
+    missing = sorted(set(rt.program.param) - set(state))
+    if unknown or missing:
+        raise ValueError(f"load_params: unknown names {unknown}, missing parameters {missing}")
+    for name, value in state.items():
+        want = rt.tensors[named[name]].shape
+        if not isinstance(value, torch.Tensor) or tuple(value.shape) != want:
+            got = tuple(value.shape) if isinstance(value, torch.Tensor) else type(value).__name__
+            raise ValueError(f"load_params: {name} must have shape {want}, got {got}")
+    for name, value in state.items():
+        rt.view(named[name]).copy_(value)
+
+
+def state_dict(rt) -> dict:
+    """Everything a run needs to continue bitwise as if never stopped, as CPU tensors:
+    parameters and batch-norm statistics under torch's names (as params()), each momentum
+    buffer as "<parameter>.momentum_buffer", and "iteration" (the steps taken) and "seed" as
+    0-d int64 tensors (dropout draws its masks from both)."""
+    state = {name: rt.view(tid).detach().to("cpu", copy=True)
+             for name, tid in _state_tensors(rt).items()}
+    state["iteration"] = torch.tensor(rt.stats.iterations, dtype=torch.int64)
+    state["seed"] = torch.tensor(rt.seed, dtype=torch.int64)
+    return state
+
+
+def load_state_dict(rt, state: dict) -> None:
+    """Restore a state_dict(): every entry must be present with its shape and dtype and no
+    other; nothing changes unless all of them are."""
+    want = _state_layout(rt)
+    if not isinstance(state, dict) or set(state) != set(want):
+        names = set(state) if isinstance(state, dict) else set()
+        raise ValueError(f"load_state_dict: unknown names {sorted(names - set(want))}, "
+                         f"missing {sorted(set(want) - names)}")
+    for name, (shape, dtype) in want.items():
+        value = state[name]
+        if not isinstance(value, torch.Tensor) or tuple(value.shape) != shape \
+                or value.dtype != dtype:
+            got = (f"{tuple(value.shape)} {value.dtype}" if isinstance(value, torch.Tensor)
+                   else type(value).__name__)
+            raise ValueError(f"load_state_dict: {name} must be {shape} {dtype}, got {got}")
+    for name in ("iteration", "seed"):
+        if int(state[name]) < 0:
+            raise ValueError(f"load_state_dict: {name} must be >= 0, got {int(state[name])}")
+    for name, tid in _state_tensors(rt).items():
+        rt.view(tid).copy_(state[name])
+    rt.stats.iterations = int(state["iteration"])
+    rt.seed = int(state["seed"])
+
+
+def _state_tensors(rt) -> dict:
+    """state_dict()'s float32 entries -> tensor id: params, bn statistics, momentum."""
+    p = rt.program
+    return {**p.param, **p.buffer,
+            **{name + MOMENTUM_SUFFIX: tid for name, tid in p.momentum.items()}}
+
+
+def _state_layout(rt) -> dict:
+    """state_dict()'s names -> (shape, dtype)."""
+    layout = {name: (tuple(rt.tensors[tid].shape), torch.float32)
+              for name, tid in _state_tensors(rt).items()}
+    layout.update({"iteration": ((), torch.int64), "seed": ((), torch.int64)})
+    return layout
+
+
+def _batch_counter(net, name) -> bool:
+    """Is `name` torch's "<layer>.num_batches_tracked" for a layer of `net` whose torch twin
+    keeps one (batch norm)?"""
+    layer, _, suffix = name.rpartition(".")
+    return suffix == "num_batches_tracked" and layer in net and spec(net[layer]).counts_batches

@@ -10,12 +10,12 @@ batch; the caller passes the local images and labels). The ranks stay equal beca
   gradients, their all-reduce starts (asynchronously, in place on the pool buffers, one
   call per gradient tensor, so the "buckets" are the layers in backward order); it runs
   while the next backward kernels do. The layer's SGD update is not part of its own
-  backward step but of the one `UPDATE_LAG` steps later (sched/liveness.py:
-  `Program.updates`): after that step's kernel, the update waits for the all-reduce,
-  averages (sum / world size) and applies SGD. The planner sees the update step read the
+  backward pass but of the one `UPDATE_LAG` passes later (sched/liveness.py:
+  `Program.updates`): after that pass's kernel, the update waits for the all-reduce,
+  averages (sum / world size) and applies SGD. The planner sees the update pass read the
   gradients, so their liveness spans the all-reduce, every policy's plan accounts for
-  those bytes and peak == plan still holds. The last backward steps (the first layers)
-  update at the last step, after waiting: nothing is left to overlap them with. No bucket
+  those bytes and peak == plan still holds. The last backward passes (the first layers)
+  update at the last pass, after waiting: nothing is left to overlap them with. No bucket
   buffer exists: the collectives read and write the gradients where the plan put them.
 
 Semantics: after a step, every rank's parameters equal those of single-process training on

@@ -7,13 +7,13 @@ scheduler (sched/) and the runtime consult `SPECS[layer.op]` instead of testing 
 adding an op touches graph.py (the builder and shape rule), kernels/<op>.py (the Triton
 kernels) and one OpSpec here.
 
-Launchers. `spec.forward(rt, layer, update_running)` and `spec.backward(rt, step)` are
-called once, when the Runtime is built; each returns `launch(algos, workspace)`, the function
-the runtime calls every time the plan's Launch operation for that step comes up. They look
-their tensors up through `rt.view(tensor id)` at launch time (so a scheduling bug that reads
-a freed, dropped or in-flight tensor raises instead of computing garbage) and read from `rt`:
-`program` (tensor ids), `precision`, `images` (the batch being fed), `predicting` and
-`dropout_seed(layer)`.
+Launchers. `spec.forward(rt, layer, update_running)` and `spec.backward(rt, lp)` (`lp` the
+layer's backward `liveness.LayerPass`) are called once, when the Runtime is built; each
+returns `launch(algos, workspace)`, the function the runtime calls every time the plan's
+Launch operation for that pass comes up. They look their tensors up through `rt.view(tensor
+id)` at launch time (so a scheduling bug that reads a freed, dropped or in-flight tensor
+raises instead of computing garbage) and read from `rt`: `program` (tensor ids),
+`precision`, `images` (the batch being fed), `predicting` and `dropout_seed(layer)`.
 """
 from __future__ import annotations
 
@@ -54,6 +54,15 @@ class OpSpec:
     is_loss                the network's loss: its output lives across iterations, it reads
                            the labels, and no gradient flows into it
     saves_statistics       writes a saved-statistics tensor and running buffers (batch norm)
+    counts_batches         its torch twin keeps a "num_batches_tracked" counter (batch norm),
+                           which tinysn does not use and load_params skips
+    is_data                the data layer: its output is the batch, it comes first in a net
+    has_algorithms         its kernels come in several algorithms whose workspaces differ
+                           (conv): the planner picks one per step (sched/workspace.py)
+    draws_mask             draws new random numbers every iteration (a bool, or a function of
+                           the layer: dropout with p > 0), so a CUDA graph cannot replay it
+    in_place_in_caffe      Caffe (the paper's base) runs it in place on its input, so the
+                           tensor the paper offloads after a checkpoint conv is its output
     workspace              (layer, "forward" | "backward") -> bytes of scratch its kernels
                            need (conv's depend on the algorithm: sched/workspace.py)
     cost                   (layer, "forward" | "backward") -> (flops, bytes moved to and
@@ -67,13 +76,26 @@ class OpSpec:
     recomputable: bool = False
     is_loss: bool = False
     saves_statistics: bool = False
+    counts_batches: bool = False
+    is_data: bool = False
+    has_algorithms: bool = False
+    draws_mask: bool | Callable = False
+    in_place_in_caffe: bool = False
     workspace: Callable = _no_workspace
     cost: Callable = _streamed
 
     def reads_input(self, layer) -> bool:
         """True when the layer's backward kernel needs its forward inputs."""
-        rule = self.backward_reads_input
-        return rule(layer) if callable(rule) else rule
+        return _apply(self.backward_reads_input, layer)
+
+    def draws(self, layer) -> bool:
+        """True when the layer draws new random numbers every iteration."""
+        return _apply(self.draws_mask, layer)
+
+
+def _apply(rule, layer) -> bool:
+    """A per-layer rule: a bool, or a function of the layer."""
+    return rule(layer) if callable(rule) else rule
 
 
 # -- what launchers share ---------------------------------------------------------------
@@ -102,18 +124,18 @@ def _param_grad(rt, layer, suffix):
 
 @dataclass(frozen=True)
 class _Grads:
-    """The gradients a backward step reads and writes: dy (None for the loss), one dx per
+    """The gradients a backward pass reads and writes: dy (None for the loss), one dx per
     input (None where the input needs no gradient) and whether each dx write accumulates."""
     dy: Callable
     dx: list
     accumulate: list
 
 
-def _grads(rt, step) -> _Grads:
-    p, layer = rt.program, step.layer
+def _grads(rt, lp) -> _Grads:
+    p, layer = rt.program, lp.layer
     dx_ids = [p.grad.get(x) for x in layer.inputs]
     return _Grads(_optional(rt, p.grad.get(layer)), [_optional(rt, d) for d in dx_ids],
-                  [d is not None and step.accumulate.get(d, False) for d in dx_ids])
+                  [d is not None and lp.accumulate.get(d, False) for d in dx_ids])
 
 
 # -- the ops, each forward beside its backward ------------------------------------------
@@ -131,8 +153,8 @@ def _conv_forward(rt, layer, update_running):
         workspace=ws, precision=rt.precision)
 
 
-def _conv_backward(rt, step):
-    layer, a, g = step.layer, step.layer.attrs, _grads(rt, step)
+def _conv_backward(rt, lp):
+    layer, a, g = lp.layer, lp.layer.attrs, _grads(rt, lp)
     x, w = _act(rt, layer.inputs[0]), _param(rt, layer, "weight")
     dw, db = _param_grad(rt, layer, "weight"), _param_grad(rt, layer, "bias")
     return lambda algos, ws: conv_k.backward(
@@ -156,8 +178,8 @@ def _bn_forward(rt, layer, update_running):
     return launch
 
 
-def _bn_backward(rt, step):
-    layer, g = step.layer, _grads(rt, step)
+def _bn_backward(rt, lp):
+    layer, g = lp.layer, _grads(rt, lp)
     x, w, saved = _act(rt, layer.inputs[0]), _param(rt, layer, "weight"), _optional(rt, rt.program.saved[layer])
     dw, db = _param_grad(rt, layer, "weight"), _param_grad(rt, layer, "bias")
     return lambda algos, ws: bn_k.backward(x(), w(), g.dy(), saved(), g.dx[0](), dw(), db(), ws,
@@ -171,7 +193,7 @@ def _conv_cost(layer, phase) -> tuple:
     x, w, y = 4 * layer.inputs[0].numel, 4 * k * c * r * s, 4 * layer.numel
     if phase == "forward":
         return 2 * macs, x + w + y
-    gradients = 2 if layer.inputs[0].op != "data" else 1   # the data gradient, if any
+    gradients = 1 if spec(layer.inputs[0]).is_data else 2   # the data gradient, if any
     return 2 * macs * gradients, 2 * (x + w + y)
 
 
@@ -184,8 +206,8 @@ def _relu_forward(rt, layer, update_running):
     return lambda algos, ws: act_k.forward(x(), y())
 
 
-def _relu_backward(rt, step):
-    y, g = _act(rt, step.layer), _grads(rt, step)
+def _relu_backward(rt, lp):
+    y, g = _act(rt, lp.layer), _grads(rt, lp)
     return lambda algos, ws: act_k.backward(y(), g.dy(), g.dx[0](), accumulate=g.accumulate[0])
 
 
@@ -195,10 +217,10 @@ def _pool_forward(rt, layer, update_running):
                                             stride=a["stride"], padding=a["padding"])
 
 
-def _pool_backward(rt, step):
+def _pool_backward(rt, lp):
     # max pooling recomputes its argmax from x; average pooling reads neither x nor y, so
     # it runs after both were freed
-    layer, a, g = step.layer, step.layer.attrs, _grads(rt, step)
+    layer, a, g = lp.layer, lp.layer.attrs, _grads(rt, lp)
     x = _act(rt, layer.inputs[0]) if _pool_reads_input(layer) else (lambda: None)
     return lambda algos, ws: pool_k.backward(
         x(), None, g.dy(), g.dx[0](), mode=a["mode"], kernel=a["kernel"], stride=a["stride"],
@@ -215,8 +237,8 @@ def _lrn_forward(rt, layer, update_running):
                                            beta=a["beta"], k=a["k"])
 
 
-def _lrn_backward(rt, step):
-    layer, a, g = step.layer, step.layer.attrs, _grads(rt, step)
+def _lrn_backward(rt, lp):
+    layer, a, g = lp.layer, lp.layer.attrs, _grads(rt, lp)
     x = _act(rt, layer.inputs[0])
     return lambda algos, ws: lrn_k.backward(
         x(), g.dy(), g.dx[0](), size=a["size"], alpha=a["alpha"], beta=a["beta"], k=a["k"],
@@ -229,8 +251,8 @@ def _fc_forward(rt, layer, update_running):
     return lambda algos, ws: linear_k.forward(x().view(n, -1), w(), b(), y(), precision=rt.precision)
 
 
-def _fc_backward(rt, step):
-    layer, g, n = step.layer, _grads(rt, step), step.layer.shape[0]
+def _fc_backward(rt, lp):
+    layer, g, n = lp.layer, _grads(rt, lp), lp.layer.shape[0]
     x, w = _act(rt, layer.inputs[0]), _param(rt, layer, "weight")
     dw, db = _param_grad(rt, layer, "weight"), _param_grad(rt, layer, "bias")
 
@@ -256,14 +278,18 @@ def _fc_workspace(layer, phase) -> int:
     return linear_k.workspace_bytes(layer.shape[0], features, layer.shape[1], phase)
 
 
+def _dropout_draws(layer) -> bool:
+    return layer.attrs["p"] > 0
+
+
 def _dropout_forward(rt, layer, update_running):
     x, y, p = _act(rt, layer.inputs[0]), _act(rt, layer), layer.attrs["p"]
     return lambda algos, ws: dropout_k.forward(
         x(), y(), p=0.0 if rt.predicting else p, seed=rt.dropout_seed(layer), offset=0)
 
 
-def _dropout_backward(rt, step):
-    layer, g = step.layer, _grads(rt, step)
+def _dropout_backward(rt, lp):
+    layer, g = lp.layer, _grads(rt, lp)
     return lambda algos, ws: dropout_k.backward(
         g.dy(), g.dx[0](), p=layer.attrs["p"], seed=rt.dropout_seed(layer), offset=0,
         accumulate=g.accumulate[0])
@@ -274,8 +300,8 @@ def _add_forward(rt, layer, update_running):
     return lambda algos, ws: join_k.add_forward([x() for x in xs], y())
 
 
-def _add_backward(rt, step):
-    g = _grads(rt, step)
+def _add_backward(rt, lp):
+    g = _grads(rt, lp)
     return lambda algos, ws: join_k.add_backward(g.dy(), [dx() for dx in g.dx],
                                                  accumulate=g.accumulate)
 
@@ -285,8 +311,8 @@ def _concat_forward(rt, layer, update_running):
     return lambda algos, ws: join_k.concat_forward([x() for x in xs], y())
 
 
-def _concat_backward(rt, step):
-    g, channels = _grads(rt, step), [x.shape[1] for x in step.layer.inputs]
+def _concat_backward(rt, lp):
+    g, channels = _grads(rt, lp), [x.shape[1] for x in lp.layer.inputs]
     return lambda algos, ws: join_k.concat_backward(g.dy(), [dx() for dx in g.dx],
                                                     accumulate=g.accumulate, channels=channels)
 
@@ -297,8 +323,8 @@ def _softmax_forward(rt, layer, update_running):
     return lambda algos, ws: softmax_k.forward(x(), labels(), loss(), ws)
 
 
-def _softmax_backward(rt, step):
-    x, g = _act(rt, step.layer.inputs[0]), _grads(rt, step)
+def _softmax_backward(rt, lp):
+    x, g = _act(rt, lp.layer.inputs[0]), _grads(rt, lp)
     labels = _optional(rt, rt.program.labels)
     return lambda algos, ws: softmax_k.backward(x(), labels(), g.dx[0](),
                                                 accumulate=g.accumulate[0])
@@ -312,17 +338,20 @@ def _softmax_workspace(layer, phase) -> int:
 
 
 SPECS = {
-    "data": OpSpec(_data_forward),
-    "conv": OpSpec(_conv_forward, _conv_backward, backward_reads_input=True, cost=_conv_cost),
+    "data": OpSpec(_data_forward, is_data=True),
+    "conv": OpSpec(_conv_forward, _conv_backward, backward_reads_input=True, has_algorithms=True,
+                   cost=_conv_cost),
     "bn": OpSpec(_bn_forward, _bn_backward, backward_reads_input=True, recomputable=True,
-                 saves_statistics=True, workspace=_bn_workspace),
-    "relu": OpSpec(_relu_forward, _relu_backward, backward_reads_output=True, recomputable=True),
+                 saves_statistics=True, counts_batches=True, workspace=_bn_workspace),
+    "relu": OpSpec(_relu_forward, _relu_backward, backward_reads_output=True, recomputable=True,
+                   in_place_in_caffe=True),
     "pool": OpSpec(_pool_forward, _pool_backward, backward_reads_input=_pool_reads_input,
                    recomputable=True),
     "lrn": OpSpec(_lrn_forward, _lrn_backward, backward_reads_input=True, recomputable=True),
     "fc": OpSpec(_fc_forward, _fc_backward, backward_reads_input=True, workspace=_fc_workspace,
                  cost=_fc_cost),
-    "dropout": OpSpec(_dropout_forward, _dropout_backward, recomputable=True),
+    "dropout": OpSpec(_dropout_forward, _dropout_backward, recomputable=True,
+                      draws_mask=_dropout_draws),
     "add": OpSpec(_add_forward, _add_backward),
     "concat": OpSpec(_concat_forward, _concat_backward),
     "softmax_loss": OpSpec(_softmax_forward, _softmax_backward, backward_reads_input=True,

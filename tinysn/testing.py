@@ -36,7 +36,7 @@ The rules `check_plan` enforces (each ScheduleError carries one of these as `.ru
     recompute   a recomputation that would update batch-norm running statistics (a logical
                 step launched twice) or redraw a dropout mask (rebuilt before its forward
                 ran this iteration), or recomputes a layer that is not recomputable
-    program     a logical step missing, repeated or out of its place (layer, phase)
+    program     a layer pass missing, repeated or out of its place (layer, phase)
     figures     the plan's own figures (peak, bytes in use per step, bytes moved,
                 recomputed steps) disagree with what its operations do
 `check_equivalent` raises rule "equivalence" when policies' results or peaks disagree.
@@ -397,7 +397,7 @@ class _Replay:
         self.prefetch_slot = {}
         self.peak = self.extent = 0
         self.where = "setup"
-        self.forward = {s.layer: s for s in self.program.steps if s.phase == "forward"}
+        self.forward = {s.layer: s for s in self.program.passes if s.phase == "forward"}
         self.by_index = {layer.index: layer for layer in self.program.order}
         self.handlers = {Alloc: self.alloc, Free: self.free, Drop: self.drop,
                          Offload: self.offload, Release: self.release, Evict: self.evict,
@@ -550,22 +550,22 @@ class _Replay:
         self.check_step_figures()
 
     def logical(self, key):
-        """Reads and writes of logical step `key`, which must come next, exactly once."""
-        steps = self.program.steps
-        if not isinstance(key, int) or not 0 <= key < len(steps):
-            self.fail("program", None, f"launch of unknown step {key!r}")
+        """Reads and writes of layer pass `key`, which must come next, exactly once."""
+        passes = self.program.passes
+        if not isinstance(key, int) or not 0 <= key < len(passes):
+            self.fail("program", None, f"launch of unknown layer pass {key!r}")
         if key in self.launched:
-            self.fail("recompute", None, f"logical step {key} ({steps[key].phase} of "
-                      f"{steps[key].layer.name}) launched again: a second training forward "
+            self.fail("recompute", None, f"layer pass {key} ({passes[key].phase} of "
+                      f"{passes[key].layer.name}) launched again: a second training forward "
                       f"updates batch-norm running statistics twice")
         if self.step.phase == "recompute":
-            self.fail("recompute", None, f"a recomputation launches logical step {key}, the "
+            self.fail("recompute", None, f"a recomputation launches layer pass {key}, the "
                       f"training forward (it updates running statistics)")
-        want = steps[key]
+        want = passes[key]
         if key != len(self.launched) or (want.layer.name, want.phase) != (self.step.layer,
                                                                           self.step.phase):
-            self.fail("program", None, f"launches logical step {key} ({want.phase} of "
-                      f"{want.layer.name}); step {len(self.launched)} comes next")
+            self.fail("program", None, f"launches layer pass {key} ({want.phase} of "
+                      f"{want.layer.name}); pass {len(self.launched)} comes next")
         self.launched.append(key)
         return want.reads, want.writes
 
@@ -598,10 +598,10 @@ class _Replay:
 
     # -- the end of an iteration --------------------------------------------------------
     def end_of_iteration(self):
-        if len(self.launched) != len(self.program.steps):
+        if len(self.launched) != len(self.program.passes):
             missing = len(self.launched)
-            s = self.program.steps[missing]
-            self.fail("program", None, f"logical step {missing} ({s.phase} of "
+            s = self.program.passes[missing]
+            self.fail("program", None, f"layer pass {missing} ({s.phase} of "
                                        f"{s.layer.name}) never launched")
         for tid, block in self.resident.items():
             if self.dev.get(tid) != block:

@@ -1,7 +1,9 @@
 """sched/offload.py: the LRU cache's order and FreedRanges against a per-byte model."""
 from hypothesis import given, settings, strategies as st
 
-from tinysn.sched.offload import FreedRanges, LRUCache
+import tinysn as sn
+from tinysn.sched import liveness
+from tinysn.sched.offload import FreedRanges, LRUCache, checkpoint_layers
 
 SIZE = 64
 
@@ -43,3 +45,21 @@ def test_freed_ranges_match_a_per_byte_model(ops):
     for b in range(SIZE):                               # what is left is exactly the model's
         pos, slots = ranges.take(b, b + 1)
         assert (pos, slots) == ((0, set()) if model[b] is None else (model[b][0], set(model[b][1])))
+
+
+def _checkpoint_net():
+    """data -> relu -> conv -> relu -> bn -> relu -> fc -> loss: a ReLU after each kind of
+    layer the checkpoint rule tells apart (data, conv, bn)."""
+    net = sn.Net(input_shape=(3, 6, 6), classes=4, batch=2)
+    h = net.relu(net.data(name="d"), name="r0")
+    h = net.relu(net.conv(h, 4, padding=1, name="c"), name="r1")
+    h = net.relu(net.bn(h, name="b"), name="r2")
+    net.softmax_loss(net.fc(h, 4, name="f"), name="loss")
+    return net
+
+
+def test_checkpoint_layers_take_the_relu_run_in_place_after_a_checkpoint_but_the_data():
+    program = liveness.Program(_checkpoint_net())
+    names = lambda layers: sorted(layer.name for layer in layers)   # noqa: E731
+    assert names(checkpoint_layers(program)) == ["c", "d", "r1"]
+    assert names(checkpoint_layers(program, ops=("data", "bn"))) == ["b", "d", "r2"]

@@ -11,7 +11,7 @@ from tinysn.testing import every_layer_net
 def test_liveness_frees_each_tensor_after_its_last_use():
     net = every_layer_net()
     prog = liveness.Program(net)
-    for step, (live_in, live_out) in zip(prog.steps, prog.live_sets()):
+    for step, (live_in, live_out) in zip(prog.passes, prog.live_sets()):
         for tid in live_out:
             assert prog.last_use(tid) > step.index      # nothing dead is kept
         for tid in set(step.reads) - live_out:

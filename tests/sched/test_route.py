@@ -1,6 +1,7 @@
 """tinysn.sched.route: the execution route of paper Alg. 1."""
 import time
 
+import pytest
 from hypothesis import given, settings, strategies as st
 
 from tinysn import models
@@ -183,3 +184,11 @@ def test_deep_resnet_route():
     order = forward_order(net)
     assert time.perf_counter() - t < 2.0
     assert_valid_route(net, order)
+
+
+def test_a_route_starts_at_the_data_layer():
+    net = Net(input_shape=(3, 4, 4), classes=2, batch=1)
+    net.softmax_loss(net.fc(net.data(), 2))
+    net.layers.append(net.layers.pop(0))          # a hand-edited graph: data no longer first
+    with pytest.raises(ValueError, match="first layer must be its data layer"):
+        forward_order(net)

@@ -1,4 +1,5 @@
-"""Memory: BlockAllocator (pure bookkeeping) and Arena (one torch buffer + an allocator)."""
+"""The memory pool (not pooling layers: those are kernels/pool.py): BlockAllocator (pure
+bookkeeping) and Arena (one torch buffer + an allocator)."""
 from .allocator import Block, BlockAllocator
 from .arena import Arena
 

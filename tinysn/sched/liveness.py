@@ -1,16 +1,18 @@
-"""Liveness analysis (paper §3.2): which tensors each step reads and writes, and when each dies.
+"""Liveness analysis (paper §3.2): which tensors each layer pass reads and writes, and when
+each dies.
 
 The training iteration is first written down as a *logical program*, independent of any
-policy: one forward step per layer in route order, then one backward step per layer in
-reverse order (the SGD update of a layer's parameters is part of its backward step, since
-no parameter is used again in the iteration once its layer's backward has run). Each step
-lists the tensors it reads and writes. From that, every tensor's uses give its live range,
-and the in/out live sets of every step follow: a tensor is live from the step that writes it
-first to the last step that reads it.
+policy: a list of `LayerPass`es, one forward pass per layer in route order, then one
+backward pass per layer in reverse order (the SGD update of a layer's parameters is part of
+its backward pass, since no parameter is used again in the iteration once its layer's
+backward has run). Each pass lists the tensors it reads and writes. From that, every
+tensor's uses give its live range, and the in/out live sets of every pass follow: a tensor
+is live from the pass that writes it first to the last pass that reads it. The planner
+(plan.py) turns each pass into one or more executed `Step`s.
 
 Data parallel (`data_parallel=True`, tinysn/distributed.py): a layer's parameter gradients
 are all-reduced across ranks while the backward pass goes on, so its update moves to the
-backward step `UPDATE_LAG` steps later (or the last step), which then also reads those
+backward pass `UPDATE_LAG` passes later (or the last pass), which then also reads those
 gradients: their live range, and with it every plan's peak, covers the all-reduce.
 """
 from __future__ import annotations
@@ -23,7 +25,7 @@ import torch
 from ..ops import spec
 from . import route
 
-UPDATE_LAG = 2   # data parallel: backward steps between a layer's gradients and its update
+UPDATE_LAG = 2   # data parallel: backward passes between a layer's gradients and its update
                  # (the all-reduce overlaps that many kernels; costs that many layers' gradients)
 
 
@@ -45,8 +47,9 @@ class TensorInfo:
 
 
 @dataclass
-class LogicalStep:
-    """One layer phase: what it reads, what it writes, which gradient writes accumulate."""
+class LayerPass:
+    """One layer's forward or backward pass in the logical program: what it reads, what it
+    writes, which gradient writes accumulate. `index` is its place in `Program.passes`."""
     index: int
     layer: object
     phase: str                      # "forward" | "backward"
@@ -72,8 +75,8 @@ class Program:
         self.act, self.grad, self.saved = {}, {}, {}
         self.param, self.pgrad, self.momentum, self.buffer = {}, {}, {}, {}
         self._make_tensors(momentum)
-        self.steps: list[LogicalStep] = []
-        self._make_steps()
+        self.passes: list[LayerPass] = []
+        self._make_passes()
         self.updates = self._place_updates()
         self.uses = self._uses()
 
@@ -118,76 +121,76 @@ class Program:
         """A layer's output needs a gradient only if a parameter lies upstream of it."""
         return layer in self.requires_grad
 
-    # -- steps ---------------------------------------------------------------------------
+    # -- passes --------------------------------------------------------------------------
     def _layer_params(self, layer, table):
         return [table[f"{layer.name}.{s}"] for s in layer.params if f"{layer.name}.{s}" in table]
 
-    def _make_steps(self):
+    def _make_passes(self):
         for layer in self.order:
-            step = LogicalStep(len(self.steps), layer, "forward")
+            lp = LayerPass(len(self.passes), layer, "forward")
             op = spec(layer)
-            step.reads += [self.act[x] for x in layer.inputs]
-            step.reads += self._layer_params(layer, self.param)
+            lp.reads += [self.act[x] for x in layer.inputs]
+            lp.reads += self._layer_params(layer, self.param)
             if op.is_loss:
-                step.reads.append(self.labels)
-            step.writes.append(self.act[layer])
+                lp.reads.append(self.labels)
+            lp.writes.append(self.act[layer])
             if op.saves_statistics:
-                step.writes.append(self.saved[layer])
-                step.writes += [self.buffer[f"{layer.name}.{b}"] for b in layer.buffers]
-            self.steps.append(step)
+                lp.writes.append(self.saved[layer])
+                lp.writes += [self.buffer[f"{layer.name}.{b}"] for b in layer.buffers]
+            self.passes.append(lp)
         written = set()
         for layer in reversed(self.order):
             if layer not in self.requires_grad:
-                continue                # nothing upstream learns: no backward step at all
-            step = LogicalStep(len(self.steps), layer, "backward")
+                continue                # nothing upstream learns: no backward pass at all
+            lp = LayerPass(len(self.passes), layer, "backward")
             if layer in self.grad:
-                step.reads.append(self.grad[layer])
+                lp.reads.append(self.grad[layer])
             op = spec(layer)
             if op.reads_input(layer):
-                step.reads += [self.act[x] for x in layer.inputs]
+                lp.reads += [self.act[x] for x in layer.inputs]
             if op.backward_reads_output:
-                step.reads.append(self.act[layer])
+                lp.reads.append(self.act[layer])
             if op.is_loss:
-                step.reads.append(self.labels)
+                lp.reads.append(self.labels)
             if op.saves_statistics:
-                step.reads.append(self.saved[layer])
-            step.reads += self._layer_params(layer, self.param)
-            step.reads += self._layer_params(layer, self.momentum)
+                lp.reads.append(self.saved[layer])
+            lp.reads += self._layer_params(layer, self.param)
+            lp.reads += self._layer_params(layer, self.momentum)
             for x in layer.inputs:
                 if x in self.grad:
                     gid = self.grad[x]
-                    step.writes.append(gid)
-                    step.accumulate[gid] = gid in written
+                    lp.writes.append(gid)
+                    lp.accumulate[gid] = gid in written
                     written.add(gid)
-            step.writes += self._layer_params(layer, self.pgrad)
-            self.steps.append(step)
+            lp.writes += self._layer_params(layer, self.pgrad)
+            self.passes.append(lp)
 
     def _place_updates(self) -> dict:
-        """Backward step index -> layers whose SGD update runs at the end of that step.
+        """Backward pass index -> layers whose SGD update runs at the end of that pass.
 
-        Single process: each layer at its own backward step. Data parallel: `UPDATE_LAG`
-        backward steps later (at most the last step), and that step reads the layer's
+        Single process: each layer at its own backward pass. Data parallel: `UPDATE_LAG`
+        backward passes later (at most the last pass), and that pass reads the layer's
         parameter gradients, parameters and momentum, which extends the gradients' liveness
         over the all-reduce in flight."""
         updates = {}
-        last = len(self.steps) - 1
-        for step in self.steps:
-            if step.phase != "backward" or not step.layer.params:
+        last = len(self.passes) - 1
+        for lp in self.passes:
+            if lp.phase != "backward" or not lp.layer.params:
                 continue
-            at = min(step.index + UPDATE_LAG, last) if self.data_parallel else step.index
-            updates.setdefault(at, []).append(step.layer)
-            if at != step.index:
-                later = self.steps[at]
+            at = min(lp.index + UPDATE_LAG, last) if self.data_parallel else lp.index
+            updates.setdefault(at, []).append(lp.layer)
+            if at != lp.index:
+                later = self.passes[at]
                 for table in (self.pgrad, self.param, self.momentum):
-                    later.reads += self._layer_params(step.layer, table)
+                    later.reads += self._layer_params(lp.layer, table)
         return updates
 
     def _uses(self) -> dict:
-        """tensor id -> sorted logical step indices that read or write it."""
+        """tensor id -> sorted layer pass indices that read or write it."""
         uses = {info.id: [] for info in self.tensors}
-        for step in self.steps:
-            for tid in set(step.reads) | set(step.writes):
-                uses[tid].append(step.index)
+        for lp in self.passes:
+            for tid in set(lp.reads) | set(lp.writes):
+                uses[tid].append(lp.index)
         return uses
 
     def first_use(self, tid) -> int:
@@ -197,14 +200,14 @@ class Program:
         return self.uses[tid][-1]
 
     def live_sets(self):
-        """Per step, the (in, out) live sets of non-persistent tensors, as the paper's Fig. 5."""
+        """Per layer pass, the (in, out) live sets of non-persistent tensors, as the paper's Fig. 5."""
         born = {t: self.first_use(t) for t in self.uses if self.uses[t]}
         dies = {t: self.last_use(t) for t in self.uses if self.uses[t]}
         sets = []
-        for step in self.steps:
-            live_in = {t for t in born if born[t] < step.index <= dies[t]
+        for lp in self.passes:
+            live_in = {t for t in born if born[t] < lp.index <= dies[t]
                        and not self.tensors[t].persistent}
-            live_out = {t for t in born if born[t] <= step.index < dies[t]
+            live_out = {t for t in born if born[t] <= lp.index < dies[t]
                         and not self.tensors[t].persistent}
             sets.append((live_in, live_out))
         return sets

@@ -19,19 +19,22 @@ from __future__ import annotations
 import bisect
 from collections import OrderedDict
 
+from ..ops import spec
+
 DEFAULT_CHECKPOINTS = ("data", "conv")
 
 
 def checkpoint_layers(program, ops=DEFAULT_CHECKPOINTS) -> set:
     """Layers whose outputs the always-offload policies copy to the host.
 
-    A ReLU right after a checkpoint conv counts as part of it: Caffe (the paper's base) runs
-    that ReLU in place, so the tensor the paper offloads is the ReLU's output; here the ReLU
-    writes a new tensor, and that is the one the backward pass reads.
+    `ops` names the checkpoint layers' ops. A layer that Caffe (the paper's base) runs in
+    place (ReLU) right after a checkpoint other than the data layer counts as part of it:
+    the tensor the paper offloads is that layer's output; here it writes a new tensor, and
+    that is the one the backward pass reads.
     """
     chosen = {layer for layer in program.order if layer.op in ops}
-    chosen |= {layer for layer in program.order
-               if layer.op == "relu" and layer.inputs[0] in chosen and layer.inputs[0].op == "conv"}
+    chosen |= {layer for layer in program.order if spec(layer).in_place_in_caffe
+               and layer.inputs[0] in chosen and not spec(layer.inputs[0]).is_data}
     return chosen
 
 

@@ -32,6 +32,7 @@ from dataclasses import dataclass, field
 import torch
 
 from ..errors import OutOfMemory
+from ..ops import spec
 from ..pool.allocator import BlockAllocator
 from ..units import format_bytes, parse_bytes
 from . import liveness, offload, recompute, workspace
@@ -113,7 +114,7 @@ class Mark:
 
 @dataclass(frozen=True)
 class Launch:
-    """Launch a layer's kernels. `key` is a logical step index (forward or backward) or
+    """Launch a layer's kernels. `key` is a layer pass index (forward or backward) or
     ("recompute", layer index); `algos` the conv algorithms; `workspace` a tensor id or None."""
     key: object
     algos: dict | None
@@ -542,7 +543,7 @@ class _Planner:
 
     def _default_workspace(self, step) -> int:
         layer = step.layer
-        if layer.op == "conv":
+        if spec(layer).has_algorithms:
             return self.chooser.choose(layer, self._conv_phases(step), 0)[1]
         return workspace.fixed_workspace(layer, step.phase)
 
@@ -565,12 +566,12 @@ class _Planner:
             self._alloc(tid, setup)
         if self.policy == "baseline":
             self.baseline_ws = {}
-            for step in p.steps:
+            for step in p.passes:
                 size = self._default_workspace(step)
                 if size:
                     self.baseline_ws[step.index] = self._new_workspace(step.layer, size, setup)
         setup_bytes = self.dev.in_use
-        for step in p.steps:
+        for step in p.passes:
             self.where = f"{step.phase} of layer {step.layer.name}"
             if step.phase == "backward" and self.schedule:
                 for tid in self.schedule.rebuild.get(step.index, ()):
@@ -615,8 +616,8 @@ class _Planner:
                 self.cache.touch(tid)
         self.locked = set()
         self._after(step.index, touched, ops)
-        if step.index + 1 < len(self.program.steps):
-            self._lookahead(self.program.steps[step.index + 1], ops)
+        if step.index + 1 < len(self.program.passes):
+            self._lookahead(self.program.passes[step.index + 1], ops)
 
     def _track_floor(self, step):
         """Raise `floor` to the bytes this step holds at any cap, its kernel about to launch.
@@ -643,7 +644,7 @@ class _Planner:
         inputs = [self.program.act[x] for x in layer.inputs]
         for xid in inputs:
             self._make_readable(xid, ops)
-        self.locked = set(inputs) | set(self.program.steps[step.index].reads) | {tid}
+        self.locked = set(inputs) | set(self.program.passes[step.index].reads) | {tid}
         self._alloc(tid, ops)
         size = workspace.fixed_workspace(layer, "forward")
         ws = self._new_workspace(layer, size, ops) if size else None
@@ -877,11 +878,11 @@ class _Planner:
         layer = step.layer
         if self.policy == "baseline":
             algos = None
-            if layer.op == "conv":
+            if spec(layer).has_algorithms:
                 algos, _ = self.chooser.choose(layer, self._conv_phases(step), 0)
                 self.conv_algos.setdefault(layer.name, {}).update(algos)
             return algos, self.baseline_ws.get(step.index)
-        if layer.op == "conv":
+        if spec(layer).has_algorithms:
             algos, size = self.chooser.choose(layer, self._conv_phases(step), self.dev.largest_free)
             self.conv_algos.setdefault(layer.name, {}).update(algos)
         else:

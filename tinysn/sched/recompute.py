@@ -84,7 +84,7 @@ def segments(program) -> list:
 def layer_peak(program, workspace_of) -> int:
     """l_peak: the most memory any single step touches (its reads, writes and workspace)."""
     best = 0
-    for step in program.steps:
+    for step in program.passes:
         tids = set(step.reads) | set(step.writes)
         size = sum(program.tensors[t].nbytes for t in tids if not program.tensors[t].persistent)
         best = max(best, size + workspace_of(step))
@@ -130,7 +130,7 @@ class RecomputeSchedule:
         program = self.program
         present = set()
         first_backward = len(program.order)
-        for step in program.steps[first_backward:]:
+        for step in program.passes[first_backward:]:
             order = []
             now = set(present)
 

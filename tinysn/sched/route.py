@@ -13,13 +13,15 @@ consumers are pushed in reverse so the first one is explored first.
 """
 from __future__ import annotations
 
+from ..ops import spec
+
 
 def forward_order(net) -> list:
     """Every layer once, each after all of its inputs (Alg. 1)."""
     if not net.layers:
         raise ValueError("the net is empty (call data() first)")
     start = net.layers[0]
-    if start.op != "data":
+    if not spec(start).is_data:
         raise ValueError("the net's first layer must be its data layer")
     counter = {}
     route = []

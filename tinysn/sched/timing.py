@@ -73,7 +73,7 @@ def kernel_seconds(plan, launch: Launch, model: DeviceModel) -> float:
     if isinstance(launch.key, tuple):                 # ("recompute", layer index)
         layer, phase = program.net.layers[launch.key[1]], "forward"
     else:
-        step = program.steps[launch.key]
+        step = program.passes[launch.key]
         layer, phase = step.layer, step.phase
     flops, nbytes = spec(layer).cost(layer, phase)
     if phase == "backward":

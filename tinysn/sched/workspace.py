@@ -36,7 +36,8 @@ def conv_geometry(layer):
 
 def net_geometries(net) -> list:
     """The distinct conv geometries of `net`, in layer order."""
-    return list(dict.fromkeys(conv_geometry(layer) for layer in net.layers if layer.op == "conv"))
+    return list(dict.fromkeys(conv_geometry(layer) for layer in net.layers
+                              if spec(layer).has_algorithms))
 
 
 def fixed_workspace(layer, phase: str) -> int:

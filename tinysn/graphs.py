@@ -1,0 +1,76 @@
+"""CUDA-graph replay of a Runtime's training step (`Runtime(cuda_graph=True)`).
+
+Launching a Triton kernel from Python costs ~16 us of host time, a replayed one ~1 us
+(docs/design.md). The plan makes capture possible: every allocation, offset, copy, event and
+algorithm of a step is the same every iteration. The Runtime runs its first `GRAPH_WARMUP`
+steps eagerly (they compile and tune every kernel; a capture must not), then hands each step
+to its `GraphReplay`: the first one captures the plan's walk (the allocator and every check
+run in Python as always, so the captured pass verifies peak == plan) and replays it; later
+ones copy the batch into the pool's data and labels tensors at their planned offsets (the
+graph reads fixed addresses inside the pool) and replay. Changing lr, momentum or
+weight_decay triggers a new capture (they are launch arguments). Nets whose layers draw new
+random numbers every iteration (dropout with p > 0) are refused (inputs.check_graph_request).
+"""
+from __future__ import annotations
+
+import torch
+
+from .sched.plan import Alloc
+
+GRAPH_WARMUP = 2   # eager steps before a capture (compiles, autotuning, first-call caches)
+
+
+class GraphReplay:
+    """The captured step of one Runtime: `graph` (None until captured), the optimizer
+    settings `key` it was captured with, and the bytes each replay copies each way."""
+
+    def __init__(self, rt):
+        self.rt = rt
+        self.graph = self.key = self._batch = None
+        self.moved = (0, 0)              # bytes one captured step copies (to host, to device)
+
+    def step(self, images, labels) -> None:
+        """(Re)capture when needed, then copy the batch into the pool and replay the step."""
+        rt = self.rt
+        key = (rt.lr, rt.momentum, rt.weight_decay)
+        if self.graph is None or self.key != key:
+            self._capture(key)
+        pool_images, pool_labels = self.batch_in_pool()
+        pool_images.copy_(images, non_blocking=images.is_pinned())
+        pool_labels.copy_(labels, non_blocking=labels.is_pinned())
+        self.graph.replay()
+        rt.stats.bytes_to_host += self.moved[0]
+        rt.stats.bytes_to_device += self.moved[1]
+
+    def batch_in_pool(self):
+        """Views of the data tensor's planned block and of the labels tensor, where a replay
+        reads its batch (found once). The data tensor's view is the one its launches use (a
+        copy of a tensor onto itself is no operation, so the captured walk copies nothing)."""
+        if self._batch is None:
+            rt = self.rt
+            data = rt.program.act[rt.net.data_layer]
+            ops = [*rt.plan.setup, *(op for step in rt.plan.steps for op in step.ops)]
+            offset = next(op.offset for op in ops if isinstance(op, Alloc) and op.tensor == data)
+            t, views = rt.tensors[data], rt._views[data]
+            if offset not in views:
+                raw = rt.arena.buffer[offset:offset + t.nbytes]
+                views[offset] = raw.view(t.dtype).view(t.shape)
+            self._batch = views[offset], rt.tensors[rt.program.labels].view()
+        return self._batch
+
+    def _capture(self, key) -> None:
+        """Record one walk of the plan as a CUDA graph (nothing runs while it records); the
+        copy counters it advanced are put back and added once per replay instead."""
+        rt, stats = self.rt, self.rt.stats
+        self.graph = None
+        torch.cuda.synchronize(rt.device)
+        before = (stats.bytes_to_host, stats.bytes_to_device)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            stream = torch.cuda.current_stream(rt.device)
+            rt.to_host_stream.wait_stream(stream)        # the copy streams join the capture
+            rt.to_device_stream.wait_stream(stream)
+            rt._walk(*self.batch_in_pool())
+        self.moved = (stats.bytes_to_host - before[0], stats.bytes_to_device - before[1])
+        stats.bytes_to_host, stats.bytes_to_device = before
+        self.graph, self.key = graph, key

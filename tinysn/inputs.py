@@ -1,0 +1,107 @@
+"""The Runtime's input checks: each bad argument fails with one line naming it, before any
+state changes (before planning, allocating or launching anything).
+
+`check_options`, `check_graph_request`, `check_machine` and `pick_device` check the Runtime's
+constructor arguments; `check_batch`, `check_images` and `check_labels` check a batch given to
+`step`, `predict` or `evaluate` against the net it was planned for.
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+
+from .ops import spec
+from .pool.arena import check_available
+from .sched.plan import POLICIES
+from .units import parse_bytes
+
+
+def pick_device(device) -> torch.device:
+    """The torch device to run on: `device` ("cpu" or "cuda"), or CUDA when there is one."""
+    if device is None:
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    try:
+        device = torch.device(device)
+    except (RuntimeError, TypeError):
+        raise ValueError(f"device must be 'cpu' or 'cuda', got {device!r}") from None
+    if device.type not in ("cpu", "cuda"):
+        raise ValueError(f"device must be 'cpu' or 'cuda', got {device}")
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError("device 'cuda' asked for, but no CUDA GPU is available")
+    return device
+
+
+def check_options(policy, lr, momentum, weight_decay, seed, precision) -> None:
+    """A known policy, non-negative numbers for the optimizer, a non-negative int seed and
+    a precision of None, "tf32" or "ieee"."""
+    if policy not in POLICIES:
+        raise ValueError(f"unknown policy {policy!r}; choose one of {POLICIES}")
+    for name, value in (("lr", lr), ("momentum", momentum), ("weight_decay", weight_decay)):
+        if not isinstance(value, (int, float)) or isinstance(value, bool) or value < 0:
+            raise ValueError(f"{name} must be a non-negative number, got {value!r}")
+    if not isinstance(seed, int) or isinstance(seed, bool) or seed < 0:
+        raise ValueError(f"seed must be a non-negative int, got {seed!r}")
+    if precision not in (None, "tf32", "ieee"):
+        raise ValueError(f"precision must be None, 'tf32' or 'ieee', got {precision!r}")
+
+
+def check_graph_request(cuda_graph, device, net) -> None:
+    """cuda_graph must be a bool; True needs a CUDA device and a net whose layers draw no
+    new random numbers each iteration (a replayed launch keeps its arguments)."""
+    if not isinstance(cuda_graph, bool):
+        raise ValueError(f"cuda_graph must be a bool, got {cuda_graph!r}")
+    if not cuda_graph:
+        return
+    random = [layer.name for layer in net.layers if spec(layer).draws(layer)]
+    if random:
+        raise ValueError(f"cuda_graph=True cannot replay dropout layers {random}: their mask "
+                         "seed changes every iteration")
+    if device.type != "cuda":
+        raise ValueError(f"cuda_graph=True needs a CUDA device, got {device}")
+
+
+def check_machine(memory, host_memory, device) -> None:
+    """OutOfMemory (one line) when `memory` is more than the device can give, or
+    `host_memory` more than the host can pin: before anything is planned or allocated."""
+    check_available(parse_bytes(memory), device, f"memory={memory!r}")
+    if host_memory is not None:
+        check_available(parse_bytes(host_memory), "cpu", f"host_memory={host_memory!r}",
+                        pinned=device.type == "cuda")
+
+
+def check_batch(net, images, labels) -> None:
+    """A training batch: net.batch images and as many labels."""
+    check_images(net, images)
+    check_labels(net, labels, net.batch)
+
+
+def check_labels(net, labels, n) -> None:
+    """int64 labels of shape (n,), each in [0, net.classes)."""
+    if not isinstance(labels, torch.Tensor) or labels.dtype != torch.int64:
+        raise ValueError(f"labels must be an int64 torch tensor, got "
+                         f"{getattr(labels, 'dtype', type(labels).__name__)}")
+    if tuple(labels.shape) != (n,):
+        raise ValueError(f"labels must have shape ({n},), got {tuple(labels.shape)}")
+    low, high = (int(v) for v in torch.aminmax(labels))   # a GPU tensor: two scalars
+    if low < 0 or high >= net.classes:
+        raise ValueError(f"labels must lie in [0, {net.classes}), got values in [{low}, {high}]")
+
+
+def check_images(net, images, up_to=False) -> int:
+    """float32, finite, shape (net.batch, *input_shape); with up_to, any batch from 1 to
+    net.batch. Returns the batch."""
+    if not isinstance(images, torch.Tensor) or images.dtype != torch.float32:
+        raise ValueError(f"images must be a float32 torch tensor, got "
+                         f"{getattr(images, 'dtype', type(images).__name__)}")
+    n = images.shape[0] if up_to and images.dim() else net.batch
+    want = (n, *net.input_shape)
+    if tuple(images.shape) != want or not 1 <= n <= net.batch:
+        sizes = f"(1..{net.batch}, " if up_to else f"({net.batch}, "
+        raise ValueError(f"images must have shape {sizes}"
+                         f"{', '.join(map(str, net.input_shape))}), got {tuple(images.shape)}")
+    # a float64 sum of float32 values overflows only if one is inf or NaN; on a GPU
+    # tensor it allocates one scalar, where isfinite() would allocate the batch's size
+    if not math.isfinite(images.sum(dtype=torch.float64)):
+        raise ValueError("images contain NaN or infinite values")
+    return n

@@ -325,9 +325,8 @@ class Runtime:
         return launch
 
     def _then_update(self, kernel, lp):
-        """`kernel`, then (data parallel) the start of the all-reduce of the layer's
-        parameter gradients, then the SGD updates that `program.updates` places at this
-        pass, each after its layer's all-reduce when data parallel (distributed.py)."""
+        """`kernel`, then (data parallel) the start of its layer's gradient all-reduce, then
+        the SGD updates `program.updates` places here, each after its layer's all-reduce."""
         p, sync = self.program, self.grad_sync
         reduce = lp.layer if sync is not None and lp.layer.params else None
         layers = p.updates.get(lp.index, [])

@@ -250,7 +250,9 @@ def test_process_peak_stays_within_the_cap(tmp_path, monkeypatch, cuda_graph, pi
     memory = tight_cap(net)
     torch.cuda.empty_cache()
     before = torch.cuda.memory_allocated()
-    rt = sn.Runtime(net, memory, "all", device="cuda", lr=0.05, momentum=0.9,
+    # lr 0.01: at 0.05 (momentum 0.9) this net diverges on two random-label batches under
+    # every policy and cap alike (measured on the H200), which says nothing about the cap
+    rt = sn.Runtime(net, memory, "all", device="cuda", lr=0.01, momentum=0.9,
                     cuda_graph=cuda_graph)
     assert os.listdir(tmp_path / "conv-rankings"), "rankings were timed and kept"
     assert rt.rankings and rt.plan.capacity <= memory       # "all": a grid cap (plan.py)

@@ -40,22 +40,38 @@ class Branchy(nn.Module):
         return self.head(torch.relu(self.fc1(h)))
 
 
-def _step_both(module, net, batch, device, memory, seed=4, lr=0.05, momentum=0.9):
+def _batch(net, batch, seed=4):
+    gen = torch.Generator().manual_seed(seed)
+    return (torch.randn((batch, *net.input_shape), generator=gen),
+            torch.randint(0, net.classes, (batch,), generator=gen))
+
+
+def _torch_step(module, images, labels, dtype, device="cpu", lr=0.05, momentum=0.9):
+    """One SGD step of a copy of `module` in `dtype` on `device` (TF32 off): its loss and
+    its state afterwards, as float64 CPU tensors."""
+    matmul, cudnn = torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32
+    torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = False
+    try:
+        ref = copy.deepcopy(module).to(device=device, dtype=dtype).train()
+        opt = torch.optim.SGD(ref.parameters(), lr=lr, momentum=momentum)
+        loss = F.cross_entropy(ref(images.to(device, dtype)), labels.to(device))
+        loss.backward()
+        opt.step()
+    finally:
+        torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = matmul, cudnn
+    return loss.item(), {k: v.double().cpu() for k, v in ref.state_dict().items()
+                         if not k.endswith("num_batches_tracked")}
+
+
+def _step_both(module, net, batch, device, memory, lr=0.05, momentum=0.9):
     """One SGD step of tinysn and of the module in float64; returns both losses and states."""
-    ref = copy.deepcopy(module).double().train()
     rt = sn.Runtime(net, memory, "all", device=device, lr=lr, momentum=momentum,
                     precision="ieee", conv_algos={})
     rt.load_params(module.state_dict())
-    gen = torch.Generator().manual_seed(seed)
-    images = torch.randn((batch, *net.input_shape), generator=gen)
-    labels = torch.randint(0, net.classes, (batch,), generator=gen)
+    images, labels = _batch(net, batch)
     loss = rt.step(images.to(device), labels.to(device))
-    opt = torch.optim.SGD(ref.parameters(), lr=lr, momentum=momentum)
-    ref_loss = F.cross_entropy(ref(images.double()), labels)
-    ref_loss.backward()
-    opt.step()
-    theirs = {k: v for k, v in ref.state_dict().items() if not k.endswith("num_batches_tracked")}
-    return loss, ref_loss.item(), rt.params(), theirs
+    ref_loss, theirs = _torch_step(module, images, labels, torch.float64)
+    return loss, ref_loss, rt.params(), theirs
 
 
 def _assert_step_equal(module, net, batch, device="cpu", memory="256MiB", rtol=2e-4,
@@ -66,6 +82,26 @@ def _assert_step_equal(module, net, batch, device="cpu", memory="256MiB", rtol=2
     for name, value in ours.items():
         torch.testing.assert_close(value.double(), theirs[name], rtol=rtol, atol=atol,
                                    msg=lambda m: f"{name}: {m}")
+
+
+def _assert_as_close_as_torch_float32(module, net, batch, device, memory, slack=4.0,
+                                      floor=1e-4):
+    """Deep nets with batch norm over few values amplify float32 rounding (a batch-2
+    ResNet-50 at 32x32 moves PyTorch's own float32 first-conv gradient by 10x from float64),
+    so a fixed tolerance says nothing there. The oracle: each parameter's change in one step
+    (and the loss) is as close to the float64 truth as PyTorch's float32 on the same device
+    is, within `slack` times its error (relative to the change's largest element) + `floor`."""
+    loss, ref_loss, ours, theirs = _step_both(module, net, batch, device, memory)
+    images, labels = _batch(net, batch)
+    loss32, torch32 = _torch_step(module, images, labels, torch.float32, device)
+    assert abs(loss - ref_loss) <= slack * abs(loss32 - ref_loss) + floor * abs(ref_loss)
+    before = {k: v.double() for k, v in module.state_dict().items() if k in theirs}
+    for name, truth in theirs.items():
+        change = truth - before[name]
+        scale = change.abs().max().item() or 1.0
+        err = ((ours[name].double() - before[name]) - change).abs().max().item() / scale
+        err32 = ((torch32[name] - before[name]) - change).abs().max().item() / scale
+        assert err <= slack * err32 + floor, f"{name}: error {err:.2e}, torch float32 {err32:.2e}"
 
 
 def test_branchy_module_imports_with_torch_names_and_steps_like_torch():
@@ -216,7 +252,7 @@ def _torchvision_case(name):
         if isinstance(m, nn.Dropout):
             m.p = 0.0
     # AlexNet and VGG pool adaptively to 6x6 and 7x7, which their 224 input reaches exactly
-    size = 224 if name in ("alexnet", "vgg16") else 32
+    size = 224 if name in ("alexnet", "vgg16") else 64
     return module, (3, size, size), 2
 
 
@@ -242,8 +278,8 @@ def test_torchvision_model_steps_like_torch_on_gpu(name):
     """One training step on the GPU (a ResNet-50 step in the CPU interpreter takes over
     20 minutes, so the CPU checks stop at the import and the float64 forward above)."""
     module, shape, batch = _torchvision_case(name)
-    _assert_step_equal(module, sn.from_torch(module, input_shape=shape, batch=batch), batch,
-                       device="cuda", memory="4GiB", rtol=1e-3, atol=1e-4)
+    _assert_as_close_as_torch_float32(module, sn.from_torch(module, input_shape=shape,
+                                                            batch=batch), batch, "cuda", "4GiB")
 
 
 @pytest.mark.gpu

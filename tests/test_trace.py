@@ -75,8 +75,8 @@ def test_gpu_trace_times_kernels_and_copies_with_cuda_events(tmp_path):
         rt.step(images, labels)
     events = rt.recorder.events()
     spans = [e for e in events if e["ph"] == "X"]
-    assert sum(e["tid"] == 0 for e in spans) == len(_ops(rt, ("kernel",)))
-    assert sum(e["tid"] in (1, 2) for e in spans) == len(_ops(rt, ("offload", "prefetch")))
+    assert sum(e["tid"] == 0 for e in spans) == len(_ops(rt, (Launch,)))
+    assert sum(e["tid"] in (1, 2) for e in spans) == len(_ops(rt, (Offload, Prefetch)))
     assert all(e["ts"] >= 0 and e["dur"] >= 0 for e in spans)
     end = max(e["ts"] + e["dur"] for e in spans if e["tid"] == 0)
     assert all(e["ts"] <= end for e in spans if e["tid"] != 0)

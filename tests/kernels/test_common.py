@@ -62,3 +62,28 @@ def test_dot_precision_is_per_call():
     assert not hasattr(_common, "set_precision")      # no module-wide default to change
     with pytest.raises(ValueError, match="precision"):
         _common.dot_precision("fp16")
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_compiling_in_parallel_compiles_without_running():
+    """Inside the block a direct launch (run) and an autotuned one (launch) compile every
+    config and write nothing; afterwards both run from the compiled cache."""
+    from tinysn.kernels import act, lrn
+    from tinysn.kernels._common import compiling_in_parallel
+
+    x = torch.randn(3000, device="cuda")
+    y = torch.full_like(x, 7.0)
+    xs = torch.randn(2, 5, 4, 4, device="cuda")
+    ys = torch.full_like(xs, 7.0)
+    with compiling_in_parallel(4):
+        act.forward(x, y)
+        lrn.forward(xs, ys, size=3, alpha=1e-4, beta=0.75, k=2.0)
+    torch.cuda.synchronize()
+    assert bool((y == 7).all()) and bool((ys == 7).all()), "a kernel ran inside the block"
+    compiled = [len(k.device_caches[0][0]) for k in (act._relu_fwd_kernel,)]
+    act.forward(x, y)
+    assert torch.equal(y, x.clamp_min(0))
+    assert [len(k.device_caches[0][0]) for k in (act._relu_fwd_kernel,)] == compiled
+    lrn.forward(xs, ys, size=3, alpha=1e-4, beta=0.75, k=2.0)
+    assert not bool((ys == 7).all())

@@ -2,14 +2,14 @@
 # Every GPU figure in few calls on the device machine; each stage has its own time limit and
 # writes its results straight into $OUT (never into the tracked bench/results/).
 #   PYTHONPATH=. OUT=/some/dir bash bench/gpu_run.sh STAGE...
-# stages: streams tests runtime cap kernels pool train memory-a memory-b deep-graph ddp-b32 ddp-largest
+# stages: first-run streams tests runtime cap kernels pool train memory-a memory-b deep-graph ddp-b32 ddp-largest
 # (the ddp stages need two GPUs: bench/ddp.py, one file with both stages' configurations)
 # Copy a result into bench/results/ by hand once it is checked, one file per configuration.
 set -u
 export PYTHONPATH=${PYTHONPATH:-.}
 export PYTHONUNBUFFERED=1
 OUT=${OUT:-/tmp/tinysn-gpu}
-STAGES="streams tests runtime cap kernels pool train memory-a memory-b deep-graph ddp-b32 ddp-largest"
+STAGES="first-run streams tests runtime cap kernels pool train memory-a memory-b deep-graph ddp-b32 ddp-largest"
 for stage in "$@"; do
   case " $STAGES " in *" $stage "*) ;; *) echo "unknown stage '$stage' (stages: $STAGES)"; exit 2 ;; esac
 done
@@ -22,6 +22,7 @@ seed_memory() { [ -e "$OUT/memory-$GPU.json" ] || cp "bench/results/memory-$GPU.
 for stage in "$@"; do
   start=$(date +%s)
   case $stage in
+    first-run) timeout ${FIRST_S:-300} python3 bench/first_run.py --out "$OUT/first-run-$GPU.json" 2>&1 | tail -14 ;;
     streams)  TINYSN_AUTOTUNE=0 timeout 150 python3 -m pytest -q -m gpu -p no:cacheprovider tests/sched/test_streams.py 2>&1 | tail -5 ;;
     # every gpu-marked test; each autotuned kernel's configs are all checked by the
     # *_every_config tests, so the rest run untuned (one compile per shape)

@@ -161,7 +161,7 @@ def copy_bandwidth(nbytes=1 << 30) -> dict:
 def train_for_real(net, memory, host_memory=None, steps=2, cuda_graph=False):
     """Plan (conv rankings timed on the GPU first), train warm-up + `steps` timed iterations
     (with cuda_graph, the warm-up includes the eager steps and the capture), report."""
-    torch.cuda.empty_cache()
+    common.release_memory()
     torch.cuda.reset_peak_memory_stats()
     held_before = torch.cuda.memory_allocated()
     t0 = time.perf_counter()
@@ -197,7 +197,7 @@ def train_for_real(net, memory, host_memory=None, steps=2, cuda_graph=False):
            "bytes_moved_per_step": moved, "transfer_gb_per_s": moved / s / 1e9,
            "recomputed_steps": rt.plan.recomputed_steps, "conv_algos_chosen": algos}
     del rt
-    torch.cuda.empty_cache()
+    common.release_memory()
     for name in ("_host_emptyCache", "_accelerator_emptyHostCache"):   # torch's pinned cache
         if hasattr(torch._C, name):
             getattr(torch._C, name)()

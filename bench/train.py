@@ -77,8 +77,8 @@ def host_batch(net, device):
 
 def reset_peak(device) -> None:
     """Start a row's process peak: cached blocks handed back, torch's peak statistics reset."""
+    common.release_memory()
     if device.type == "cuda":
-        torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats()
 
 
@@ -197,7 +197,7 @@ def table_rows(result: dict) -> list:
             reason = row.get("refused") or row.get("error")
             rows.append(f"| {name} | {why} | | | {reason} |")
             continue
-        allocated = row.get("process_peak_bytes", row.get("max_memory_allocated"))  # older runs
+        allocated = row.get("process_peak_bytes")
         memory = (f"pool peak {row['peak_bytes']:,} B" if "peak_bytes" in row else
                   "-" if allocated is None else f"{allocated:,} B allocated")
         rows.append(f"| {name} | {row['images_per_s']:,.0f} | "

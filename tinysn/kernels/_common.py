@@ -254,7 +254,7 @@ def launch(tuner, grid, args, kwargs):
     pick directly, skipping the autotuner's per-call bookkeeping (host time per launch
     matters: the runtime launches hundreds of kernels per step)."""
     if _COMPILE_ONLY and not INTERPRET:
-        tuner.warmup(*args, grid=grid, **kwargs)
+        _compile_configs(tuner, grid, args, kwargs)
         return
     key = (id(tuner), tuple(a for a in args if not isinstance(a, torch.Tensor)),
            tuple(kwargs.items()))
@@ -266,6 +266,15 @@ def launch(tuner, grid, args, kwargs):
         if launched:
             return
     tuner.fn[grid(cfg.kwargs)](*args, **kwargs, **cfg.all_kwargs())
+
+
+def _compile_configs(tuner, grid, args, kwargs) -> None:
+    """Compile (queue on the pool) the configs a launch would consider: the autotuner's
+    pruned list, or its only config, which triton runs unpruned."""
+    if len(tuner.configs) > 1:
+        tuner.warmup(*args, grid=grid, **kwargs)
+    else:
+        tuner.fn.warmup(*args, grid=grid, **kwargs, **tuner.configs[0].all_kwargs())
 
 
 def _first_launch(tuner, grid, args, kwargs):

@@ -119,3 +119,13 @@ def test_deep_resnet_graph_run_as_quoted():
     assert run["conv_fc_layers"] == 6201
     assert f"{real['seconds_per_step']:.2f} s per step, {real['images_per_s']:.1f}" in BENCH_README
     assert f"{real['transfer_gb_per_s']:.1f} GB/s moved" in BENCH_README
+
+
+def test_step_time_table_is_what_predict_prints():
+    """bench/README.md's model-against-measurement table is bench/predict.py's output."""
+    from bench import predict
+    rows = predict.main(["--results", str(RESULTS)])
+    assert len(rows) >= 3
+    lines = set(BENCH_README.splitlines())
+    for line in predict.table(rows):
+        assert line in lines, line

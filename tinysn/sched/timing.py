@@ -19,8 +19,8 @@ a `Timeline`: the predicted step time, what bound it, and every kernel and copy 
 start and end (what a stream timeline of the plan draws).
 
 The device figures are a model, not a measurement: `DeviceModel.h200()` states the numbers it
-assumes and where they come from; bench/memory.py and bench/train.py print the prediction
-beside the measured step time, so its error is visible.
+assumes and where they come from; bench/predict.py sets the prediction beside every measured
+step in bench/results, so its error is visible (bench/README.md).
 """
 from __future__ import annotations
 

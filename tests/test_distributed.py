@@ -201,7 +201,7 @@ def test_batch_norm_keeps_per_rank_statistics_as_ddp(ranks):
 
 
 @pytest.mark.parametrize("key", [*(("small", p) for p in sn.POLICIES), ("one", "all"),
-                                 ("per tensor", "all")])
+                                 ("per tensor", "all")], ids=" ".join)
 def test_buckets_equal_single_process_on_concatenated_batch(ranks, key):
     """Several two-layer buckets (every policy; coalesced, and one call per tensor) and a
     single bucket all train as one process on the concatenated batch, with peak == plan."""
@@ -232,7 +232,8 @@ def _gpu_net():
 
 def _gpu_worker(rank, port, out_dir):
     """One NCCL rank: each policy eager and graphed side by side, five steps each (two
-    eager warm-ups, the capture, two replays); saves losses and parameters."""
+    eager warm-ups, the capture, two replays), the gradients in several 4 MiB buckets
+    (coalesced NCCL all-reduces); saves losses, parameters and the buckets."""
     os.environ.update(WORLD_SIZE=str(WORLD), RANK=str(rank), LOCAL_RANK=str(rank),
                       MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), NCCL_NVLS_ENABLE="0")
     group, _, _ = distributed.from_env("cuda")
@@ -241,13 +242,15 @@ def _gpu_worker(rank, port, out_dir):
         for policy in ("baseline", "offload", "all"):
             runs = [sn.Runtime(_gpu_net(), "4GiB", policy, device="cuda", lr=0.05,
                                momentum=0.9, seed=rank, conv_algos={}, cuda_graph=graph,
-                               process_group=group) for graph in (False, True)]
+                               process_group=group, bucket_bytes="4MiB")
+                    for graph in (False, True)]
             losses = [[], []]
             for step in range(5):
                 images, labels = distributed.shard(*global_batch(_gpu_net(), step), rank, WORLD)
                 for i, rt in enumerate(runs):
                     losses[i].append(rt.step(images.cuda(), labels.cuda()))
             results[policy] = {"losses": losses, "params": [rt.params() for rt in runs],
+                               "buckets": len(runs[0].program.buckets),
                                "peak_equals_plan": [rt.stats.peak_bytes == rt.plan.peak_bytes
                                                     for rt in runs]}
         torch.save(results, os.path.join(out_dir, f"rank{rank}.pt"))
@@ -267,6 +270,7 @@ def test_nccl_ranks_agree_and_graph_replays_match_eager(tmp_path):
         for rank in range(WORLD):
             mine = ranks[rank][policy]
             assert all(mine["peak_equals_plan"]), (policy, rank)
+            assert mine["buckets"] > 2, (policy, rank)
             assert mine["losses"][0] == mine["losses"][1], (policy, rank)
             for name, value in mine["params"][1].items():
                 assert torch.equal(value, mine["params"][0][name]), (policy, rank, name)

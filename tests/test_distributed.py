@@ -8,6 +8,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 import torch.nn.functional as F
+from hypothesis import given, strategies as st
 
 import tinysn as sn
 import tinysn.testing as snt
@@ -329,6 +330,17 @@ def test_plan_keeps_gradients_until_their_update(policy):
                 assert row["ends"] == "kept" or row["last"] >= _launch_index(plan, at), row
     single = sn.plan(net, "4MiB", policy, momentum=MOMENTUM)
     assert plan.peak_bytes >= single.peak_bytes
+
+
+@snt.settings(10)
+@given(net=snt.nets(), policy=snt.policies(), bucket_bytes=st.integers(1, 4096),
+       data=st.data())
+def test_every_data_parallel_plan_is_a_correct_schedule(net, policy, bucket_bytes, data):
+    """Random nets, policies, bucket sizes and caps down to the smallest: every gradient of
+    a bucket is on the device when its all-reduce starts and when its updates run."""
+    options = {"momentum": MOMENTUM, "data_parallel": True, "bucket_bytes": bucket_bytes}
+    cap = data.draw(snt.caps(net, policy, **options))
+    snt.check_plan(sn.plan(net, cap, policy, **options))
 
 
 def test_bad_process_group_raises_before_planning():

@@ -29,8 +29,8 @@ from ..ops import spec
 from ..units import parse_bytes
 from . import route
 
-UPDATE_LAG = 2   # data parallel: backward passes between a layer's gradients and its update
-                 # (the all-reduce overlaps that many kernels; costs that many layers' gradients)
+UPDATE_LAG = 2   # data parallel: backward passes between a bucket's start and its updates
+                 # (its all-reduce overlaps that many kernels; its gradients live that long)
 BUCKET_BYTES = 25 << 20   # data parallel: gradient bytes that close a bucket (DDP's default)
 
 

@@ -28,6 +28,8 @@ BAD = [
     ("train --host-memory abc", ["--host-memory", "e.g. --host-memory 60GiB"]),
     ("train --host-memory 12G", ["--host-memory", "12GiB"]),
     ("plan --host-memory -1", ["--host-memory", "e.g. --host-memory 60GiB"]),
+    ("train --bucket-bytes 0", ["--bucket-bytes", "e.g. --bucket-bytes 25MiB"]),
+    ("train --bucket-bytes 25M", ["--bucket-bytes", "e.g. --bucket-bytes 25MiB"]),
     ("train --seed -1", ["--seed", "e.g. --seed 0"]),
     ("train --steps -1", ["--steps", "e.g. --steps 20"]),
     ("train --steps 0", ["--steps", "e.g. --steps 20"]),

@@ -29,6 +29,7 @@ import time
 
 from . import models
 from .errors import OutOfMemory
+from .sched.liveness import BUCKET_BYTES, parse_bucket_bytes
 from .sched.plan import POLICIES
 from .units import format_bytes, parse_bytes
 
@@ -160,6 +161,9 @@ def _train_parser(p):
     p.add_argument("--cuda-graph", action="store_true",
                    help="replay each step as a CUDA graph (needs --schedule constant and a "
                         "model without dropout)")
+    p.add_argument("--bucket-bytes", type=_checked(parse_bucket_bytes, "--bucket-bytes 25MiB"),
+                   default=BUCKET_BYTES, help="under torchrun: gradient bytes per all-reduce "
+                                              "bucket (layers in backward order)")
     # checkpoints (tinysn/checkpoint.py): save, periodically and at the end; resume exactly
     p.add_argument("--save", default=None, help="checkpoint path, written at the end")
     p.add_argument("--save-every", type=_checked(_count(1), "--save-every 50"), default=None,
@@ -398,7 +402,7 @@ def _train(args) -> int:
         rt = Runtime(net, args.memory, args.policy, device=args.device, lr=lr,
                      momentum=args.momentum, weight_decay=args.weight_decay, seed=args.seed,
                      host_memory=args.host_memory, cuda_graph=args.cuda_graph,
-                     process_group=group)
+                     process_group=group, bucket_bytes=args.bucket_bytes)
     except ValueError as err:           # e.g. --cuda-graph with dropout
         raise UsageError(str(err)) from None
     except OutOfMemory as err:

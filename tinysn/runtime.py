@@ -30,8 +30,9 @@ silently compute wrong numbers).
 Beside it, each found by name: inputs.py (every argument check), graphs.py (`cuda_graph=True`:
 after `GRAPH_WARMUP` eager steps the step is captured once as a CUDA graph and replayed),
 evaluate.py (`predict`, `evaluate`), checkpoint.py (`params`, `state_dict` and their loads)
-and distributed.py (`process_group`: one rank of data-parallel training, each layer's
-gradients all-reduced during the backward pass and its update a few passes later).
+and distributed.py (`process_group`: one rank of data-parallel training, the gradients
+all-reduced in buckets of `bucket_bytes` during the backward pass, each bucket's updates a
+few passes after its last layer).
 """
 from __future__ import annotations
 
@@ -45,6 +46,7 @@ from .graphs import GRAPH_WARMUP, GraphReplay
 from .kernels import sgd as sgd_k
 from .ops import spec
 from .pool.arena import Arena
+from .sched import liveness
 from .sched import plan as plan_mod
 from .sched import workspace
 from .sched.plan import (Alloc, Drop, Evict, Free, Launch, Mark, Offload, Prefetch, Release,
@@ -91,18 +93,21 @@ class Runtime:
     def __init__(self, net, memory, policy: str = "baseline", device=None, lr: float = 0.01,
                  momentum: float = 0.0, weight_decay: float = 0.0, seed: int = 0,
                  conv_algos=None, precision=None, layout="auto", host_memory=None,
-                 cuda_graph: bool = False, process_group=None):
+                 cuda_graph: bool = False, process_group=None,
+                 bucket_bytes=liveness.BUCKET_BYTES):
         device = inputs.pick_device(device)
         inputs.check_graph_request(cuda_graph, device, net)
         inputs.check_options(policy, lr, momentum, weight_decay, seed, precision)
         inputs.check_machine(memory, host_memory, device)
-        distributed.check_group(process_group, device, net)   # last check: a collective
+        bucket_bytes = liveness.parse_bucket_bytes(bucket_bytes)
+        distributed.check_group(process_group, device, net, bucket_bytes)  # last: a collective
         if device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(device)
         self.net, self.policy, self.device = net, policy, device
         distributed.plan_everywhere(process_group, device, lambda: self._plan_in_pool(
             memory, momentum=momentum, conv_algos=conv_algos, layout=layout,
-            host_memory=host_memory, data_parallel=process_group is not None))
+            host_memory=host_memory, data_parallel=process_group is not None,
+            bucket_bytes=bucket_bytes))
         self.lr, self.momentum, self.weight_decay, self.seed = lr, momentum, weight_decay, seed
         self.precision = precision
         self.program = self.plan.program
@@ -325,24 +330,25 @@ class Runtime:
         return launch
 
     def _then_update(self, kernel, lp):
-        """`kernel`, then (data parallel) the start of its layer's gradient all-reduce, then
-        the SGD updates `program.updates` places here, each after its layer's all-reduce."""
+        """`kernel`, then (data parallel) the start of the all-reduce of the gradient bucket
+        that ends at this pass, then the SGD updates of the buckets `program.updates` places
+        here, each bucket's after its all-reduce."""
         p, sync = self.program, self.grad_sync
-        reduce = lp.layer if sync is not None and lp.layer.params else None
-        layers = p.updates.get(lp.index, [])
-        if reduce is None and not layers:
+        reduce = p.reduces.get(lp.index) if sync is not None else None
+        buckets = p.updates.get(lp.index, [])
+        if reduce is None and not buckets:
             return kernel
         updates = [[(p.param[n], p.pgrad[n], p.momentum.get(n))
-                    for n in (f"{layer.name}.{suffix}" for suffix in layer.params)]
-                   for layer in layers]
+                    for layer in bucket for n in (f"{layer.name}.{s}" for s in layer.params)]
+                   for bucket in buckets]
 
         def launch(algos, ws):
             kernel(algos, ws)
             if reduce is not None:
                 sync.start(reduce)
-            for layer, tensors in zip(layers, updates):
+            for bucket, tensors in zip(buckets, updates):
                 if sync is not None:
-                    sync.finish(layer)
+                    sync.finish(bucket)
                 for param, grad, mom in tensors:
                     sgd_k.update(self.view(param), self.view(grad),
                                  None if mom is None else self.view(mom), lr=self.lr,

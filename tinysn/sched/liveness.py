@@ -10,10 +10,13 @@ tensor's uses give its live range, and the in/out live sets of every pass follow
 is live from the pass that writes it first to the last pass that reads it. The planner
 (plan.py) turns each pass into one or more executed `Step`s.
 
-Data parallel (`data_parallel=True`, tinysn/distributed.py): a layer's parameter gradients
-are all-reduced across ranks while the backward pass goes on, so its update moves to the
-backward pass `UPDATE_LAG` passes later (or the last pass), which then also reads those
-gradients: their live range, and with it every plan's peak, covers the all-reduce.
+Data parallel (`data_parallel=True`, tinysn/distributed.py): parameter gradients are
+all-reduced across ranks while the backward pass goes on, in buckets: consecutive layers in
+backward order, closed once they hold `bucket_bytes` of gradients (`group_buckets`). A
+bucket's collective starts after the backward pass of its last layer, which therefore also
+reads the bucket's other gradients; the updates of all its layers move to the backward pass
+`UPDATE_LAG` passes after that one (or the last pass), which reads the gradients again:
+their live ranges, and with them every plan's peak, cover the all-reduce in flight.
 """
 from __future__ import annotations
 
@@ -23,10 +26,39 @@ from dataclasses import dataclass, field
 import torch
 
 from ..ops import spec
+from ..units import parse_bytes
 from . import route
 
-UPDATE_LAG = 2   # data parallel: backward passes between a layer's gradients and its update
-                 # (the all-reduce overlaps that many kernels; costs that many layers' gradients)
+UPDATE_LAG = 2   # data parallel: backward passes between a bucket's start and its updates
+                 # (its all-reduce overlaps that many kernels; its gradients live that long)
+BUCKET_BYTES = 25 << 20   # data parallel: gradient bytes that close a bucket (DDP's default)
+
+
+def parse_bucket_bytes(value) -> int:
+    """`value` (bytes, or a string like '25MiB') as a positive byte count; one clear
+    ValueError naming bucket_bytes otherwise."""
+    try:
+        return parse_bytes(value)
+    except ValueError:
+        raise ValueError(f"bucket_bytes must be a positive number of bytes or a string like "
+                         f"'25MiB', got {value!r}") from None
+
+
+def group_buckets(sizes, bucket_bytes: int) -> list:
+    """Split `sizes`, (item, gradient bytes) pairs in backward order, into buckets: lists of
+    consecutive items, each closed as soon as it holds at least `bucket_bytes` (the last
+    one may hold less). Fewer, larger collectives; a bucket's all-reduce can start only
+    when its last item's gradients exist, so a bucket never skips an item."""
+    buckets, current, held = [], [], 0
+    for item, nbytes in sizes:
+        current.append(item)
+        held += nbytes
+        if held >= bucket_bytes:
+            buckets.append(current)
+            current, held = [], 0
+    if current:
+        buckets.append(current)
+    return buckets
 
 
 @dataclass
@@ -61,11 +93,13 @@ class LayerPass:
 class Program:
     """The logical program of one training iteration of `net` and its tensors."""
 
-    def __init__(self, net, momentum: float = 0.0, data_parallel: bool = False):
+    def __init__(self, net, momentum: float = 0.0, data_parallel: bool = False,
+                 bucket_bytes: int = BUCKET_BYTES):
         net.check()
         self.net = net
         self.momentum_value = momentum
         self.data_parallel = data_parallel
+        self.bucket_bytes = bucket_bytes
         self.order = route.forward_order(net)
         self.requires_grad = set()   # layers whose output's gradient reaches a parameter
         for layer in self.order:
@@ -77,7 +111,7 @@ class Program:
         self._make_tensors(momentum)
         self.passes: list[LayerPass] = []
         self._make_passes()
-        self.updates = self._place_updates()
+        self.buckets, self.reduces, self.updates = self._place_updates()
         self.uses = self._uses()
 
     # -- tensors -------------------------------------------------------------------------
@@ -165,25 +199,41 @@ class Program:
             lp.writes += self._layer_params(layer, self.pgrad)
             self.passes.append(lp)
 
-    def _place_updates(self) -> dict:
-        """Backward pass index -> layers whose SGD update runs at the end of that pass.
+    def _place_updates(self):
+        """(buckets, reduces, updates): the gradient buckets (tuples of layers in backward
+        order; data parallel only), backward pass index -> the bucket whose all-reduce
+        starts after that pass, and backward pass index -> the buckets whose layers' SGD
+        updates run at the end of that pass.
 
-        Single process: each layer at its own backward pass. Data parallel: `UPDATE_LAG`
-        backward passes later (at most the last pass), and that pass reads the layer's
-        parameter gradients, parameters and momentum, which extends the gradients' liveness
-        over the all-reduce in flight."""
-        updates = {}
+        Single process: no all-reduce; each layer is updated at its own backward pass (a
+        bucket of one). Data parallel: a bucket starts after its last layer's pass, which
+        reads all the bucket's gradients, and is updated `UPDATE_LAG` backward passes later
+        (at most the last pass), which reads the layers' parameter gradients, parameters
+        and momentum: the gradients stay live over the all-reduce in flight."""
+        backward = [lp for lp in self.passes if lp.phase == "backward" and lp.layer.params]
+        if not self.data_parallel:
+            return [], {}, {lp.index: [(lp.layer,)] for lp in backward}
+        sizes = [(lp, sum(self.tensors[t].nbytes
+                          for t in self._layer_params(lp.layer, self.pgrad)))
+                 for lp in backward]
+        buckets, reduces, updates = [], {}, {}
         last = len(self.passes) - 1
-        for lp in self.passes:
-            if lp.phase != "backward" or not lp.layer.params:
-                continue
-            at = min(lp.index + UPDATE_LAG, last) if self.data_parallel else lp.index
-            updates.setdefault(at, []).append(lp.layer)
-            if at != lp.index:
-                later = self.passes[at]
-                for table in (self.pgrad, self.param, self.momentum):
-                    later.reads += self._layer_params(lp.layer, table)
-        return updates
+        for group in group_buckets(sizes, self.bucket_bytes):
+            bucket, start = tuple(lp.layer for lp in group), group[-1]
+            at = self.passes[min(start.index + UPDATE_LAG, last)]
+            buckets.append(bucket)
+            reduces[start.index] = bucket
+            updates.setdefault(at.index, []).append(bucket)
+            self._add_reads(start, bucket, (self.pgrad,))
+            self._add_reads(at, bucket, (self.pgrad, self.param, self.momentum))
+        return buckets, reduces, updates
+
+    def _add_reads(self, lp, layers, tables):
+        """Make pass `lp` also read the `tables` entries of `layers` it does not touch yet."""
+        touched = set(lp.reads) | set(lp.writes)
+        for layer in layers:
+            for table in tables:
+                lp.reads += [t for t in self._layer_params(layer, table) if t not in touched]
 
     def _uses(self) -> dict:
         """tensor id -> sorted layer pass indices that read or write it."""

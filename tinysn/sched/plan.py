@@ -247,7 +247,7 @@ def grid_cap(nbytes: int, block_bytes: int = 1024) -> int:
 def plan(net, memory, policy: str = "all", *, momentum: float = 0.0, conv_algos=None,
          checkpoints=offload.DEFAULT_CHECKPOINTS, block_bytes: int = 1024,
          layout: str = "auto", host_memory=None, rankings=None,
-         data_parallel: bool = False) -> Plan:
+         data_parallel: bool = False, bucket_bytes=liveness.BUCKET_BYTES) -> Plan:
     """Dry-run one training iteration of `net` under a `memory` cap and `policy`.
 
     Raises OutOfMemory naming the first step that does not fit. `conv_algos` pins conv
@@ -258,9 +258,10 @@ def plan(net, memory, policy: str = "all", *, momentum: float = 0.0, conv_algos=
     turns to recomputation and the others raise OutOfMemory. `rankings` orders the conv
     algorithms of policy "all" fastest first (workspace.measure_rankings; default: least
     workspace first), so a plan is a function of its arguments alone. `data_parallel` plans
-    one rank of data-parallel training: each layer's update waits for its gradients'
-    all-reduce, a few backward steps later (liveness.UPDATE_LAG), so those gradients live
-    that long.
+    one rank of data-parallel training: gradients are all-reduced in buckets of at least
+    `bucket_bytes` (bytes or a string like '25MiB'; consecutive layers in backward order),
+    each layer's update waits for its bucket's all-reduce, a few backward steps after the
+    bucket's last layer (liveness.UPDATE_LAG), so the bucket's gradients live that long.
 
     A plan that fits under a cap fits under every larger cap, for every policy and layout
     (`_Search` says why). The returned plan's `capacity` is the pool it was made for: the
@@ -268,12 +269,14 @@ def plan(net, memory, policy: str = "all", *, momentum: float = 0.0, conv_algos=
     """
     search = _search(net, memory, policy, momentum=momentum, conv_algos=conv_algos,
                      checkpoints=checkpoints, block_bytes=block_bytes, layout=layout,
-                     host_memory=host_memory, rankings=rankings, data_parallel=data_parallel)
+                     host_memory=host_memory, rankings=rankings, data_parallel=data_parallel,
+                     bucket_bytes=bucket_bytes)
     return _choose(search, policy)
 
 
 def _search(net, memory, policy, *, momentum, conv_algos, checkpoints, block_bytes, layout,
-            host_memory, rankings=None, data_parallel=False) -> "_Search":
+            host_memory, rankings=None, data_parallel=False,
+            bucket_bytes=liveness.BUCKET_BYTES) -> "_Search":
     """Check `plan`'s arguments (before any state changes) and set up its runs."""
     if layout not in ("auto", "first_fit", "two_ended"):
         raise ValueError(f"layout must be 'auto', 'first_fit' or 'two_ended', got {layout!r}")
@@ -283,7 +286,8 @@ def _search(net, memory, policy, *, momentum, conv_algos, checkpoints, block_byt
     host_capacity = HOST_CAPACITY if host_memory is None else parse_bytes(host_memory)
     if not isinstance(data_parallel, bool):
         raise ValueError(f"data_parallel must be a bool, got {data_parallel!r}")
-    program = liveness.Program(net, momentum=momentum, data_parallel=data_parallel)
+    program = liveness.Program(net, momentum=momentum, data_parallel=data_parallel,
+                               bucket_bytes=liveness.parse_bucket_bytes(bucket_bytes))
 
     def make(cap, drops, small, floor=False):
         return _Planner(program, cap, policy, conv_algos, checkpoints, block_bytes, drops,

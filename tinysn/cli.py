@@ -159,7 +159,7 @@ def _train_parser(p):
                         "open it in Perfetto or chrome://tracing)")
     p.add_argument("--cuda-graph", action="store_true",
                    help="replay each step as a CUDA graph (needs --schedule constant and a "
-                        "model without dropout)")
+                        "GPU)")
     # checkpoints (tinysn/checkpoint.py): save, periodically and at the end; resume exactly
     p.add_argument("--save", default=None, help="checkpoint path, written at the end")
     p.add_argument("--save-every", type=_checked(_count(1), "--save-every 50"), default=None,
@@ -399,7 +399,7 @@ def _train(args) -> int:
                      momentum=args.momentum, weight_decay=args.weight_decay, seed=args.seed,
                      host_memory=args.host_memory, cuda_graph=args.cuda_graph,
                      process_group=group)
-    except ValueError as err:           # e.g. --cuda-graph with dropout
+    except ValueError as err:           # e.g. --cuda-graph without a GPU
         raise UsageError(str(err)) from None
     except OutOfMemory as err:
         advice = fit_advice(make_net, args.batch, args.memory, args.policy,

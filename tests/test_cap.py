@@ -290,6 +290,31 @@ def test_graph_replays_fed_from_the_host_match_eager_bitwise():
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not GPU, reason="needs a CUDA GPU")
+def test_graphed_vgg_with_dropout_matches_eager_bitwise():
+    """VGG16 at 32x32 (two dropout layers, p 0.5) under "recompute": replays draw the masks
+    eager steps draw (the device counter advances inside the graph), step after step with
+    new batches; a load_state_dict that changes the seed recaptures and still matches."""
+    from tinysn.models import vgg16
+    runs = [sn.Runtime(vgg16(batch=8, classes=10, input_shape=(3, 32, 32)), "2GiB",
+                       "recompute", device="cuda", lr=0.01, momentum=0.9, conv_algos={},
+                       cuda_graph=graph) for graph in (False, True)]
+    for i in range(8):
+        if i == 5:
+            for rt in runs:
+                rt.load_state_dict({**runs[0].state_dict(), "seed": torch.tensor(11)})
+        images, labels = batch_for(runs[0].net, seed=i)
+        eager, graphed = (rt.step(images, labels) for rt in runs)
+        assert graphed == eager, i
+    assert runs[1].replay.graph is not None
+    for rt in runs:
+        assert int(rt.view(rt.program.iteration)) == rt.stats.iterations == 8
+        assert rt.stats.peak_bytes == rt.plan.peak_bytes
+    for name, value in runs[1].params().items():
+        assert torch.equal(value, runs[0].params()[name]), name
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not GPU, reason="needs a CUDA GPU")
 def test_bench_ms_allocates_nothing_and_rankings_come_back_from_disk(tmp_path, monkeypatch):
     from tinysn.kernels._common import bench_ms
 

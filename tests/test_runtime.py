@@ -130,8 +130,6 @@ def test_cuda_graph_request_checked_before_anything_runs():
     if not torch.cuda.is_available():
         with pytest.raises(ValueError, match="needs a CUDA device"):
             sn.Runtime(block_net(batch=2, p=0.0), "64MiB", cuda_graph=True)
-    with pytest.raises(ValueError, match="cannot replay dropout"):
-        sn.Runtime(block_net(batch=2, p=0.3), "64MiB", cuda_graph=True)
     rt = sn.Runtime(block_net(batch=2, p=0.0), "64MiB", device="cpu")
     assert rt.cuda_graph is False
 
@@ -172,3 +170,25 @@ def test_cuda_graph_replays_match_eager_bitwise():
             assert graph_rt.plan.recomputed_steps > 0
         for name, value in graph_rt.params().items():
             assert torch.equal(value, eager_rt.params()[name]), (policy, name)
+
+
+def test_dropout_masks_come_from_a_device_counter_each_training_step_advances():
+    """The counter the dropout kernels read is planned in the pool (peak == plan), starts at
+    0 and moves by one per training step, never per predict. With lr 0 and one batch, a loss
+    changes only with the masks: each step draws new ones, and setting the counter back
+    (load_state_dict) draws the first step's masks again."""
+    net = block_net(batch=2, p=0.5)
+    rt = sn.Runtime(net, "64MiB", "recompute", device="cpu", lr=0.0, seed=3, conv_algos={})
+    counter = rt.view(rt.program.iteration)
+    state = rt.state_dict()
+    images, labels = batch_for(net)
+    losses = []
+    for i in range(3):
+        assert int(counter) == i
+        losses.append(rt.step(images, labels))
+        rt.predict(images)
+    assert int(counter) == rt.stats.iterations == 3
+    assert len(set(losses)) == 3
+    assert rt.stats.peak_bytes == rt.plan.peak_bytes and rt.plan.recomputed_steps > 0
+    rt.load_state_dict(state)
+    assert int(counter) == 0 and rt.step(images, labels) == losses[0]

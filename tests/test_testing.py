@@ -233,15 +233,15 @@ def test_the_recompute_rule_guards_a_real_bug():
 
 def test_check_equivalent_catches_a_policy_that_computes_differently(monkeypatch):
     """A dropout whose recomputation draws another mask: the trained parameters differ."""
-    from tinysn import runtime
+    from tinysn.kernels import dropout
 
     net = snt.block_net(p=0.5)
-    calls = []
+    calls, forward = [], dropout.forward
 
-    def seed_per_call(seed, iteration, layer_index):
-        calls.append(layer_index)
-        return len(calls)
-    monkeypatch.setattr(runtime, "_mask_seed", seed_per_call)
+    def layer_per_call(*args, layer, **kwargs):
+        calls.append(layer)
+        forward(*args, layer=len(calls), **kwargs)
+    monkeypatch.setattr(dropout, "forward", layer_per_call)
     with pytest.raises(snt.ScheduleError, match=r"\[equivalence\] policy 'recompute'"):
         snt.check_equivalent(net, ["liveness", "recompute"])
 

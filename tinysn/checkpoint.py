@@ -155,7 +155,8 @@ def state_dict(rt) -> dict:
     """Everything a run needs to continue bitwise as if never stopped, as CPU tensors:
     parameters and batch-norm statistics under torch's names (as params()), each momentum
     buffer as "<parameter>.momentum_buffer", and "iteration" (the steps taken) and "seed" as
-    0-d int64 tensors (dropout draws its masks from both)."""
+    0-d int64 tensors (dropout draws its masks from both; the iteration equals the device
+    counter its kernels read)."""
     state = {name: rt.view(tid).detach().to("cpu", copy=True)
              for name, tid in _state_tensors(rt).items()}
     state["iteration"] = torch.tensor(rt.stats.iterations, dtype=torch.int64)
@@ -185,6 +186,8 @@ def load_state_dict(rt, state: dict) -> None:
         rt.view(tid).copy_(state[name])
     rt.stats.iterations = int(state["iteration"])
     rt.seed = int(state["seed"])
+    if rt.program.iteration is not None:          # the device counter masks are drawn from
+        rt.view(rt.program.iteration).fill_(rt.stats.iterations)
 
 
 def _state_tensors(rt) -> dict:

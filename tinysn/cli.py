@@ -160,7 +160,7 @@ def _train_parser(p):
                         "open it in Perfetto or chrome://tracing)")
     p.add_argument("--cuda-graph", action="store_true",
                    help="replay each step as a CUDA graph (needs --schedule constant and a "
-                        "model without dropout)")
+                        "GPU)")
     p.add_argument("--bucket-bytes", type=_checked(parse_bucket_bytes, "--bucket-bytes 25MiB"),
                    default=BUCKET_BYTES, help="under torchrun: gradient bytes per all-reduce "
                                               "bucket (layers in backward order)")
@@ -403,7 +403,7 @@ def _train(args) -> int:
                      momentum=args.momentum, weight_decay=args.weight_decay, seed=args.seed,
                      host_memory=args.host_memory, cuda_graph=args.cuda_graph,
                      process_group=group, bucket_bytes=args.bucket_bytes)
-    except ValueError as err:           # e.g. --cuda-graph with dropout
+    except ValueError as err:           # e.g. --cuda-graph without a GPU
         raise UsageError(str(err)) from None
     except OutOfMemory as err:
         advice = fit_advice(make_net, args.batch, args.memory, args.policy,

@@ -8,8 +8,10 @@ to its `GraphReplay`: the first one captures the plan's walk (the allocator and 
 run in Python as always, so the captured pass verifies peak == plan) and replays it; later
 ones copy the batch into the pool's data and labels tensors at their planned offsets (the
 graph reads fixed addresses inside the pool) and replay. Changing lr, momentum or
-weight_decay triggers a new capture (they are launch arguments). Nets whose layers draw new
-random numbers every iteration (dropout with p > 0) are refused (inputs.check_graph_request).
+weight_decay (or the seed, which load_state_dict may set) triggers a new capture (they are
+launch arguments). Dropout replays too: its kernels read the iteration from a counter in the
+pool, and the kernel that advances it at the end of the step is part of the graph, so each
+replay draws the masks an eager step would.
 """
 from __future__ import annotations
 
@@ -22,7 +24,7 @@ GRAPH_WARMUP = 2   # eager steps before a capture (compiles, autotuning, first-c
 
 class GraphReplay:
     """The captured step of one Runtime: `graph` (None until captured), the optimizer
-    settings `key` it was captured with, and the bytes each replay copies each way."""
+    settings and seed, `key`, it was captured with, and the bytes each replay copies each way."""
 
     def __init__(self, rt):
         self.rt = rt
@@ -32,7 +34,7 @@ class GraphReplay:
     def step(self, images, labels) -> None:
         """(Re)capture when needed, then copy the batch into the pool and replay the step."""
         rt = self.rt
-        key = (rt.lr, rt.momentum, rt.weight_decay)
+        key = (rt.lr, rt.momentum, rt.weight_decay, rt.seed)
         if self.graph is None or self.key != key:
             self._capture(key)
         pool_images, pool_labels = self.batch_in_pool()

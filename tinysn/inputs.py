@@ -11,7 +11,6 @@ import math
 
 import torch
 
-from .ops import spec
 from .pool.arena import check_available
 from .sched.plan import POLICIES
 from .units import parse_bytes
@@ -46,17 +45,13 @@ def check_options(policy, lr, momentum, weight_decay, seed, precision) -> None:
         raise ValueError(f"precision must be None, 'tf32' or 'ieee', got {precision!r}")
 
 
-def check_graph_request(cuda_graph, device, net) -> None:
-    """cuda_graph must be a bool; True needs a CUDA device and a net whose layers draw no
-    new random numbers each iteration (a replayed launch keeps its arguments)."""
+def check_graph_request(cuda_graph, device) -> None:
+    """cuda_graph must be a bool; True needs a CUDA device (dropout is captured too: its
+    kernels read the iteration from a counter in the pool, advanced by a captured kernel)."""
     if not isinstance(cuda_graph, bool):
         raise ValueError(f"cuda_graph must be a bool, got {cuda_graph!r}")
     if not cuda_graph:
         return
-    random = [layer.name for layer in net.layers if spec(layer).draws(layer)]
-    if random:
-        raise ValueError(f"cuda_graph=True cannot replay dropout layers {random}: their mask "
-                         "seed changes every iteration")
     if device.type != "cuda":
         raise ValueError(f"cuda_graph=True needs a CUDA device, got {device}")
 

@@ -13,7 +13,8 @@ returns `launch(algos, workspace)`, the function the runtime calls every time th
 Launch operation for that pass comes up. They look their tensors up through `rt.view(tensor
 id)` at launch time (so a scheduling bug that reads a freed, dropped or in-flight tensor
 raises instead of computing garbage) and read from `rt`: `program` (tensor ids),
-`precision`, `images` (the batch being fed), `predicting` and `dropout_seed(layer)`.
+`precision`, `images` (the batch being fed), `predicting` and `seed`. `advance_iteration(rt)`
+ends every training step (the runtime calls it after the plan's last step).
 """
 from __future__ import annotations
 
@@ -59,8 +60,8 @@ class OpSpec:
     is_data                the data layer: its output is the batch, it comes first in a net
     has_algorithms         its kernels come in several algorithms whose workspaces differ
                            (conv): the planner picks one per step (sched/workspace.py)
-    draws_mask             draws new random numbers every iteration (a bool, or a function of
-                           the layer: dropout with p > 0), so a CUDA graph cannot replay it
+    draws_mask             draws new random numbers every iteration from (seed, the program's
+                           device iteration counter, layer index): its passes read the counter
     in_place_in_caffe      Caffe (the paper's base) runs it in place on its input, so the
                            tensor the paper offloads after a checkpoint conv is its output
     workspace              (layer, "forward" | "backward") -> bytes of scratch its kernels
@@ -79,7 +80,7 @@ class OpSpec:
     counts_batches: bool = False
     is_data: bool = False
     has_algorithms: bool = False
-    draws_mask: bool | Callable = False
+    draws_mask: bool = False
     in_place_in_caffe: bool = False
     workspace: Callable = _no_workspace
     cost: Callable = _streamed
@@ -87,10 +88,6 @@ class OpSpec:
     def reads_input(self, layer) -> bool:
         """True when the layer's backward kernel needs its forward inputs."""
         return _apply(self.backward_reads_input, layer)
-
-    def draws(self, layer) -> bool:
-        """True when the layer draws new random numbers every iteration."""
-        return _apply(self.draws_mask, layer)
 
 
 def _apply(rule, layer) -> bool:
@@ -278,21 +275,27 @@ def _fc_workspace(layer, phase) -> int:
     return linear_k.workspace_bytes(layer.shape[0], features, layer.shape[1], phase)
 
 
-def _dropout_draws(layer) -> bool:
-    return layer.attrs["p"] > 0
-
-
 def _dropout_forward(rt, layer, update_running):
     x, y, p = _act(rt, layer.inputs[0]), _act(rt, layer), layer.attrs["p"]
+    it = _optional(rt, rt.program.iteration)
     return lambda algos, ws: dropout_k.forward(
-        x(), y(), p=0.0 if rt.predicting else p, seed=rt.dropout_seed(layer), offset=0)
+        x(), y(), p=0.0 if rt.predicting else p, seed=rt.seed, iteration=it(),
+        layer=layer.index)
 
 
 def _dropout_backward(rt, lp):
     layer, g = lp.layer, _grads(rt, lp)
+    it = _optional(rt, rt.program.iteration)
     return lambda algos, ws: dropout_k.backward(
-        g.dy(), g.dx[0](), p=layer.attrs["p"], seed=rt.dropout_seed(layer), offset=0,
-        accumulate=g.accumulate[0])
+        g.dy(), g.dx[0](), p=layer.attrs["p"], seed=rt.seed, iteration=it(),
+        layer=layer.index, accumulate=g.accumulate[0])
+
+
+def advance_iteration(rt) -> None:
+    """The end of a training step: the iteration counter that masks are drawn from moves
+    on, on the device (a captured step advances it on every replay)."""
+    if rt.program.iteration is not None:
+        dropout_k.advance(rt.view(rt.program.iteration))
 
 
 def _add_forward(rt, layer, update_running):
@@ -351,7 +354,7 @@ SPECS = {
     "fc": OpSpec(_fc_forward, _fc_backward, backward_reads_input=True, workspace=_fc_workspace,
                  cost=_fc_cost),
     "dropout": OpSpec(_dropout_forward, _dropout_backward, recomputable=True,
-                      draws_mask=_dropout_draws),
+                      draws_mask=True),
     "add": OpSpec(_add_forward, _add_backward),
     "concat": OpSpec(_concat_forward, _concat_backward),
     "softmax_loss": OpSpec(_softmax_forward, _softmax_backward, backward_reads_input=True,

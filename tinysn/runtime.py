@@ -36,7 +36,6 @@ few passes after its last layer).
 """
 from __future__ import annotations
 
-import zlib
 from dataclasses import dataclass, field
 
 import torch
@@ -44,7 +43,7 @@ import torch
 from . import checkpoint, distributed, evaluate, inputs, precompile
 from .graphs import GRAPH_WARMUP, GraphReplay
 from .kernels import sgd as sgd_k
-from .ops import spec
+from .ops import advance_iteration, spec
 from .pool.arena import Arena
 from .sched import liveness
 from .sched import plan as plan_mod
@@ -82,11 +81,6 @@ PROCESS_SLACK_BYTES = 4 << 20   # max_memory_allocated beyond `memory`: torch ro
                                 # up (under 2 MiB; see the module docstring), with room to spare
 
 
-def _mask_seed(seed: int, iteration: int, layer_index: int) -> int:
-    """Dropout's mask seed from (seed, iteration, layer): a recomputation draws the same mask."""
-    return zlib.crc32(f"{seed}:{iteration}:{layer_index}".encode()) & 0x7FFFFFFF
-
-
 class Runtime:
     """Trains `net` under a hard device-memory cap with the scheduling `policy`."""
 
@@ -96,7 +90,7 @@ class Runtime:
                  cuda_graph: bool = False, process_group=None,
                  bucket_bytes=liveness.BUCKET_BYTES):
         device = inputs.pick_device(device)
-        inputs.check_graph_request(cuda_graph, device, net)
+        inputs.check_graph_request(cuda_graph, device)
         inputs.check_options(policy, lr, momentum, weight_decay, seed, precision)
         inputs.check_machine(memory, host_memory, device)
         bucket_bytes = liveness.parse_bucket_bytes(bucket_bytes)
@@ -137,8 +131,9 @@ class Runtime:
         if self._cuda and self.grad_sync is None:
             precompile.compile_step(self)                 # cold start: compile in parallel
         self.load_params(net.init_params(seed))
-        for tid in self.program.momentum.values():
-            self.view(tid).zero_()
+        for tid in [*self.program.momentum.values(), self.program.iteration]:
+            if tid is not None:          # momentum buffers and the iteration counter
+                self.view(tid).zero_()
         if self.grad_sync is not None:                     # every rank starts from rank 0's
             self.grad_sync.broadcast([*self.program.param.values(),
                                       *self.program.buffer.values()])
@@ -195,6 +190,8 @@ class Runtime:
                         start = rec.before(op)
                         self._execute[type(op)](op)
                         rec.after(start, op, step, self)
+            if until is None:            # a training step: the masks' counter moves on
+                advance_iteration(self)
         finally:
             self.images = None
         self._join_copies()
@@ -310,9 +307,6 @@ class Runtime:
     def view(self, tid):
         """The torch view of tensor `tid` (raises unless it is on the device and ready)."""
         return self.tensors[tid].view()
-
-    def dropout_seed(self, layer) -> int:
-        return _mask_seed(self.seed, self.stats.iterations, layer.index)
 
     def _build_launchers(self) -> dict:
         """Launch key -> launch(algos, workspace): one per layer pass (a backward pass's

@@ -1,4 +1,5 @@
-"""Dropout kernels: mask regenerated from (seed, offset), inverted scaling, statistics."""
+"""Dropout kernels: mask regenerated from (seed, iteration counter, layer, offset), inverted
+scaling, statistics, the counter's advance."""
 import math
 
 import numpy as np
@@ -19,15 +20,21 @@ def _nonzero(shape, seed, device="cpu"):
     return torch.where(v >= 0, v + 0.1, v - 0.1).to(device)
 
 
-def _fwd(x, p, seed, offset):
+def _it(i, device="cpu"):
+    """The iteration counter: a one-element int64 tensor holding i."""
+    return torch.tensor([i], dtype=torch.int64, device=device)
+
+
+def _fwd(x, p, seed, offset, iteration=3, layer=5):
     y = torch.full_like(x, float("nan"))
-    dropout.forward(x, y, p=p, seed=seed, offset=offset)
+    dropout.forward(x, y, p=p, seed=seed, iteration=_it(iteration, x.device), layer=layer,
+                    offset=offset)
     return y
 
 
-def _check(shape, p, seed, offset, accumulate, device="cpu"):
+def _check(shape, p, seed, offset, accumulate, device="cpu", iteration=3, layer=5):
     x = _nonzero(shape, seed % 1000, device)
-    y = _fwd(x, p, seed, offset)
+    y = _fwd(x, p, seed, offset, iteration, layer)
     keep = y != 0
     scale = 1.0 / (1.0 - p)
     torch.testing.assert_close(y.double(), x.double() * scale * keep, rtol=1e-6, atol=0)
@@ -40,7 +47,8 @@ def _check(shape, p, seed, offset, accumulate, device="cpu"):
         ref = before.double() + ref
     else:
         dx = torch.full_like(x, float("nan"))
-    dropout.backward(dy, dx, p=p, seed=seed, offset=offset, accumulate=accumulate)
+    dropout.backward(dy, dx, p=p, seed=seed, iteration=_it(iteration, device), layer=layer,
+                     offset=offset, accumulate=accumulate)
     # the backward mask equals the forward mask: dx = dy * (y != 0) / (1 - p)
     torch.testing.assert_close(dx.double(), ref, rtol=1e-6, atol=1e-6)
     return keep
@@ -56,9 +64,10 @@ def _capped(shape, limit=20000):
 @settings(max_examples=25, deadline=None)
 @given(shape=st.lists(st.integers(1, 40), min_size=1, max_size=4).map(_capped),
        p=st.sampled_from([0.0, 0.1, 0.5, 0.9, 0.999]), seed=st.integers(0, 2**31 - 1),
-       offset=st.integers(0, 2**40), accumulate=st.booleans())
-def test_dropout_random(shape, p, seed, offset, accumulate):
-    _check(tuple(shape), p, seed, offset, accumulate)
+       offset=st.integers(0, 2**40), accumulate=st.booleans(),
+       iteration=st.integers(0, 2**40), layer=st.integers(0, 2**31 - 1))
+def test_dropout_random(shape, p, seed, offset, accumulate, iteration, layer):
+    _check(tuple(shape), p, seed, offset, accumulate, iteration=iteration, layer=layer)
 
 
 @pytest.mark.parametrize("n", [1, 3, dropout.BLOCK // 4 + 1, dropout.BLOCK, dropout.BLOCK + 5,
@@ -77,15 +86,16 @@ def test_keep_fraction():
         assert abs(kept - (1 - p)) < 5 * sigma, (p, kept)
 
 
-def test_reproducible_and_offset_dependent():
+def test_reproducible_and_independent_across_seed_iteration_layer_offset():
     x = _nonzero((7, 1000), 1)
     a = _fwd(x, 0.5, 42, 1000)
     b = _fwd(x, 0.5, 42, 1000)
-    assert torch.equal(a, b)                                   # same (seed, offset): bitwise
-    c = _fwd(x, 0.5, 42, 1001)
-    d = _fwd(x, 0.5, 43, 1000)
-    e = _fwd(x, 0.5, 42, 1000 + x.numel())                     # the next disjoint range
-    for other in (c, d, e):
+    assert torch.equal(a, b)                        # same (seed, iteration, layer, offset)
+    others = [_fwd(x, 0.5, 42, 1001), _fwd(x, 0.5, 43, 1000),
+              _fwd(x, 0.5, 42, 1000 + x.numel()),              # the next disjoint range
+              _fwd(x, 0.5, 42, 1000, iteration=4), _fwd(x, 0.5, 42, 1000, layer=6),
+              _fwd(x, 0.5, 42, 1000, iteration=3 + 2**32)]     # the iteration's high word
+    for other in others:
         agree = ((a != 0) == (other != 0)).double().mean().item()
         assert 0.4 < agree < 0.6, agree                         # independent masks agree ~half
 
@@ -106,10 +116,11 @@ def test_p_zero_is_exact_copy_and_in_place():
     dy = _nonzero((5, 33), 4)
     dx = _nonzero((5, 33), 5)
     ref = dx + dy
-    dropout.backward(dy, dx, p=0.0, seed=5, offset=6, accumulate=True)
+    dropout.backward(dy, dx, p=0.0, seed=5, iteration=_it(3), layer=5, offset=6,
+                     accumulate=True)
     assert torch.equal(dx, ref)
     y = _fwd(x, 0.5, 5, 6)
-    dropout.forward(x, x, p=0.5, seed=5, offset=6)           # in place gives the same values
+    dropout.forward(x, x, p=0.5, seed=5, iteration=_it(3), layer=5, offset=6)   # in place
     assert torch.equal(x, y)
     assert dropout.workspace_bytes(x.shape) == 0
 
@@ -117,23 +128,39 @@ def test_p_zero_is_exact_copy_and_in_place():
 def test_dropout_bad_input():
     x = _nonzero((4, 5), 0)
     y = torch.empty_like(x)
+    it = dict(iteration=_it(0), layer=0)
     for p in (1.0, -0.1, 1.5, float("nan"), "0.5"):
-        with pytest.raises(ValueError):
-            dropout.forward(x, y, p=p, seed=0, offset=0)
+        with pytest.raises(ValueError, match="p must"):
+            dropout.forward(x, y, p=p, seed=0, offset=0, **it)
     for seed in (-1, 2**31, 1.5):
-        with pytest.raises(ValueError):
-            dropout.forward(x, y, p=0.5, seed=seed, offset=0)
+        with pytest.raises(ValueError, match="seed"):
+            dropout.forward(x, y, p=0.5, seed=seed, offset=0, **it)
+    for layer in (-1, 2**31, True, 1.0):
+        with pytest.raises(ValueError, match="layer"):
+            dropout.forward(x, y, p=0.5, seed=0, iteration=_it(0), layer=layer)
+    for bad in (3, _it(0).int(), torch.zeros(2, dtype=torch.int64), _it(0).float()):
+        with pytest.raises(ValueError, match="iteration"):
+            dropout.forward(x, y, p=0.5, seed=0, iteration=bad, layer=0)
+        with pytest.raises(ValueError, match="iteration"):
+            dropout.advance(bad)
+    with pytest.raises(ValueError, match="offset"):
+        dropout.forward(x, y, p=0.5, seed=0, offset=-1, **it)
     with pytest.raises(ValueError):
-        dropout.forward(x, y, p=0.5, seed=0, offset=-1)
+        dropout.forward(x, torch.empty(4, 6), p=0.5, seed=0, offset=0, **it)
     with pytest.raises(ValueError):
-        dropout.forward(x, torch.empty(4, 6), p=0.5, seed=0, offset=0)
+        dropout.forward(x.double(), y.double(), p=0.5, seed=0, offset=0, **it)
     with pytest.raises(ValueError):
-        dropout.forward(x.double(), y.double(), p=0.5, seed=0, offset=0)
-    with pytest.raises(ValueError):
-        dropout.backward(x.t(), torch.empty(5, 4), p=0.5, seed=0, offset=0)
+        dropout.backward(x.t(), torch.empty(5, 4), p=0.5, seed=0, offset=0, **it)
     big = _nonzero((10,), 0)
-    with pytest.raises(ValueError):
-        dropout.forward(big[:8], big[2:], p=0.5, seed=0, offset=0)
+    with pytest.raises(ValueError, match="overlaps"):
+        dropout.forward(big[:8], big[2:], p=0.5, seed=0, offset=0, **it)
+
+
+def test_advance_adds_one_in_place():
+    it = _it(2**32 - 1)
+    before = it.data_ptr()
+    dropout.advance(it)
+    assert it.item() == 2**32 and it.data_ptr() == before
 
 
 @pytest.mark.parametrize("shape", [(32, 4096), (32, 256, 56, 56), (3, 7, 11)])
@@ -146,14 +173,16 @@ def test_dropout_gpu(shape, accumulate):
     assert abs(kept - 0.5) < 5 * math.sqrt(0.25 / keep.numel()) + 1e-9
 
 
-def _philox_keep(seed, offset, n, p):
-    """The documented mask, computed with numpy: Philox-4x32-10, counter offset + e // 4,
-    output e % 4, uniform = int31 * 4.6566127342e-10, keep when uniform >= p."""
+def _philox_keep(seed, iteration, layer, offset, n, p):
+    """The documented mask, computed with numpy: Philox-4x32-10, key (seed, iteration >> 32),
+    counter (offset + e // 4, layer, iteration's low word), output e % 4, uniform = int31 *
+    4.6566127342e-10, keep when uniform >= p."""
     e = np.arange(n, dtype=np.uint64)
     ctr = np.uint64(offset) + e // np.uint64(4)
     m32 = np.uint64(0xFFFFFFFF)
-    c = [ctr & m32, ctr >> np.uint64(32), ctr * 0, ctr * 0]
-    k0, k1 = np.uint64(seed & 0xFFFFFFFF), np.uint64(seed >> 32)
+    c = [ctr & m32, ctr >> np.uint64(32), ctr * 0 + np.uint64(layer),
+         ctr * 0 + np.uint64(iteration & 0xFFFFFFFF)]
+    k0, k1 = np.uint64(seed), np.uint64(iteration >> 32)
     for _ in range(10):
         pa, pb = c[0] * np.uint64(0xD2511F53), c[2] * np.uint64(0xCD9E8D57)
         c = [(pb >> np.uint64(32)) ^ c[1] ^ k0, pb & m32,
@@ -171,6 +200,7 @@ def test_mask_matches_numpy_philox(device):
     """The keep mask is exactly the documented Philox stream, on every triton version/device."""
     n = 2 * dropout.BLOCK + 17
     x = _nonzero((n,), 2, device)
-    for seed, offset in ((9, 77), (2**31 - 1, 2**32 - 1000), (0, 0)):
-        keep = (_fwd(x, 0.3, seed, offset) != 0).cpu()
-        assert torch.equal(keep, _philox_keep(seed, offset, n, 0.3))
+    for seed, offset, iteration, layer in ((9, 77, 3, 5), (2**31 - 1, 2**32 - 1000, 2**33 + 7,
+                                                         2**31 - 1), (0, 0, 0, 0)):
+        keep = (_fwd(x, 0.3, seed, offset, iteration, layer) != 0).cpu()
+        assert torch.equal(keep, _philox_keep(seed, iteration, layer, offset, n, 0.3))

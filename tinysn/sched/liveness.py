@@ -70,7 +70,7 @@ class TensorInfo:
     dtype: torch.dtype
     kind: str            # data | grad | param | state | workspace
     layer: object = None  # the Layer that owns it (None for labels)
-    role: str = ""       # act | grad | saved | param | pgrad | momentum | buffer | labels | loss
+    role: str = ""       # act | grad | saved | param | pgrad | momentum | buffer | labels | loss | counter
     persistent: bool = False  # lives across iterations (parameters, optimizer state, ...)
 
     @property
@@ -136,6 +136,10 @@ class Program:
                                                 info.layer, "momentum", persistent=True)
         self.labels = self._new("labels", (net.batch,), "data", None, "labels",
                                 dtype=torch.int64, persistent=True)
+        # the iteration counter random masks are drawn from (advanced on the device)
+        self.iteration = self._new("iteration", (1,), "state", None, "counter",
+                                   dtype=torch.int64, persistent=True) \
+            if any(spec(layer).draws_mask for layer in self.order) else None
         for layer in self.order:
             persistent = spec(layer).is_loss
             self.act[layer] = self._new(layer.name, layer.shape, "data", layer, "act",
@@ -168,6 +172,8 @@ class Program:
             if op.is_loss:
                 lp.reads.append(self.labels)
             lp.writes.append(self.act[layer])
+            if op.draws_mask:
+                lp.reads.append(self.iteration)
             if op.saves_statistics:
                 lp.writes.append(self.saved[layer])
                 lp.writes += [self.buffer[f"{layer.name}.{b}"] for b in layer.buffers]
@@ -186,6 +192,8 @@ class Program:
                 lp.reads.append(self.act[layer])
             if op.is_loss:
                 lp.reads.append(self.labels)
+            if op.draws_mask:
+                lp.reads.append(self.iteration)
             if op.saves_statistics:
                 lp.reads.append(self.saved[layer])
             lp.reads += self._layer_params(layer, self.param)

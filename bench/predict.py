@@ -26,8 +26,7 @@ def compare(net, memory, policy, measured_s, graphed=False, host_memory=None, **
     """One row: the prediction for `net` planned as it was measured, and its error."""
     plan = sn.plan(net, memory, policy, host_memory=host_memory, **plan_kw)
     timeline = simulate(plan, DeviceModel.h200(graphed=graphed))
-    return {"model": net.name if hasattr(net, "name") else None, "batch": net.batch,
-            "memory": memory, "policy": policy, "cuda_graph": graphed,
+    return {"batch": net.batch, "memory": memory, "policy": policy, "cuda_graph": graphed,
             "measured_s": measured_s, "predicted_s": timeline.step_s,
             "error": timeline.step_s / measured_s - 1, "bound_by": timeline.bound_by,
             "compute_s": timeline.compute_s, "to_host_s": timeline.to_host_s,

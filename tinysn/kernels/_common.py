@@ -27,7 +27,6 @@ except AttributeError:
 INTERP_TILE = 16384
 
 
-
 def _single_threaded_blas() -> None:
     """Under the interpreter each tl.dot is one numpy matmul of a tile (tens of kilobytes),
     where BLAS worker threads cost more than they save; with other processes on the cores
@@ -213,7 +212,8 @@ def float_workspace(where: str, workspace, nbytes: int, device) -> torch.Tensor:
 
 
 _TUNED = {}   # (autotuner, scalar arguments, keyword arguments) -> the config it picked
-_COMPILE_ONLY = []   # non-empty inside `compiling_in_parallel`: launch() compiles, runs nothing
+_BY_TUNING_KEY = {}   # (autotuner, its tuning key) -> config: from this process or the disk
+_COMPILE_ONLY = []   # non-empty inside `compiling_in_parallel`: launches compile, run nothing
 
 
 @contextlib.contextmanager
@@ -223,8 +223,8 @@ def compiling_in_parallel(workers=None):
     block waits for the compilations. Triton compiles with the GIL released, so a cold start
     that would compile hundreds of (kernel, config, shape) variants one by one takes about
     1/workers of the time; the later real launches find them compiled. Kernels launched
-    launched through `run` compile the same way; no kernel runs inside the block (torch
-    operations still do)."""
+    through `run` compile the same way; no kernel runs inside the block (torch operations
+    still do)."""
     from concurrent.futures import ThreadPoolExecutor
 
     mode = getattr(triton, "AsyncCompileMode", None)
@@ -235,7 +235,6 @@ def compiling_in_parallel(workers=None):
                 yield
             finally:
                 _COMPILE_ONLY.pop()
-_BY_TUNING_KEY = {}   # (autotuner, its tuning key) -> config: from this process or the disk
 
 
 def run(kernel, grid, *args, **kwargs):

@@ -64,6 +64,31 @@ def largest(fits, start: int = 1, limit: int = 1 << 16) -> int:
     return lo
 
 
+def parse_batches(text: str) -> dict:
+    """{model: batch} from "name=N,name=N" (--batches)."""
+    out = {}
+    for item in filter(None, text.split(",")):
+        name, _, n = item.partition("=")
+        if name not in MODELS or not n.isdigit() or int(n) < 1:
+            raise SystemExit(f"--batches: expected name=N with a model name and N >= 1, got {item!r}")
+        out[name] = int(n)
+    return out
+
+
+def checked_largest(model_fn, batch: int, cap: int, host_memory=None) -> int:
+    """`batch`, after checking that it is the largest batch policy "all" plans under `cap`
+    (it plans, batch + 1 does not): what sn.max_batch would return, at the cost of two plans."""
+    def fits(k):
+        try:
+            sn.plan(model_fn(batch=k), cap, "all", host_memory=host_memory)
+            return True
+        except sn.OutOfMemory:
+            return False
+    if not fits(batch) or fits(batch + 1):
+        raise SystemExit(f"--batches: {batch} is not the largest batch that plans under the cap")
+    return batch
+
+
 def deep_resnet(n):
     return lambda batch: sn.models.resnet(blocks=[6, 32, n, 6], batch=batch)
 
@@ -211,6 +236,9 @@ def main():
     parser.add_argument("--models", default="resnet50,resnet101,resnet152,vgg16,inception_v4")
     parser.add_argument("--plan-only", action="store_true")
     parser.add_argument("--deep", action="store_true", help="also the deepest ResNet")
+    parser.add_argument("--batches", default="",
+                        help="name=N,...: take N as a model's largest batch instead of searching "
+                             "(N from a --plan-only run); checked: N plans and N+1 does not")
     parser.add_argument("--deep-n", type=int, default=None,
                         help="train ResNet [6, 32, N, 6] (skip the search; N from a plan run)")
     parser.add_argument("--reference", default=None,
@@ -234,6 +262,7 @@ def main():
     if args.merge:
         rows.update(common.read(args.out).get("models", {}))
     ref_models = args.reference_models.split(",") if args.reference_models else None
+    given = parse_batches(args.batches)
 
     def save():
         return common.write(args.out, {"memory": args.memory, "models": rows})
@@ -244,7 +273,8 @@ def main():
     for name in [m for m in args.models.split(",") if m]:
         fn = MODELS[name]
         t0 = time.perf_counter()
-        best = sn.max_batch(fn, cap, "all", host_memory=args.host_memory)
+        best = (checked_largest(fn, given[name], cap, args.host_memory) if name in given else
+                sn.max_batch(fn, cap, "all", host_memory=args.host_memory))
         row = {"max_batch_all": best, "plan_seconds": time.perf_counter() - t0,
                "layerwise_bound": layerwise_bound(fn, cap),
                "pytorch_12gib_reference": PYTORCH_12GIB.get(name)}

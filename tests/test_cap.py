@@ -174,6 +174,20 @@ def test_largest_bisects_to_the_last_k_that_fits():
     assert len(calls) < 30
 
 
+def test_a_given_largest_batch_is_checked_against_the_planner():
+    from bench.memory import checked_largest, parse_batches
+
+    make = lambda batch: sn.models.lenet(batch=batch)   # noqa: E731
+    best = sn.max_batch(make, "4MiB", "all")
+    assert checked_largest(make, best, "4MiB") == best
+    for wrong in (best - 1, best + 1):
+        with pytest.raises(SystemExit, match="not the largest"):
+            checked_largest(make, wrong, "4MiB")
+    assert parse_batches("resnet50=897,vgg16=320") == {"resnet50": 897, "vgg16": 320}
+    for bad in ("resnet50", "resnet50=0", "nonet=3"):
+        with pytest.raises(SystemExit, match="--batches"):
+            parse_batches(bad)
+
 # -- the batch ------------------------------------------------------------------------------
 def test_batch_checks_catch_every_non_finite_value_and_accept_huge_finite_ones():
     net = block_net(batch=2, p=0.0)

@@ -4,9 +4,10 @@ import json
 import pytest
 
 import tinysn as sn
-from tinysn import trace
+from tinysn import cli, trace
 from tinysn.sched.plan import Launch, Offload, Prefetch
 from tinysn.testing import every_layer_net
+from tinysn.units import format_bytes
 
 
 @pytest.fixture(scope="module")
@@ -56,6 +57,120 @@ def test_counter_track_is_the_pool_bytes_in_use(traced):
     assert [e["args"]["bytes"] for e in counter] == [
         r["bytes_in_use"] for r in traced.stats.trace]
     assert max(e["args"]["bytes"] for e in counter) == traced.plan.peak_bytes
+
+
+def test_write_names_the_step_and_its_figures(traced, tmp_path):
+    path = tmp_path / "t.json"
+    trace.write(traced.recorder, path, model="every_layer_net")
+    written = json.loads(path.read_text())
+    meta = written["otherData"]
+    assert {k: meta[k] for k in ("model", "batch", "policy", "cap_bytes", "device")} == {
+        "model": "every_layer_net", "batch": traced.net.batch, "policy": "offload",
+        "cap_bytes": traced.plan.capacity, "device": "cpu"}
+    assert meta["step_ms"] == trace.summary(written["traceEvents"])["step_ms"] > 0
+    assert set(meta["busy"]) == {"compute", "to host", "to device"}
+
+
+def _span(tid, ts, dur, cat="forward"):
+    return {"name": "x", "cat": cat, "ph": "X", "pid": 0, "tid": tid, "ts": ts, "dur": dur}
+
+
+def test_busy_fractions_by_hand():
+    """A 20 us step: compute runs 0-10 and 15-20 (15 us); to host copies 2-6 and 4-8
+    overlap (6 us), then after a gap 12-14 (8 us in all); to device runs 1-11 with 3-5
+    inside it (10 us); the counter event is no span."""
+    names = [{"name": "thread_name", "ph": "M", "pid": 0, "tid": tid, "args": {"name": n}}
+             for n, tid in trace.THREADS.items()]
+    events = names + [_span(0, 0, 10), _span(0, 15, 5, "backward"),
+                      _span(1, 2, 4, "offload"), _span(1, 4, 4, "offload"),
+                      _span(1, 12, 2, "evict"), _span(2, 1, 10, "prefetch"),
+                      _span(2, 3, 2, "prefetch"),
+                      {"name": "pool bytes in use", "ph": "C", "pid": 0, "ts": 30,
+                       "args": {"bytes": 5}}]
+    figures = trace.summary(events)
+    assert figures["step_ms"] == pytest.approx(0.020)
+    assert figures["busy"] == pytest.approx({"compute": 0.75, "to host": 0.4,
+                                             "to device": 0.5})
+
+
+@pytest.fixture(scope="module")
+def squeezed(tmp_path_factory):
+    """A trace file of one step of every layer type under policy all at the smallest cap
+    it plans under, where the cache must move tensors both ways."""
+    cap = cli.smallest_cap(every_layer_net, 2, "all")
+    net = every_layer_net(batch=2)
+    rt = sn.Runtime(net, cap, "all", device="cpu")
+    assert rt.plan.bytes_to_host > 0 and rt.plan.bytes_to_device > 0
+    rt.recorder = trace.Recorder()
+    images, labels = sn.data.synthetic(net)
+    rt.step(images, labels)
+    path = tmp_path_factory.mktemp("squeezed") / "t.json"
+    trace.write(rt.recorder, path, model="every_layer_net")
+    return path
+
+
+def test_plot_draws_a_png_of_a_cpu_trace_with_copies(squeezed, tmp_path):
+    pytest.importorskip("matplotlib")
+    recorded = trace.read(squeezed)
+    png = tmp_path / "t.png"
+    figures = trace.plot(recorded, png)
+    data = png.read_bytes()
+    assert data[:8] == b"\x89PNG\r\n\x1a\n" and len(data) > 10_000
+    assert figures["step_ms"] == pytest.approx(recorded["otherData"]["step_ms"])
+    assert figures["busy"]["to host"] > 0 and figures["busy"]["to device"] > 0
+
+
+def test_plot_titles_the_step_and_draws_every_span_and_the_cap(squeezed, tmp_path):
+    """In the SVG (text kept as text): the title's model, batch, cap and busy shares, a
+    legend entry per category present, and the cap line's label."""
+    matplotlib = pytest.importorskip("matplotlib")
+    recorded = trace.read(squeezed)
+    svg = tmp_path / "t.svg"
+    with matplotlib.rc_context({"svg.fonttype": "none"}):
+        figures = trace.plot(recorded, svg)
+    text = svg.read_text()
+    meta = recorded["otherData"]
+    share = f"to host {figures['busy']['to host']:.1%}"
+    cap = f"cap {format_bytes(meta['cap_bytes'])}"
+    for expected in ("every_layer_net batch 2 policy all", cap, share, "pool bytes in use"):
+        assert expected in text, expected
+    categories = {e["cat"] for e in recorded["traceEvents"] if e["ph"] == "X"}
+    assert {"forward", "backward", "prefetch"} <= categories
+    for category in categories:
+        assert f">{category}<" in text, category
+
+
+def test_trace_command_prints_the_figures_and_draws(squeezed, tmp_path, capsys):
+    pytest.importorskip("matplotlib")
+    png = tmp_path / "t.png"
+    status = cli.main(["trace", str(squeezed), "--plot", str(png)])
+    out, err = capsys.readouterr()
+    assert status == 0, err
+    busy = json.loads(squeezed.read_text())["otherData"]["busy"]
+    assert f"to device {busy['to device']:.1%}" in out and png.stat().st_size > 0
+
+
+BAD_FILES = [
+    (b"\x89PNG\r\n\x1a\n\x00", "is not a trace file: it is not JSON"),
+    (b'{"events": []}', "is not a trace file: no traceEvents list"),
+    (b'{"traceEvents": []}', "holds no kernel or copy spans"),
+    (b'[{"name": "thread_name", "ph": "M", "tid": 0, "args": {"name": "compute"}}]',
+     "holds no kernel or copy spans"),
+    (b'[{"name": "k", "ph": "X", "tid": 0, "ts": 1}]', "span without a numeric ts and dur"),
+]
+
+
+@pytest.mark.parametrize("content,problem", BAD_FILES, ids=range(len(BAD_FILES)))
+def test_bad_trace_file_is_one_line_before_any_drawing(content, problem, tmp_path, capsys):
+    path = tmp_path / "bad.json"
+    path.write_bytes(content)
+    with pytest.raises(ValueError, match=problem) as err:
+        trace.read(path)
+    assert str(path) in str(err.value) and "\n" not in str(err.value)
+    status = cli.main(["trace", str(path), "--plot", str(tmp_path / "t.png")])
+    out, err = capsys.readouterr()
+    assert status == 2 and out == "" and problem in err and len(err.splitlines()) == 1
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["bad.json"]
 
 
 def test_nothing_recorded_is_a_clear_error():

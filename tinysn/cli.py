@@ -1,4 +1,4 @@
-"""tinysn train | plan | cache  (also `python3 -m tinysn ...`)
+"""tinysn train | plan | trace | cache  (also `python3 -m tinysn ...`)
 
   train  trains a model under a memory cap with a progress bar on stderr (loss, images/s
          after the warm-up step, pool peak); lenet trains on scikit-learn's digits and reports
@@ -9,6 +9,9 @@
   plan   dry-runs the scheduler for every policy (or one) and prints the peak, the bytes moved
          and the recomputed steps; for a policy that does not fit, the smallest --memory and
          the largest --batch that would; --plot draws the memory timeline (the paper's Fig. 10).
+  trace  reads a step's Chrome trace (train --trace, here or on another machine) and prints
+         its step time and how busy each stream is; --plot draws it: a lane of bars per
+         stream (compute, to host, to device) above the pool's bytes in use and the cap.
   cache  shows or clears the kernel tuning cache (location: $TINYSN_CACHE_DIR, else
          ~/.cache/tinysn).
 
@@ -116,6 +119,8 @@ def _parser():
                                  epilog=POLICY_HELP, formatter_class=_Formatter))
     _plan_parser(sub.add_parser("plan", help="dry-run the scheduler (no kernels, no GPU)",
                                 epilog=POLICY_HELP, formatter_class=_Formatter))
+    _trace_parser(sub.add_parser("trace", help="summarize or draw a step's Chrome trace",
+                                 formatter_class=_Formatter))
     cache = sub.add_parser("cache", help="show or clear the kernel tuning cache",
                            formatter_class=_Formatter)
     cache.add_argument("--clear", action="store_true", help="delete every cached entry")
@@ -181,6 +186,12 @@ def _plan_parser(p):
     p.add_argument("--json", default=None, help="write the figures as JSON ('-': stdout)")
 
 
+def _trace_parser(p):
+    p.add_argument("path", help="a trace written by tinysn train --trace (.json)")
+    p.add_argument("--plot", default=None,
+                   help="draw the step: stream lanes above bytes in use (.png, .pdf or .svg)")
+
+
 def _version() -> str:
     from importlib import metadata
 
@@ -204,7 +215,7 @@ def main(argv=None) -> int:
         if args.command == "cache":
             return _cache(args)
         _check_args(args)
-        return _train(args) if args.command == "train" else _plan(args)
+        return {"train": _train, "plan": _plan, "trace": _trace}[args.command](args)
     except (UsageError, OutOfMemory) as err:
         print(f"tinysn {args.command}: error: {err}", file=sys.stderr)
         return 2
@@ -214,15 +225,17 @@ def main(argv=None) -> int:
 def _check_args(args) -> None:
     """Every check that needs no training, output paths first; UsageError on the first
     problem."""
-    if args.command == "train":
-        _check_output("--trace", args.trace, (".json",))
-    else:
-        _check_output("--json", None if args.json == "-" else args.json, (".json",))
-        _check_output("--plot", args.plot, PLOT_SUFFIXES)
-        if args.plot and not _importable("matplotlib"):
-            raise UsageError("--plot needs matplotlib: pip install matplotlib (or the "
-                             "package's [plot] extra), or leave out --plot")
+    if args.command == "trace":
+        _check_plot(args.plot)
+        if not os.path.isfile(args.path):
+            raise UsageError(f"{args.path!r} is not a file: name a trace written by "
+                             "tinysn train --trace, e.g. tinysn trace t.json")
         return
+    if args.command == "plan":
+        _check_output("--json", None if args.json == "-" else args.json, (".json",))
+        _check_plot(args.plot)
+        return
+    _check_output("--trace", args.trace, (".json",))
     dataset = args.data or ("digits" if args.model == "lenet" else "synthetic")
     if dataset == "digits" and args.model != "lenet":
         raise UsageError("--data digits needs --model lenet (8x8 grayscale images), e.g. "
@@ -259,6 +272,14 @@ def _check_output(flag, path, suffixes) -> None:
         raise UsageError(f"{flag} {path!r}: directory {folder!r} does not exist, {example}")
     if not os.access(folder, os.W_OK):
         raise UsageError(f"{flag} {path!r}: directory {folder!r} is not writable, {example}")
+
+
+def _check_plot(path) -> None:
+    """--plot `path` (None: not asked for): a figure file name, and matplotlib to draw it."""
+    _check_output("--plot", path, PLOT_SUFFIXES)
+    if path and not _importable("matplotlib"):
+        raise UsageError("--plot needs matplotlib: pip install matplotlib (or the "
+                         "package's [plot] extra), or leave out --plot")
 
 
 def _importable(module: str) -> bool:
@@ -434,11 +455,34 @@ def _train(args) -> int:
         print(f"held-out accuracy {held_out['accuracy']:.2%}, loss {held_out['loss']:.4f} "
               f"on {len(test[1])} digits")
     if args.trace and rank == 0:
-        from .trace import write
-        count = write(rt.recorder, args.trace)
-        print(f"trace of the last step ({count} events) written to {args.trace}")
+        from .trace import summary, write
+        count = write(rt.recorder, args.trace, model=args.model)
+        print(f"trace of the last step ({count} events) written to {args.trace}: "
+              f"{_busy_line(summary(rt.recorder.events()))}")
     distributed.close(group)
     return 0
+
+
+def _trace(args) -> int:
+    """Print a trace file's step time and busy fractions; with --plot, draw it."""
+    from . import trace
+
+    try:
+        recorded = trace.read(args.path)
+    except ValueError as err:           # not a trace file, or one without spans
+        raise UsageError(str(err)) from None
+    figures = trace.summary(recorded["traceEvents"])
+    print(f"{args.path}: {_busy_line(figures)}")
+    if args.plot:
+        trace.plot(recorded, args.plot)
+        print(f"timeline written to {args.plot}")
+    return 0
+
+
+def _busy_line(figures) -> str:
+    """A trace summary in one line: the step time and each stream's busy share."""
+    busy = ", ".join(f"{name} {share:.1%}" for name, share in figures["busy"].items())
+    return f"step {figures['step_ms']:,.1f} ms; busy: {busy}"
 
 
 def _data(args, net, rank=0, world=1):

@@ -129,7 +129,8 @@ def write(recorder: Recorder, path, **meta) -> int:
 
 def read(path) -> dict:
     """The trace file at `path` as {"traceEvents": [...], "otherData": {...}} (a bare event
-    list, Chrome's other format, too); ValueError naming the problem when it is no trace."""
+    list, Chrome's other format, too); ValueError naming the problem when it is no trace or
+    holds no span to draw."""
     try:
         with open(path, "rb") as f:
             data = json.loads(f.read())
@@ -143,6 +144,10 @@ def read(path) -> dict:
     if not isinstance(data, dict) or not isinstance(data.get("traceEvents"), list):
         raise ValueError(f"{path} is not a trace file: no traceEvents list (write one with "
                          f"tinysn train --trace)")
+    try:
+        summary(data["traceEvents"])
+    except ValueError as err:                           # no spans, or a malformed one
+        raise ValueError(f"{path}: {err}") from None
     data.setdefault("otherData", {})
     return data
 

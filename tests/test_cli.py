@@ -55,6 +55,11 @@ BAD = [
                                            "--batch"]),
     ("plan --model alexnet --batch 8 --memory 1MiB --policy baseline",
      ["does not fit", "To fit, raise --memory to"]),
+    ("trace /no/such/dir/t.json", ["'/no/such/dir/t.json' is not a file",
+                                   "e.g. tinysn trace t.json"]),
+    ("trace {tmp}/sub.json", ["is not a file", "e.g. tinysn trace t.json"]),
+    ("trace {tmp}/sub.json --plot /no/such/dir/p.png", ["--plot", "does not exist"]),
+    ("trace {tmp}/sub.json --plot noext", ["--plot", ".png", "e.g. --plot out.png"]),
     ("bogus", ["bogus", "train"]),
     ("", ["command"]),
 ]
@@ -88,9 +93,10 @@ def test_no_gpu_refuses_device_cuda(capsys):
     assert status == 2 and "--device cpu" in err and len(err.splitlines()) == 1
 
 
-def test_missing_matplotlib_is_one_line(monkeypatch, tmp_path, capsys):
+@pytest.mark.parametrize("command", [["plan"], ["trace", "t.json"]])
+def test_missing_matplotlib_is_one_line(command, monkeypatch, tmp_path, capsys):
     monkeypatch.setitem(sys.modules, "matplotlib", None)     # import matplotlib fails
-    status, out, err = run_main(["plan", "--plot", str(tmp_path / "t.png")], capsys)
+    status, out, err = run_main(command + ["--plot", str(tmp_path / "t.png")], capsys)
     assert status == 2 and out == ""
     assert "--plot needs matplotlib" in err and len(err.splitlines()) == 1
 
@@ -213,6 +219,9 @@ def test_train_writes_a_chrome_trace_and_progress_on_stderr(tmp_path, capsys):
     spans = [e for e in events if e["ph"] == "X"]
     assert sum(e["tid"] == 0 for e in spans) == kernels
     assert sum(e["tid"] in (1, 2) for e in spans) == copies > 0
+    meta = json.loads(trace.read_text())["otherData"]
+    assert (meta["model"], meta["batch"], meta["policy"]) == ("lenet", 2, "offload")
+    assert f"busy: compute {meta['busy']['compute']:.1%}" in out
 
 
 @pytest.mark.gpu

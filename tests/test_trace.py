@@ -122,7 +122,7 @@ def test_plot_draws_a_png_of_a_cpu_trace_with_copies(squeezed, tmp_path):
 
 def test_plot_titles_the_step_and_draws_every_span_and_the_cap(squeezed, tmp_path):
     """In the SVG (text kept as text): the title's model, batch, cap and busy shares, a
-    legend entry per category present, and the cap line's label."""
+    legend entry per category present, the bytes-in-use line and the cap line's labels."""
     matplotlib = pytest.importorskip("matplotlib")
     recorded = trace.read(squeezed)
     svg = tmp_path / "t.svg"
@@ -134,6 +134,7 @@ def test_plot_titles_the_step_and_draws_every_span_and_the_cap(squeezed, tmp_pat
     cap = f"cap {format_bytes(meta['cap_bytes'])}"
     for expected in ("every_layer_net batch 2 policy all", cap, share, "pool bytes in use"):
         assert expected in text, expected
+    assert text.count(cap) == 2                     # the title and the dashed line's label
     categories = {e["cat"] for e in recorded["traceEvents"] if e["ph"] == "X"}
     assert {"forward", "backward", "prefetch"} <= categories
     for category in categories:

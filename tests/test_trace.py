@@ -174,6 +174,39 @@ def test_bad_trace_file_is_one_line_before_any_drawing(content, problem, tmp_pat
     assert sorted(p.name for p in tmp_path.iterdir()) == ["bad.json"]
 
 
+class _Stream:
+    """A stand-in CUDA stream that logs what it is made to wait for and the marks taken."""
+
+    def __init__(self, name, log):
+        self.name, self.log = name, log
+
+    def wait_stream(self, other):
+        self.log.append((self.name, "waits for stream", other.name))
+
+    def wait_event(self, event):
+        self.log.append((self.name, "waits for event", event))
+
+
+def test_gpu_copy_start_is_marked_after_what_the_copy_waits_for(monkeypatch):
+    """A copy out waits for the compute stream and its plan events, a prefetch for its
+    events only (as tensor._copy does), and only then is its start marked."""
+    log = []
+    rec = trace.Recorder()
+    rec._cuda = True
+    rec._streams = {name: _Stream(name, log) for name in trace.THREADS}
+    monkeypatch.setattr(rec, "_mark", lambda stream: log.append((stream, "mark")))
+
+    class Rt:
+        def events_of(self, op):
+            return [f"event {w}" for w in op.waits]
+
+    rec.before(Offload(tensor=0, host_offset=0, slot=0, waits=[3]), Rt())
+    rec.before(Prefetch(tensor=0, offset=0, slot=1, waits=[4]), Rt())
+    assert log == [("to host", "waits for stream", "compute"),
+                   ("to host", "waits for event", "event 3"), ("to host", "mark"),
+                   ("to device", "waits for event", "event 4"), ("to device", "mark")]
+
+
 def test_nothing_recorded_is_a_clear_error():
     with pytest.raises(ValueError, match="nothing recorded"):
         trace.Recorder().events()
@@ -196,3 +229,11 @@ def test_gpu_trace_times_kernels_and_copies_with_cuda_events(tmp_path):
     assert all(e["ts"] >= 0 and e["dur"] >= 0 for e in spans)
     end = max(e["ts"] + e["dur"] for e in spans if e["tid"] == 0)
     assert all(e["ts"] <= end for e in spans if e["tid"] != 0)
+    kernels = [e for e in spans if e["tid"] == 0]
+    copies_out = iter(e for e in spans if e["tid"] == 1)
+    launched = 0
+    for op in (op for s in rt.plan.steps for op in s.ops):   # a copy out starts after the
+        launched += isinstance(op, Launch)                   # kernels before it, not with them
+        if isinstance(op, Offload):
+            before = kernels[launched - 1]
+            assert next(copies_out)["ts"] >= before["ts"] + before["dur"] - 1.0

@@ -187,7 +187,7 @@ class Runtime:
                     if rec is None:
                         self._execute[type(op)](op)
                     else:
-                        start = rec.before(op)
+                        start = rec.before(op, self)
                         self._execute[type(op)](op)
                         rec.after(start, op, step, self)
             if until is None:            # a training step: the masks' counter moves on
@@ -254,7 +254,7 @@ class Runtime:
 
     def _offload(self, op: Offload | Evict):
         t = self.tensors[op.tensor]
-        t.offload(self.host, self.to_host_stream, waits=[self._events[w] for w in op.waits])
+        t.offload(self.host, self.to_host_stream, waits=self.events_of(op))
         self._events[op.slot] = t.event
         self.stats.bytes_to_host += t.nbytes
         if t.host_block.offset != op.host_offset:
@@ -273,12 +273,16 @@ class Runtime:
     def _prefetch(self, op: Prefetch):
         t = self.tensors[op.tensor]
         t.prefetch(self.arena, self.to_device_stream, views=self._views[op.tensor],
-                   waits=[self._events[w] for w in op.waits])
+                   waits=self.events_of(op))
         self._events[op.slot] = t.event
         self.stats.bytes_to_device += t.nbytes
         if t.block.offset != op.offset:
             raise RuntimeError(f"allocator diverged from the plan: {t.name} prefetched to "
                                f"{t.block.offset}, planned {op.offset}")
+
+    def events_of(self, op: Offload | Evict | Prefetch) -> list:
+        """The events of the copies and kernels the copy `op` waits for (its plan `waits`)."""
+        return [self._events[w] for w in op.waits]
 
     def _wait(self, op: Wait):
         stream = torch.cuda.current_stream(self.device) if self._cuda else None

@@ -4,8 +4,10 @@ Set `rt.recorder = Recorder()` on a Runtime and every eager step it walks is rec
 walk replaces the previous one): every kernel on the compute stream, every copy on its copy
 stream (to host, to device), each with its start and end, and the pool's bytes in use as a
 counter track. Times come from CUDA events on the GPU and from `time.perf_counter` on the CPU
-(where the interpreter runs kernels and copies synchronously). A copy's span on the GPU
-starts when its stream reaches it, so it includes the wait for the kernels it follows.
+(where the interpreter runs kernels and copies synchronously). On the GPU a copy's start
+is marked once its stream has waited for what the copy waits for (the compute queued before
+a copy out, the plan's events), so its span is the transfer and any queueing behind the
+copy before it on the same stream, not the wait for the kernel that produced its tensor.
 Without a recorder the runtime records nothing (`rt.recorder` is None by default); a step
 replayed from a CUDA graph is not walked, so it is not recorded either.
 
@@ -57,11 +59,27 @@ class Recorder:
         self._base = self._mark(COMPUTE)
         return True
 
-    def before(self, op):
-        """The start mark of plan operation `op`, or None when it is neither a kernel nor a
-        copy (allocations, frees, waits and an evict that only discards take no time)."""
+    def before(self, op, rt):
+        """The start mark of plan operation `op` of runtime `rt`, or None when it is neither
+        a kernel nor a copy (allocations, frees, waits and an evict that only discards take
+        no time)."""
         stream = _stream_of(op)
-        return None if stream is None else (stream, self._mark(stream))
+        if stream is None:
+            return None
+        if self._cuda and stream != COMPUTE:
+            self._await_inputs(op, stream, rt)
+        return stream, self._mark(stream)
+
+    def _await_inputs(self, op, stream, rt) -> None:
+        """Make copy `stream` wait now for what copy `op` will wait for (tensor._copy: the
+        compute queued so far before a copy out; the plan's events), so the start mark that
+        follows is reached when the copy can begin. The copy's own waits then find them met:
+        the schedule is unchanged."""
+        copy_stream = self._streams[stream]
+        if stream == TO_HOST:
+            copy_stream.wait_stream(self._streams[COMPUTE])
+        for event in rt.events_of(op):
+            copy_stream.wait_event(event)
 
     def after(self, start, op, step, rt) -> None:
         """Record the operation begun with mark `start` (None: nothing to record)."""

@@ -104,9 +104,10 @@ def test_training_table_quotes_the_json():
 
 def test_every_script_result_has_the_one_envelope():
     """Every results JSON a bench script wrote carries common.write's envelope (the plan
-    JSON is written by `python -m tinysn plan`, not a bench script)."""
+    JSON and the step's trace are written by `python -m tinysn plan` and `train --trace`,
+    not a bench script)."""
     keys = {"gpu", "torch", "triton", "cudnn", "python", "date", "command"}
-    written = [p for p in RESULTS.glob("*.json") if not p.name.startswith("plan-")]
+    written = [p for p in RESULTS.glob("*.json") if not p.name.startswith(("plan-", "trace-"))]
     assert len(written) >= 5
     for path in written:
         assert set(json.loads(path.read_text())["environment"]) == keys, path.name

@@ -154,6 +154,7 @@ def test_trace_command_prints_the_figures_and_draws(squeezed, tmp_path, capsys):
 BAD_FILES = [
     (b"\x89PNG\r\n\x1a\n\x00", "is not a trace file: it is not JSON"),
     (b'{"events": []}', "is not a trace file: no traceEvents list"),
+    (b'{"traceEvents": [1, 2]}', "its traceEvents are not all objects"),
     (b'{"traceEvents": []}', "holds no kernel or copy spans"),
     (b'[{"name": "thread_name", "ph": "M", "tid": 0, "args": {"name": "compute"}}]',
      "holds no kernel or copy spans"),

@@ -162,6 +162,8 @@ def read(path) -> dict:
     if not isinstance(data, dict) or not isinstance(data.get("traceEvents"), list):
         raise ValueError(f"{path} is not a trace file: no traceEvents list (write one with "
                          f"tinysn train --trace)")
+    if not all(isinstance(e, dict) for e in data["traceEvents"]):
+        raise ValueError(f"{path} is not a trace file: its traceEvents are not all objects")
     try:
         summary(data["traceEvents"])
     except ValueError as err:                           # no spans, or a malformed one
@@ -188,8 +190,9 @@ def summary(events) -> dict:
 def _lanes(events) -> dict:
     """Stream name -> its spans as (start us, duration us, category), for every stream the
     trace names (thread_name events; the recorder's three when it names none)."""
-    names = {e["tid"]: e["args"]["name"] for e in events
-             if e.get("ph") == "M" and e.get("name") == "thread_name"}
+    names = {e.get("tid"): str(e["args"].get("name")) for e in events
+             if e.get("ph") == "M" and e.get("name") == "thread_name"
+             and isinstance(e.get("args"), dict)}
     names = names or {tid: name for name, tid in THREADS.items()}
     lanes = {name: [] for name in names.values()}
     for i, e in enumerate(events):
@@ -254,7 +257,8 @@ def _draw_lanes(ax, lanes, busy) -> None:
 def _draw_memory(ax, events, cap, end_ms) -> None:
     """The counter track as a step line held to the step's end (`end_ms`), with the cap."""
     samples = [(e["ts"] / 1e3, e["args"]["bytes"]) for e in events
-               if e.get("ph") == "C" and "bytes" in e.get("args", {})]
+               if e.get("ph") == "C" and isinstance(e.get("ts"), (int, float))
+               and isinstance((e.get("args") or {}).get("bytes"), (int, float))]
     top = max([cap or 0] + [b for _, b in samples])
     unit, scale = next((u, 2**p) for u, p in (("GiB", 30), ("MiB", 20), ("KiB", 10), ("B", 0))
                        if top >= 2**p or p == 0)

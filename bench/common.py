@@ -57,12 +57,17 @@ def write(path, payload: dict):
 def release_memory() -> None:
     """Give the last configuration's device and pinned host memory back: a Runtime is freed
     only by the garbage collector (its dispatch table refers back to it), and torch caches
-    both device blocks and pinned host blocks; the next configuration's process peak and host
-    arena then start from what is really held."""
+    both device blocks and pinned host blocks, and PyTorch's cuBLAS handles keep their
+    workspaces (65 MiB on the H200) in the caching allocator after a PyTorch reference ran;
+    the next configuration's process peak and host arena then start from what is really
+    held."""
     import gc
 
     gc.collect()
     if torch.cuda.is_available():
+        clear_cublas = getattr(torch._C, "_cuda_clearCublasWorkspaces", None)
+        if clear_cublas is not None:
+            clear_cublas()
         torch.cuda.empty_cache()
         empty_host = getattr(torch._C, "_host_emptyCache", None)
         if empty_host is not None:

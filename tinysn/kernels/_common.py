@@ -220,21 +220,35 @@ _COMPILE_ONLY = []   # non-empty inside `compiling_in_parallel`: launches compil
 def compiling_in_parallel(workers=None):
     """Inside this block `launch` compiles every config of an autotuned kernel on a pool of
     `workers` threads (default: the CPU count) instead of tuning and running it; leaving the
-    block waits for the compilations. Triton compiles with the GIL released, so a cold start
-    that would compile hundreds of (kernel, config, shape) variants one by one takes about
-    1/workers of the time; the later real launches find them compiled. Kernels launched
-    through `run` compile the same way; no kernel runs inside the block (torch operations
-    still do)."""
+    block waits for the compilations and readies every compiled kernel's launcher on the same
+    threads. Kernels launched through `run` compile the same way; no kernel runs inside the
+    block (torch operations still do). A cold start that would compile hundreds of (kernel,
+    config, shape) variants one by one takes a fraction of the time; the later real launches
+    find them compiled and loaded. Once the cache proves cold, each variant's compilation
+    also goes through a worker process first (kernels/_compile_pool.py, up to
+    TINYSN_COMPILE_PROCESSES): triton's front end holds the GIL, so threads alone queue
+    on it."""
     from concurrent.futures import ThreadPoolExecutor
 
+    from ._compile_pool import compiling_in_processes, process_count, ready_launchers
+    from ._compile_pool import tinysn_kernels
+
     mode = getattr(triton, "AsyncCompileMode", None)
-    with ThreadPoolExecutor(workers or os.cpu_count() or 1) as pool:
-        with (mode(pool) if mode is not None else contextlib.nullcontext()):
+    workers = workers or os.cpu_count() or 1
+    with ThreadPoolExecutor(workers) as pool:
+        compiled = []
+        with contextlib.ExitStack() as stack:
+            if mode is not None and process_count() > 0:
+                stack.enter_context(compiling_in_processes(tinysn_kernels(), process_count()))
+            if mode is not None:
+                async_mode = stack.enter_context(mode(pool))
+                stack.callback(lambda: compiled.extend(
+                    getattr(async_mode, "future_kernels", {}).values()))
             _COMPILE_ONLY.append(True)
-            try:
-                yield
-            finally:
-                _COMPILE_ONLY.pop()
+            stack.callback(_COMPILE_ONLY.pop)
+            yield
+        # the block's futures are resolved (AsyncCompileMode's exit): ready their launchers
+        ready_launchers([k for k in (getattr(fk, "kernel", None) for fk in compiled) if k], pool)
 
 
 def run(kernel, grid, *args, **kwargs):

@@ -119,3 +119,76 @@ class FreedRanges:
                 self._rest[end] = (e, p, sl)
                 i += 1
         return pos, slots
+
+
+class EvictionLog:
+    """What the LRU cache evicted in one planning pass, for a second pass that copies those
+    victims to the host early.
+
+    The cache copies a victim out only when an allocation fails, so the allocation's writer
+    waits for that copy: compute stalls on PCIe exactly when memory is short. A victim's
+    bytes do not change after its last use, so the copy can start right then, and the
+    eviction later finds a valid host copy and moves nothing. The decisions of a planning
+    pass do not depend on when copies start, so a second pass evicts the same tensors at the
+    same steps; this log tells it which, and how many host bytes the first pass held when.
+
+    Positions count the steps recorded so far: an operation issued while step k is being
+    built has position k; one issued after its kernel (frees, write-backs, the next step's
+    prefetches) has position k + 1."""
+
+    def __init__(self):
+        self.last_use = {}     # tid -> index of the last step whose kernel used it so far
+        self.victims = {}      # tid -> (index of its last use, position of its eviction)
+        self.host_high = []    # position -> the most host bytes in use during it
+
+    def used(self, tids, index: int) -> None:
+        """The kernel of step `index` read or wrote `tids`."""
+        for tid in tids:
+            self.last_use[tid] = index
+
+    def evicted(self, tid: int, position: int) -> None:
+        """`tid` was copied out and evicted at `position`."""
+        self.victims[tid] = (self.last_use[tid], position)
+
+    def host(self, position: int, in_use: int) -> None:
+        """The host arena held `in_use` bytes at `position` (noted at the start of each
+        position and after each host allocation: between them the figure only falls)."""
+        high = self.host_high
+        if position >= len(high):
+            high.extend([in_use] * (position + 1 - len(high)))
+        high[position] = max(high[position], in_use)
+
+
+class EarlyWriteBacks:
+    """The second pass's write-backs, from the first pass's EvictionLog.
+
+    Victims are copied in the order the first pass evicted them (the copy stream is a
+    queue: the copy needed first goes first), each right after its last use or right after
+    the previous victim's write-back, whichever is later. An early copy holds its host
+    block from its write-back to its eviction, so it is admitted only if, at every position
+    in between, the first pass's host bytes plus the copies already admitted plus this one
+    stay within the host cap; a victim not admitted is copied out at its eviction, as before.
+    """
+
+    def __init__(self, log: EvictionLog, host_capacity: int, block_bytes: int):
+        self.log, self.capacity, self.block_bytes = log, host_capacity, block_bytes
+        self.extra = [0] * len(log.host_high)
+        self.due = {}              # step index -> victims to write back after its kernel
+        issue = -1
+        for tid, (last, _) in sorted(log.victims.items(), key=lambda kv: kv[1][1]):
+            issue = max(issue, last)
+            self.due.setdefault(issue, []).append(tid)
+
+    def after(self, index: int) -> list:
+        """The victims to write back once step `index` has been launched."""
+        return self.due.get(index, [])
+
+    def admit(self, tid: int, nbytes: int, position: int) -> bool:
+        """Reserve `tid`'s host bytes from `position` to its eviction, if the cap allows."""
+        need = -(-nbytes // self.block_bytes) * self.block_bytes
+        span = range(position, self.log.victims[tid][1] + 1)
+        if any(self.log.host_high[p] + self.extra[p] + need > self.capacity for p in span):
+            return False
+        for p in span:
+            self.extra[p] += need
+        return True

@@ -132,31 +132,30 @@ class EvictionLog:
     pass do not depend on when copies start, so a second pass evicts the same tensors at the
     same steps; this log tells it which, and how many host bytes the first pass held when.
 
-    Positions count the steps recorded so far: an operation issued while step k is being
-    built has position k; one issued after its kernel (frees, write-backs, the next step's
-    prefetches) has position k + 1."""
+    Time is counted in ticks: one at each recorded step and one at each host allocation.
+    `ticks[t]` is the host bytes in use at tick t; until the next tick they can only fall
+    (frees), so it is also the most held in between."""
 
     def __init__(self):
         self.last_use = {}     # tid -> index of the last step whose kernel used it so far
-        self.victims = {}      # tid -> (index of its last use, position of its eviction)
-        self.host_high = []    # position -> the most host bytes in use during it
+        self.victims = {}      # tid -> (index of its last use, tick of its eviction's copy)
+        self.ticks = []        # tick -> host bytes in use
+        self.step_ticks = []   # step index -> the tick at which that step was recorded
 
-    def used(self, tids, index: int) -> None:
-        """The kernel of step `index` read or wrote `tids`."""
-        for tid in tids:
+    def stepped(self, index: int, used, host_in_use: int) -> None:
+        """Step `index` was recorded; its kernel reads or writes `used`."""
+        for tid in used:
             self.last_use[tid] = index
+        self.ticks.append(host_in_use)
+        self.step_ticks.append(len(self.ticks) - 1)
 
-    def evicted(self, tid: int, position: int) -> None:
-        """`tid` was copied out and evicted at `position`."""
-        self.victims[tid] = (self.last_use[tid], position)
+    def host_alloc(self, host_in_use: int) -> None:
+        """A host block was allocated; `host_in_use` bytes are in use now."""
+        self.ticks.append(host_in_use)
 
-    def host(self, position: int, in_use: int) -> None:
-        """The host arena held `in_use` bytes at `position` (noted at the start of each
-        position and after each host allocation: between them the figure only falls)."""
-        high = self.host_high
-        if position >= len(high):
-            high.extend([in_use] * (position + 1 - len(high)))
-        high[position] = max(high[position], in_use)
+    def evicted(self, tid: int) -> None:
+        """`tid` was evicted with the copy whose host block was allocated last."""
+        self.victims[tid] = (self.last_use[tid], len(self.ticks) - 1)
 
 
 class EarlyWriteBacks:
@@ -165,14 +164,15 @@ class EarlyWriteBacks:
     Victims are copied in the order the first pass evicted them (the copy stream is a
     queue: the copy needed first goes first), each right after its last use or right after
     the previous victim's write-back, whichever is later. An early copy holds its host
-    block from its write-back to its eviction, so it is admitted only if, at every position
-    in between, the first pass's host bytes plus the copies already admitted plus this one
-    stay within the host cap; a victim not admitted is copied out at its eviction, as before.
+    block from its write-back until the first pass would have allocated it, so it is
+    admitted only if, at every tick in between, the first pass's host bytes plus the copies
+    already admitted plus this one stay within the host cap; a victim not admitted is
+    copied out at its eviction, as in the first pass.
     """
 
     def __init__(self, log: EvictionLog, host_capacity: int, block_bytes: int):
         self.log, self.capacity, self.block_bytes = log, host_capacity, block_bytes
-        self.extra = [0] * len(log.host_high)
+        self.extra = [0] * len(log.ticks)
         self.due = {}              # step index -> victims to write back after its kernel
         issue = -1
         for tid, (last, _) in sorted(log.victims.items(), key=lambda kv: kv[1][1]):
@@ -180,15 +180,16 @@ class EarlyWriteBacks:
             self.due.setdefault(issue, []).append(tid)
 
     def after(self, index: int) -> list:
-        """The victims to write back once step `index` has been launched."""
+        """The victims to write back once step `index` has been recorded."""
         return self.due.get(index, [])
 
-    def admit(self, tid: int, nbytes: int, position: int) -> bool:
-        """Reserve `tid`'s host bytes from `position` to its eviction, if the cap allows."""
+    def admit(self, tid: int, nbytes: int, index: int) -> bool:
+        """Reserve `tid`'s host bytes from the end of step `index` to its eviction, if the
+        host cap allows it at every tick in between."""
         need = -(-nbytes // self.block_bytes) * self.block_bytes
-        span = range(position, self.log.victims[tid][1] + 1)
-        if any(self.log.host_high[p] + self.extra[p] + need > self.capacity for p in span):
+        span = range(self.log.step_ticks[index], self.log.victims[tid][1])
+        if any(self.log.ticks[t] + self.extra[t] + need > self.capacity for t in span):
             return False
-        for p in span:
-            self.extra[p] += need
+        for t in span:
+            self.extra[t] += need
         return True

@@ -708,17 +708,17 @@ class _Planner:
         """Append an executed step whose kernel uses `used`, noting both in the eviction log."""
         self.steps.append(record)
         if self.evictions is not None:
-            self.evictions.used(used, record.index)
-            self.evictions.host(len(self.steps), self.host.in_use)
+            self.evictions.stepped(record.index, used, self.host.in_use)
 
     def _write_back(self, ops):
         """Start copying to the host the victims due after the step just launched (a second
         pass: `early`); each stays on the device, readable, until its eviction frees it."""
         if self.early is None:
             return
-        for tid in self.early.after(len(self.steps) - 1):
+        index = len(self.steps) - 1
+        for tid in self.early.after(index):
             if self.loc.get(tid) == "gpu" and tid not in self.hblock and self.early.admit(
-                    tid, self.tensors[tid].nbytes, len(self.steps)):
+                    tid, self.tensors[tid].nbytes, index):
                 self._offload(tid, ops)
 
     def _retire_rebuilt(self, tid, index, ops):
@@ -825,7 +825,7 @@ class _Planner:
                 hoff, slot, waits = self._copy_out(tid)
                 ops.append(Evict(tid, hoff, slot, waits))
                 self.to_host += self.tensors[tid].nbytes
-                self.evictions.evicted(tid, len(self.steps))
+                self.evictions.evicted(tid)
             self._release_device(tid, "host")
             return True
         return False
@@ -843,7 +843,7 @@ class _Planner:
                               f"free") from None
         self.hblock[tid] = block
         if self.evictions is not None:
-            self.evictions.host(len(self.steps), self.host.in_use)
+            self.evictions.host_alloc(self.host.in_use)
         _, waits = self.host_freed.take(block.offset, block.end)
         slot = self._slot()
         self.d2h[tid] = self.reading[tid] = slot

@@ -69,6 +69,7 @@ def test_write_back_follows_the_last_use_before_the_eviction(name):
     _, early = both(NETS[name]())
     flat = [(s.index, op) for s in early.steps for op in s.ops]
     used = uses(early)
+    assert ops_of(early, Offload)
     previous = -1
     for q, (s, op) in enumerate(flat):
         if not isinstance(op, Offload):
@@ -178,3 +179,17 @@ def test_trains_bitwise_equal_to_baseline_with_write_backs_in_flight():
     plan = rts["all"].plan
     assert ops_of(plan, Offload) and not copying(plan)
     assert rts["all"].stats.bytes_to_host == 2 * plan.bytes_to_host > 0
+
+
+def test_write_backs_are_queued_in_eviction_order():
+    """Victim 5 is evicted first but last used after victim 6: 6's copy waits behind 5's
+    (issued after step 1, not step 0), so the copy queue serves the first eviction first."""
+    log = offload.EvictionLog()
+    log.stepped(0, [6], 0)
+    log.stepped(1, [5], 0)
+    log.host_alloc(1024)
+    log.evicted(5)
+    log.host_alloc(2048)
+    log.evicted(6)
+    early = offload.EarlyWriteBacks(log, 1 << 20, 1024)
+    assert (early.after(0), early.after(1)) == ([], [5, 6])

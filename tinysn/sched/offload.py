@@ -10,6 +10,8 @@ Two ways to use host memory, chosen by the policy:
   room. When an allocation would fail, the least recently used unlocked activations are
   evicted (copied out unless the host already holds a valid copy) until it fits; a tensor
   found on the device is a hit and moves nothing. An evicted tensor comes back by prefetch.
+  The planner plans twice so that each victim's copy starts right after its last use
+  rather than at its eviction (`EvictionLog`, `EarlyWriteBacks`).
 
 No copy is waited for on the host: `FreedRanges` (below) tells the planner which events the
 next writer of a freed block must wait for.

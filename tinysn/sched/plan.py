@@ -23,7 +23,9 @@ Policies (a ladder, each including the ones before it where it makes sense):
     recompute  + drop cheap layers' outputs and recompute them, cost-aware (§3.4)
     all        liveness + LRU tensor cache (move only when short) + dynamic conv workspaces
                (§3.5); once something must move, the same with cost-aware recomputation
-               where that moves fewer bytes (or where the cache alone does not fit)
+               where that moves fewer bytes (or where the cache alone does not fit); the
+               chosen run is planned again with the cache's victims written back to the
+               host right after their last use (`_Search.write_back_early`)
 """
 from __future__ import annotations
 
@@ -77,7 +79,8 @@ class Release:
 @dataclass(frozen=True)
 class Evict:
     """LRU eviction: copy out as Offload does, unless `host_offset` is None (the host copy
-    is still valid), then free the device block."""
+    is still valid, or an Offload wrote it back early and may still be copying), then free
+    the device block."""
     tensor: int
     host_offset: int | None
     slot: int | None

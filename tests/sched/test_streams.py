@@ -79,10 +79,12 @@ def test_tensor_evicted_after_a_rebuild_read_it_last_is_freed(monkeypatch):
 
 @pytest.mark.gpu
 def test_gpu_copies_in_flight_leave_results_bitwise_equal():
-    """On a GPU, with real streams: a ResNet under caps that force offloads, evictions and
-    prefetches every step trains to the same parameters, bit for bit, as with no moves."""
+    """On a GPU, with real streams: a ResNet under caps that force offloads, evictions (after
+    early write-backs) and prefetches every step trains to the same parameters, bit for bit, as with no moves."""
     net = sn.models.resnet(blocks=[1, 2, 2, 1], batch=16, classes=10, input_shape=(3, 64, 64))
     rts = snt.check_equivalent(net, ["baseline", "offload", "all"], steps=3, lr=0.05,
                                weight_decay=0.0, device="cuda")
     for policy in ("offload", "all"):
         assert rts[policy].plan.bytes_to_host > 0 and rts[policy].stats.bytes_to_device > 0
+    assert any(isinstance(op, Offload) for s in rts["all"].plan.steps for op in s.ops), \
+        "the cache's victims should be written back early, their copies in flight"

@@ -164,7 +164,8 @@ class Plan:
     small_bytes: int = 0      # the device allocator's small_bytes this layout was made with
     event_slots: int = 0      # copy and compute events the steps refer to (by slot)
     drops: object = None      # the recomputation variant it was made with (VARIANTS)
-    evictions: object = None  # policy "all": what its LRU cache evicted (offload.EvictionLog)
+    evictions: object = None  # policy "all": what its cache copied out when evicting, and
+                              # when (offload.EvictionLog)
 
     def table(self) -> str:
         """Per-step bytes in use and live tensors, as text."""

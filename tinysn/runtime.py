@@ -264,11 +264,13 @@ class Runtime:
         self.tensors[op.tensor].release(sync=False)
 
     def _evict(self, op: Evict):
-        if op.host_offset is None:
-            self.tensors[op.tensor].discard()
+        t = self.tensors[op.tensor]
+        if op.host_offset is None and t.state == "gpu":
+            t.discard()              # the host copy is valid (the tensor came back by prefetch)
             return
-        self._offload(op)
-        self.tensors[op.tensor].release(sync=False)
+        if op.host_offset is not None:
+            self._offload(op)
+        t.release(sync=False)        # the copy (this one, or a write-back) may still read it
 
     def _prefetch(self, op: Prefetch):
         t = self.tensors[op.tensor]

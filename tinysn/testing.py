@@ -500,7 +500,7 @@ class _Replay:
             self.offload(op)
             self.release(op)
             return
-        self.expect(op.tensor, ("gpu",), "evicted without a copy")
+        self.expect(op.tensor, ("gpu", "offloading"), "evicted without a copy")
         if op.tensor not in self.host:
             self.fail("state", op.tensor, "evicted without a copy but has no host copy")
         self.unplace(op.tensor)

@@ -10,6 +10,8 @@ Two ways to use host memory, chosen by the policy:
   room. When an allocation would fail, the least recently used unlocked activations are
   evicted (copied out unless the host already holds a valid copy) until it fits; a tensor
   found on the device is a hit and moves nothing. An evicted tensor comes back by prefetch.
+  The planner plans twice so that each victim's copy starts right after its last use
+  rather than at its eviction (`EvictionLog`, `EarlyWriteBacks`).
 
 No copy is waited for on the host: `FreedRanges` (below) tells the planner which events the
 next writer of a freed block must wait for.
@@ -119,3 +121,77 @@ class FreedRanges:
                 self._rest[end] = (e, p, sl)
                 i += 1
         return pos, slots
+
+
+class EvictionLog:
+    """What the LRU cache evicted in one planning pass, for a second pass that copies those
+    victims to the host early.
+
+    The cache copies a victim out only when an allocation fails, so the allocation's writer
+    waits for that copy: compute stalls on PCIe exactly when memory is short. A victim's
+    bytes do not change after its last use, so the copy can start right then, and the
+    eviction later finds a valid host copy and moves nothing. The decisions of a planning
+    pass do not depend on when copies start, so a second pass evicts the same tensors at the
+    same steps; this log tells it which, and how many host bytes the first pass held when.
+
+    Time is counted in ticks: one at each recorded step and one at each host allocation.
+    `ticks[t]` is the host bytes in use at tick t; until the next tick they can only fall
+    (frees), so it is also the most held in between."""
+
+    def __init__(self):
+        self.last_use = {}     # tid -> index of the last step whose kernel used it so far
+        self.victims = {}      # tid -> (index of its last use, tick of its eviction's copy)
+        self.ticks = []        # tick -> host bytes in use
+        self.step_ticks = []   # step index -> the tick at which that step was recorded
+
+    def stepped(self, index: int, used, host_in_use: int) -> None:
+        """Step `index` was recorded; its kernel reads or writes `used`."""
+        for tid in used:
+            self.last_use[tid] = index
+        self.ticks.append(host_in_use)
+        self.step_ticks.append(len(self.ticks) - 1)
+
+    def host_alloc(self, host_in_use: int) -> None:
+        """A host block was allocated; `host_in_use` bytes are in use now."""
+        self.ticks.append(host_in_use)
+
+    def evicted(self, tid: int) -> None:
+        """`tid` was evicted with the copy whose host block was allocated last."""
+        self.victims[tid] = (self.last_use[tid], len(self.ticks) - 1)
+
+
+class EarlyWriteBacks:
+    """The second pass's write-backs, from the first pass's EvictionLog.
+
+    Victims are copied in the order the first pass evicted them (the copy stream is a
+    queue: the copy needed first goes first), each right after its last use or right after
+    the previous victim's write-back, whichever is later. An early copy holds its host
+    block from its write-back until the first pass would have allocated it, so it is
+    admitted only if, at every tick in between, the first pass's host bytes plus the copies
+    already admitted plus this one stay within the host cap; a victim not admitted is
+    copied out at its eviction, as in the first pass.
+    """
+
+    def __init__(self, log: EvictionLog, host_capacity: int, block_bytes: int):
+        self.log, self.capacity, self.block_bytes = log, host_capacity, block_bytes
+        self.extra = [0] * len(log.ticks)
+        self.due = {}              # step index -> victims to write back after its kernel
+        issue = -1
+        for tid, (last, _) in sorted(log.victims.items(), key=lambda kv: kv[1][1]):
+            issue = max(issue, last)
+            self.due.setdefault(issue, []).append(tid)
+
+    def after(self, index: int) -> list:
+        """The victims to write back once step `index` has been recorded."""
+        return self.due.get(index, [])
+
+    def admit(self, tid: int, nbytes: int, index: int) -> bool:
+        """Reserve `tid`'s host bytes from the end of step `index` to its eviction, if the
+        host cap allows it at every tick in between."""
+        need = -(-nbytes // self.block_bytes) * self.block_bytes
+        span = range(self.log.step_ticks[index], self.log.victims[tid][1])
+        if any(self.log.ticks[t] + self.extra[t] + need > self.capacity for t in span):
+            return False
+        for t in span:
+            self.extra[t] += need
+        return True

@@ -23,7 +23,9 @@ Policies (a ladder, each including the ones before it where it makes sense):
     recompute  + drop cheap layers' outputs and recompute them, cost-aware (§3.4)
     all        liveness + LRU tensor cache (move only when short) + dynamic conv workspaces
                (§3.5); once something must move, the same with cost-aware recomputation
-               where that moves fewer bytes (or where the cache alone does not fit)
+               where that moves fewer bytes (or where the cache alone does not fit); the
+               chosen run is planned again with the cache's victims written back to the
+               host right after their last use (`_Search.write_back_early`)
 """
 from __future__ import annotations
 
@@ -77,7 +79,8 @@ class Release:
 @dataclass(frozen=True)
 class Evict:
     """LRU eviction: copy out as Offload does, unless `host_offset` is None (the host copy
-    is still valid), then free the device block."""
+    is still valid, or an Offload wrote it back early and may still be copying), then free
+    the device block."""
     tensor: int
     host_offset: int | None
     slot: int | None
@@ -160,6 +163,9 @@ class Plan:
     program: object = None
     small_bytes: int = 0      # the device allocator's small_bytes this layout was made with
     event_slots: int = 0      # copy and compute events the steps refer to (by slot)
+    drops: object = None      # the recomputation variant it was made with (VARIANTS)
+    evictions: object = None  # policy "all": what its cache copied out when evicting, and
+                              # when (offload.EvictionLog)
 
     def table(self) -> str:
         """Per-step bytes in use and live tensors, as text."""
@@ -247,7 +253,8 @@ def grid_cap(nbytes: int, block_bytes: int = 1024) -> int:
 def plan(net, memory, policy: str = "all", *, momentum: float = 0.0, conv_algos=None,
          checkpoints=offload.DEFAULT_CHECKPOINTS, block_bytes: int = 1024,
          layout: str = "auto", host_memory=None, rankings=None,
-         data_parallel: bool = False, bucket_bytes=liveness.BUCKET_BYTES) -> Plan:
+         data_parallel: bool = False, bucket_bytes=liveness.BUCKET_BYTES,
+         early_write_back: bool = True) -> Plan:
     """Dry-run one training iteration of `net` under a `memory` cap and `policy`.
 
     Raises OutOfMemory naming the first step that does not fit. `conv_algos` pins conv
@@ -262,6 +269,10 @@ def plan(net, memory, policy: str = "all", *, momentum: float = 0.0, conv_algos=
     `bucket_bytes` (bytes or a string like '25MiB'; consecutive layers in backward order),
     each layer's update waits for its bucket's all-reduce, a few backward steps after the
     bucket's last layer (liveness.UPDATE_LAG), so the bucket's gradients live that long.
+    `early_write_back` (policy "all"): copy each tensor the LRU cache will evict to the
+    host right after its last use before the eviction, so the eviction moves nothing and
+    frees its block at once (`_Search.write_back_early`); False copies it out at the
+    eviction, when the allocation that needs the room waits for it.
 
     A plan that fits under a cap fits under every larger cap, for every policy and layout
     (`_Search` says why). The returned plan's `capacity` is the pool it was made for: the
@@ -270,13 +281,13 @@ def plan(net, memory, policy: str = "all", *, momentum: float = 0.0, conv_algos=
     search = _search(net, memory, policy, momentum=momentum, conv_algos=conv_algos,
                      checkpoints=checkpoints, block_bytes=block_bytes, layout=layout,
                      host_memory=host_memory, rankings=rankings, data_parallel=data_parallel,
-                     bucket_bytes=bucket_bytes)
-    return _choose(search, policy)
+                     bucket_bytes=bucket_bytes, early_write_back=early_write_back)
+    return search.write_back_early(_choose(search, policy))
 
 
 def _search(net, memory, policy, *, momentum, conv_algos, checkpoints, block_bytes, layout,
             host_memory, rankings=None, data_parallel=False,
-            bucket_bytes=liveness.BUCKET_BYTES) -> "_Search":
+            bucket_bytes=liveness.BUCKET_BYTES, early_write_back=True) -> "_Search":
     """Check `plan`'s arguments (before any state changes) and set up its runs."""
     if layout not in ("auto", "first_fit", "two_ended"):
         raise ValueError(f"layout must be 'auto', 'first_fit' or 'two_ended', got {layout!r}")
@@ -286,14 +297,17 @@ def _search(net, memory, policy, *, momentum, conv_algos, checkpoints, block_byt
     host_capacity = HOST_CAPACITY if host_memory is None else parse_bytes(host_memory)
     if not isinstance(data_parallel, bool):
         raise ValueError(f"data_parallel must be a bool, got {data_parallel!r}")
+    if not isinstance(early_write_back, bool):
+        raise ValueError(f"early_write_back must be a bool, got {early_write_back!r}")
     program = liveness.Program(net, momentum=momentum, data_parallel=data_parallel,
                                bucket_bytes=liveness.parse_bucket_bytes(bucket_bytes))
 
-    def make(cap, drops, small, floor=False):
+    def make(cap, drops, small, floor=False, early=None):
         return _Planner(program, cap, policy, conv_algos, checkpoints, block_bytes, drops,
-                        small, host_capacity, rankings, floor=floor)
+                        small, host_capacity, rankings, floor=floor, early=early)
 
-    return _Search(make, capacity, policy, layout, block_bytes)
+    return _Search(make, capacity, policy, layout, block_bytes, host_capacity,
+                   early_write_back)
 
 
 VARIANTS = (None, "from_checkpoints", "strict")   # what `drops` a policy's runs may use
@@ -360,8 +374,10 @@ class _Search:
     more runs, not a sweep.
     """
 
-    def __init__(self, make, capacity, policy, layout, block_bytes):
+    def __init__(self, make, capacity, policy, layout, block_bytes, host_capacity,
+                 early_write_back=False):
         self.make, self.capacity, self.block_bytes = make, capacity, block_bytes
+        self.host_capacity, self.early_write_back = host_capacity, early_write_back
         self.exact = policy != "all" and layout != "two_ended"
         self.layouts = ([0] if policy == "all" and layout != "two_ended" else []) + \
                        ([None] if layout != "first_fit" else [])   # None: small_bytes_for(cap)
@@ -417,6 +433,25 @@ class _Search:
     def _layouts_at(self, cap):
         for small in self.layouts:
             yield cap, small_bytes_for(cap) if small is None else small
+
+    def write_back_early(self, first: Plan) -> Plan:
+        """`first` planned again with the victims its LRU cache copied out written back to
+        the host early (offload.EarlyWriteBacks): same blocks, evictions, peak and bytes
+        moved; the evictions move nothing. `first` itself when its cache copied nothing, or
+        when the second pass does not fit the host arena (its blocks are placed earlier, so
+        first fit may fragment it differently)."""
+        if not self.early_write_back or first.evictions is None or not first.evictions.victims:
+            return first
+        early = offload.EarlyWriteBacks(first.evictions, self.host_capacity, self.block_bytes)
+        try:
+            second = self.make(first.capacity, first.drops, first.small_bytes,
+                               early=early).run()
+        except OutOfMemory:
+            return first
+        same = ("peak_bytes", "required_bytes", "bytes_to_host", "bytes_to_device")
+        assert all(getattr(second, k) == getattr(first, k) for k in same), \
+            "planner bug: writing victims back early changed the plan's device decisions"
+        return second
 
     def floor(self, drops) -> int:
         """Bytes some step of every run for `drops` holds at once, at any cap (`_Planner`'s
@@ -484,8 +519,9 @@ class _Planner:
 
     def __init__(self, program, capacity, policy, conv_algos, checkpoints, block_bytes,
                  drops=None, small_bytes=0, host_capacity=HOST_CAPACITY, rankings=None,
-                 floor=False):
-        """`floor=True` also records `floor` (see `_track_floor`); else `floor` is None."""
+                 floor=False, early=None):
+        """`floor=True` also records `floor` (see `_track_floor`); else `floor` is None.
+        `early` (offload.EarlyWriteBacks): the victims to write back ahead of eviction."""
         self.program = program
         self.floor = 0 if floor else None
         self.policy = policy
@@ -495,6 +531,8 @@ class _Planner:
         self.host = BlockAllocator(host_capacity, block_bytes)
         self.n_forward = len(program.order)
         self.cache = offload.LRUCache() if policy == "all" else None
+        self.evictions = offload.EvictionLog() if policy == "all" else None
+        self.early = early
         self.always_offload = policy in ("offload", "recompute")
         self.recompute = drops is not None
         self.drops = drops
@@ -594,7 +632,8 @@ class _Planner:
             bytes_to_device=self.to_device,
             recomputed_steps=sum(1 for s in self.steps if s.phase == "recompute"),
             conv_algos=self.conv_algos, uses_recompute=self.recompute, program=p,
-            small_bytes=self.small_bytes, event_slots=self.n_slots)
+            small_bytes=self.small_bytes, event_slots=self.n_slots, drops=self.drops,
+            evictions=self.evictions)
 
     def _run_step(self, step):
         ops = []
@@ -610,9 +649,8 @@ class _Planner:
         algos, ws = self._workspace(step, ops)
         ops.append(Launch(step.index, algos, ws))
         self.kernels += 1
-        record = Step(len(self.steps), step.layer.name, step.phase, ops, self.dev.in_use,
-                      len(self.dblock), algos)
-        self.steps.append(record)
+        self._record(Step(len(self.steps), step.layer.name, step.phase, ops, self.dev.in_use,
+                          len(self.dblock), algos), touched)
         if ws is not None and self.policy != "baseline":
             self._free(ws, ops)
         for tid in touched:
@@ -620,6 +658,7 @@ class _Planner:
                 self.cache.touch(tid)
         self.locked = set()
         self._after(step.index, touched, ops)
+        self._write_back(ops)
         if step.index + 1 < len(self.program.passes):
             self._lookahead(self.program.passes[step.index + 1], ops)
 
@@ -654,8 +693,8 @@ class _Planner:
         ws = self._new_workspace(layer, size, ops) if size else None
         ops.append(Launch(("recompute", layer.index), None, ws))
         self.kernels += 1
-        self.steps.append(Step(len(self.steps), layer.name, "recompute", ops, self.dev.in_use,
-                               len(self.dblock)))
+        self._record(Step(len(self.steps), layer.name, "recompute", ops, self.dev.in_use,
+                          len(self.dblock)), inputs + [tid])
         if ws is not None:
             self._free(ws, ops)
         self.locked = set()
@@ -667,6 +706,24 @@ class _Planner:
                     and not self.schedule.keep_after(xid, step.index) and not any(
                     xid in [self.program.act[y] for y in self.producer[r].inputs] for r in rest):
                 self._retire_rebuilt(xid, step.index, ops)
+        self._write_back(ops)
+
+    def _record(self, record, used):
+        """Append an executed step whose kernel uses `used`, noting both in the eviction log."""
+        self.steps.append(record)
+        if self.evictions is not None:
+            self.evictions.stepped(record.index, used, self.host.in_use)
+
+    def _write_back(self, ops):
+        """Start copying to the host the victims due after the step just launched (a second
+        pass: `early`); each stays on the device, readable, until its eviction frees it."""
+        if self.early is None:
+            return
+        index = len(self.steps) - 1
+        for tid in self.early.after(index):
+            if self.loc.get(tid) == "gpu" and tid not in self.hblock and self.early.admit(
+                    tid, self.tensors[tid].nbytes, index):
+                self._offload(tid, ops)
 
     def _retire_rebuilt(self, tid, index, ops):
         self.rebuilt.discard(tid)
@@ -764,14 +821,15 @@ class _Planner:
 
     def _evict_one(self, ops) -> bool:
         for tid in self.cache.victims(self.locked):
-            if self.loc.get(tid) != "gpu":
+            if self.loc.get(tid) not in ("gpu", "offloading"):
                 continue
-            if tid in self.hblock:
+            if tid in self.hblock:           # written back before (a prefetch or `early`)
                 ops.append(Evict(tid, None, None, ()))
             else:
                 hoff, slot, waits = self._copy_out(tid)
                 ops.append(Evict(tid, hoff, slot, waits))
                 self.to_host += self.tensors[tid].nbytes
+                self.evictions.evicted(tid)
             self._release_device(tid, "host")
             return True
         return False
@@ -788,6 +846,8 @@ class _Planner:
                               f"{self.host.capacity:,} bytes leaves {self.host.free_bytes:,} "
                               f"free") from None
         self.hblock[tid] = block
+        if self.evictions is not None:
+            self.evictions.host_alloc(self.host.in_use)
         _, waits = self.host_freed.take(block.offset, block.end)
         slot = self._slot()
         self.d2h[tid] = self.reading[tid] = slot

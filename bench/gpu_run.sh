@@ -45,7 +45,7 @@ for stage in "$@"; do
     # one step of ResNet-50 at its largest 12 GiB batch (TRACE_BATCH, else the tracked memory
     # result's) as a Chrome trace; draw it off the device: python3 -m tinysn trace F --plot P
     trace)    B=${TRACE_BATCH:-$(python3 -c "import json, sys; print(json.load(open(sys.argv[1]))['models']['resnet50']['max_batch_all'])" "bench/results/memory-$GPU.json")}
-              TINYSN_AUTOTUNE=0 timeout ${TRACE_S:-420} python3 -m tinysn train --model resnet50 --batch "$B" --memory 12GiB --host-memory 60GiB --steps 3 --schedule constant --device cuda --trace "$OUT/trace-resnet50-b$B-$GPU.json" 2>&1 | tail -6 ;;
+              TINYSN_AUTOTUNE=0 timeout ${TRACE_S:-420} python3 -m tinysn train --model resnet50 --batch "$B" --memory 12GiB --host-memory 60GiB --momentum 0 --steps 3 --schedule constant --device cuda --trace "$OUT/trace-resnet50-b$B-$GPU.json" 2>&1 | tail -6 ;;
     ddp-b32)  NCCL_NVLS_ENABLE=0 timeout ${DDP_S:-540} python3 bench/ddp.py --gpus 2 --configs b32-graph,b32 --merge --out "$OUT/ddp-$GPU.json" 2>&1 | tail -6 ;;
     ddp-largest) NCCL_NVLS_ENABLE=0 timeout ${DDP_S:-540} python3 bench/ddp.py --gpus 2 --configs largest --merge --out "$OUT/ddp-$GPU.json" 2>&1 | tail -6 ;;
   esac 2>&1 | tee -a "$OUT/gpu.log"

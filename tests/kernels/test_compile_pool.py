@@ -100,3 +100,18 @@ def test_every_tinysn_kernel_is_found_for_the_workers():
     found = cp.tinysn_kernels()
     assert act._relu_fwd_kernel in found and conv._conv_fwd_kernel in found
     assert len(found) == len(set(found))
+
+
+def test_a_wrapper_kept_after_the_block_compiles_here(monkeypatch):
+    """triton 3.6 copies `compile` into a function when it first runs: one that first ran
+    inside the block keeps the wrapper, which outside a block is the original."""
+    jobs = []
+    monkeypatch.setattr(cp, "_workers", lambda count: SimpleNamespace(compile=jobs.append))
+    owner = SimpleNamespace(compile=_FakeKernel(cp.COLD_COMPILE_S + 0.05).compile)
+    with cp.compiling_in_processes([owner], 2):
+        kept = owner.compile
+        kept(_src(), target="t")
+        kept(_src(), target="t")
+    assert len(jobs) == 1
+    kept(_src(), target="t")
+    assert len(jobs) == 1 and kept.tinysn_original is owner.compile

@@ -230,8 +230,8 @@ def compiling_in_parallel(workers=None):
     on it."""
     from concurrent.futures import ThreadPoolExecutor
 
-    from ._compile_pool import compiling_in_processes, process_count, ready_launchers
-    from ._compile_pool import tinysn_kernels
+    from ._compile_pool import compile_owners, compiling_in_processes, process_count
+    from ._compile_pool import ready_launchers
 
     mode = getattr(triton, "AsyncCompileMode", None)
     workers = workers or os.cpu_count() or 1
@@ -239,7 +239,7 @@ def compiling_in_parallel(workers=None):
         compiled = []
         with contextlib.ExitStack() as stack:
             if mode is not None and process_count() > 0:
-                stack.enter_context(compiling_in_processes(tinysn_kernels(), process_count()))
+                stack.enter_context(compiling_in_processes(compile_owners(), process_count()))
             if mode is not None:
                 async_mode = stack.enter_context(mode(pool))
                 stack.callback(lambda: compiled.extend(

@@ -160,38 +160,59 @@ def process_count() -> int:
     return int(value)
 
 
-@contextlib.contextmanager
-def compiling_in_processes(kernels, workers: int):
-    """Inside this block the kernels of `kernels` (JITFunctions) compile in worker
-    processes first, then from the disk cache in the calling thread. The workers start only
-    once a compile has been seen to take longer than a disk-cache hit (COLD_COMPILE_S): a
-    warm start never pays for them."""
-    cold = []
-    originals = {fn: fn.compile for fn in kernels}
+def compile_owners() -> list:
+    """Where a JITFunction finds `compile`: its own attribute, which triton 3.9 sets when
+    the function is made and triton 3.6 when it first runs, copying it from the
+    triton.compiler package (patched too, for functions first run inside the block)."""
+    import triton.compiler
 
-    def through_worker(original):
-        def compile(src, *args, **kwargs):
-            if not cold:
-                started = time.perf_counter()
-                kernel = original(src, *args, **kwargs)
-                if time.perf_counter() - started > COLD_COMPILE_S:
-                    cold.append(True)
-                return kernel
-            try:
-                _workers(workers).compile(worker_job(src, kwargs.get("target"),
-                                                     kwargs.get("options")))
-            except Exception:  # noqa: BLE001  (the calling thread compiles it instead)
-                pass
+    return [fn for fn in tinysn_kernels() if "compile" in vars(fn)] + [triton.compiler]
+
+
+_BLOCK = {}   # inside compiling_in_processes: {"workers": count, "cold": bool}
+
+
+def _through_workers(original):
+    """`original` (triton's compile), sent through a worker first while a block is active
+    and the cache has proved cold; otherwise `original` itself. A function that picked this
+    wrapper up inside a block (triton 3.6) keeps it, harmlessly, after the block."""
+    def compile(src, *args, **kwargs):
+        block = _BLOCK
+        if not block:
             return original(src, *args, **kwargs)
-        return compile
+        if not block["cold"]:
+            started = time.perf_counter()
+            kernel = original(src, *args, **kwargs)
+            if time.perf_counter() - started > COLD_COMPILE_S:
+                block["cold"] = True
+            return kernel
+        try:
+            _workers(block["workers"]).compile(worker_job(src, kwargs.get("target"),
+                                                          kwargs.get("options")))
+        except Exception:  # noqa: BLE001  (the calling thread compiles it instead)
+            pass
+        return original(src, *args, **kwargs)
+    compile.tinysn_original = original
+    return compile
 
-    for fn, original in originals.items():
-        fn.compile = through_worker(original)
+
+@contextlib.contextmanager
+def compiling_in_processes(owners, workers: int):
+    """Inside this block every `compile` of `owners` (see compile_owners) compiles in a
+    worker process first, then from the disk cache in the calling thread. The workers start
+    only once a compile has been seen to take longer than a disk-cache hit
+    (COLD_COMPILE_S): a warm start never pays for them."""
+    originals = [(owner, getattr(owner.compile, "tinysn_original", owner.compile))
+                 for owner in owners]
+    for owner, original in originals:
+        owner.compile = _through_workers(original)
+    _BLOCK.update(workers=workers, cold=False)
     try:
         yield
     finally:
-        for fn, original in originals.items():
-            fn.compile = original
+        _BLOCK.clear()
+        for owner, original in originals:
+            owner.compile = original
 
 
 def ready_launchers(kernels, pool) -> None:

@@ -26,7 +26,7 @@ for stage in "$@"; do
     streams)  TINYSN_AUTOTUNE=0 timeout 150 python3 -m pytest -q -m gpu -p no:cacheprovider tests/sched/test_streams.py 2>&1 | tail -5 ;;
     # every gpu-marked test; each autotuned kernel's configs are all checked by the
     # *_every_config tests, so the rest run untuned (one compile per shape)
-    tests)    TINYSN_AUTOTUNE=0 timeout ${TESTS_S:-420} python3 -m pytest -q -rfE --durations=10 -p no:benchmark -m gpu -n ${TEST_WORKERS:-14} -p no:cacheprovider tests 2>&1 | tee "$OUT/gpu-tests-$GPU.txt" | tail -30 ;;
+    tests)    TINYSN_COMPILE_PROCESSES=0 TINYSN_AUTOTUNE=0 timeout ${TESTS_S:-420} python3 -m pytest -q -rfE --durations=10 -p no:benchmark -m gpu -n ${TEST_WORKERS:-14} -p no:cacheprovider tests 2>&1 | tee "$OUT/gpu-tests-$GPU.txt" | tail -30 ;;
     # the runtime's gpu tests alone (graph mode, streams, tensor moves): quick, after runtime changes
     runtime)  TINYSN_AUTOTUNE=0 timeout ${RUNTIME_S:-240} python3 -m pytest -q -rfE -p no:benchmark -m gpu -p no:cacheprovider tests/test_runtime.py tests/sched tests/test_tensor.py 2>&1 | tail -40 ;;
     # the process-wide cap (tests/test_cap.py) with autotuning ON: tuning must stay in the cap

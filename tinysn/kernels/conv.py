@@ -188,7 +188,14 @@ def _workspace_bytes(x_shape, w_shape, stride, padding, phase, algo) -> int:
 
 
 def algos(x_shape, w_shape, stride, padding, phase) -> dict:
-    """{algo: workspace bytes} of the algorithms offered for `phase`, fastest-expected first."""
+    """{algo: workspace bytes} of the algorithms offered for `phase`, fastest-expected first
+    (a fresh dict; memoized per shape, as the planner asks at every conv step it plans)."""
+    return dict(_algos(tuple(x_shape), tuple(w_shape), _hashable(stride), _hashable(padding),
+                       phase))
+
+
+@functools.lru_cache(maxsize=4096)
+def _algos(x_shape, w_shape, stride, padding, phase) -> dict:
     if phase not in _ALGOS:
         raise ValueError(f"conv: phase must be one of {PHASES}, got {phase!r}")
     sh, sw = pair(stride, "conv: stride", 1)

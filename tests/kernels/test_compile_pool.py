@@ -84,7 +84,10 @@ def test_a_worker_failure_falls_back_to_compiling_here(monkeypatch):
 
 def test_process_count_reads_the_environment(monkeypatch):
     monkeypatch.delenv("TINYSN_COMPILE_PROCESSES", raising=False)
+    monkeypatch.delenv("LOCAL_WORLD_SIZE", raising=False)
     assert cp.process_count() == (os.cpu_count() or 1)
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", str(2 * (os.cpu_count() or 1)))   # torchrun ranks
+    assert cp.process_count() == 1
     monkeypatch.setenv("TINYSN_COMPILE_PROCESSES", "0")
     assert cp.process_count() == 0
     monkeypatch.setenv("TINYSN_COMPILE_PROCESSES", "many")

@@ -149,12 +149,15 @@ def compile_in_worker(module: str, name: str, signature, constants, attrs, targe
 
 
 def process_count() -> int:
-    """Worker processes for cold compiles: TINYSN_COMPILE_PROCESSES, else the CPU count; 0
-    compiles on threads only (e.g. in many parallel test processes, each of which would
-    start its own workers)."""
+    """Worker processes for cold compiles: TINYSN_COMPILE_PROCESSES, else this process's
+    share of the CPUs (torchrun's LOCAL_WORLD_SIZE ranks share one machine's); 0 compiles on
+    threads only (e.g. in many parallel test processes, each of which would start its own
+    workers)."""
     value = os.environ.get("TINYSN_COMPILE_PROCESSES", "")
     if not value:
-        return os.cpu_count() or 1
+        ranks = os.environ.get("LOCAL_WORLD_SIZE", "1")
+        return max(1, (os.cpu_count() or 1) // (int(ranks) if ranks.isdigit() and ranks != "0"
+                                                 else 1))
     if not value.isdigit():
         raise ValueError(f"TINYSN_COMPILE_PROCESSES must be a count (0 for none), got {value!r}")
     return int(value)

@@ -5,6 +5,7 @@ plans under the cap, beside the same batch with nothing moved and PyTorch's ways
         [--reference 120GiB] [--host-memory 60GiB] [--batches resnet50=897,...] [--first 32]
         [--parts tinysn,pytorch] [--merge] [--out PATH] [--plot PNG]
     PYTHONPATH=. python bench/oversub.py --table bench/results/oversub-*.json   # README rows
+    PYTHONPATH=. python bench/oversub.py --from bench/results/oversub-GPU.json --plot PNG
 
 For each model the batches are `--first`, then doubling while below the largest batch, then
 the largest: the batch from `--batches name=N` (checked with two plans, as memory.py does) or
@@ -93,13 +94,14 @@ def cut_points(twin) -> list:
 
 
 def segments(twin, count=None) -> list:
-    """The twin's layers up to the logits in about `count` (default sqrt of the stretches
-    between cut points) consecutive segments of similar length, each a range of layer
-    indices whose only input is the previous segment's output."""
+    """The twin's layers up to the logits in `count` (default about the square root of the
+    stretches between cut points) consecutive segments of similar layer counts, each a range
+    of layer indices whose only input is the previous segment's output: each segment ends at
+    the cut point nearest its share of the layers."""
     cuts = cut_points(twin)
     count = count or max(1, round(math.sqrt(len(cuts) - 1)))
-    per = (len(cuts) - 1) / count
-    ends = sorted({cuts[min(len(cuts) - 1, max(1, round(per * (k + 1))))]
+    last = cuts[-1]
+    ends = sorted({min(cuts[1:], key=lambda c: abs(c - last * (k + 1) / count))
                    for k in range(count)})
     starts = [1] + [e + 1 for e in ends[:-1]]
     return [range(s, e + 1) for s, e in zip(starts, ends)]
@@ -393,6 +395,8 @@ def parse_args(argv=None):
     ap.add_argument("--merge", action="store_true",
                     help="keep the rows already in --out of other models or parts")
     ap.add_argument("--plot", default=None, metavar="PNG", help="draw the curve to PNG")
+    ap.add_argument("--from", dest="source", default=None, metavar="JSON",
+                    help="with --plot: draw a results file's curve and run nothing")
     common.add_out_argument(ap)
     args = ap.parse_args(argv)
     check_args(ap, args)
@@ -423,6 +427,8 @@ def check_args(ap, args) -> None:
                  f"{args.first}, {args.steps}, {args.warmup}")
     if args.plot is not None and not args.plot.endswith(".png"):
         ap.error(f"--plot must name a .png file, got {args.plot!r}")
+    if args.source is not None and (args.plot is None or not os.path.exists(args.source)):
+        ap.error(f"--from needs --plot and an existing results file, got {args.source!r}")
     if args.merge and not args.out:
         ap.error("--merge needs --out (the file whose rows it keeps)")
     try:
@@ -457,6 +463,9 @@ def main(argv=None) -> dict:
     if argv is None and sys.argv[1:2] == ["--table"]:
         return print_tables(sys.argv[2:])
     args = parse_args(argv)
+    if args.source:
+        plot(common.read(args.source), args.plot)
+        return print(f"drew {args.plot}")
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     torch.backends.cudnn.allow_tf32 = torch.backends.cuda.matmul.allow_tf32 = True
     torch.backends.cudnn.benchmark = True

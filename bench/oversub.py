@@ -188,10 +188,9 @@ def pytorch_run(net, model_name, config, cap, device, warmup, steps, host_cap=No
 
 def pytorch_largest(model_name, config, cap, device, limit, host_cap, timing) -> dict:
     """The largest batch (at most `limit`) at which `config` of the model trains under `cap`
-    (pytorch_run), then its
-    images/s there (`timing`: warmup, steps). Each probe runs two steps; a batch whose pinned
-    host bytes, projected linearly from the largest batch that ran, exceed `host_cap` is not
-    tried."""
+    (pytorch_run), then its images/s there (`timing`: warmup, steps). Each probe runs two
+    steps; a batch whose pinned host bytes, projected linearly from the largest batch that
+    ran, exceed `host_cap` is not tried."""
     model_fn, per_image = MODELS[model_name], [0.0]
 
     def fits(k):
@@ -212,6 +211,8 @@ def pytorch_largest(model_name, config, cap, device, limit, host_cap, timing) ->
     row = k and pytorch_run(model_fn(batch=k), model_name, config, cap, device, *timing)
     if row:
         out.update(row, images_per_s=k / row["ms_per_step"] * 1e3)
+    elif k:
+        out["error"] = f"out of device memory when timed at batch {k}"
     return out
 
 
@@ -224,7 +225,8 @@ def pcie_floor_s(bytes_to_host: int, bytes_to_device: int, bandwidth: dict) -> f
 
 
 def bound_by(seconds_per_step: float, floor_s: float) -> str:
-    """"pcie" when the measured step is within PCIE_BOUND_FACTOR of its copy floor."""
+    """What bounds a measured step: "pcie" when it is within PCIE_BOUND_FACTOR of its copy
+    floor, else "compute" (the kernels and the host that launches them)."""
     return "pcie" if floor_s > 0 and seconds_per_step <= PCIE_BOUND_FACTOR * floor_s \
         else "compute"
 
@@ -251,7 +253,8 @@ def curve_row(model, batch, capped, reference, bandwidth) -> dict:
                bytes_to_host=capped["bytes_to_host"], bytes_to_device=capped["bytes_to_device"],
                process_peak_bytes=capped["process_peak_bytes"],
                peak_bytes=capped["peak_bytes"], peak_equals_plan=capped["peak_equals_plan"],
-               losses=capped["losses"], no_move_images_per_s=None, fraction=None)
+               setup_s=capped["setup_s"], losses=capped["losses"],
+               no_move_images_per_s=None, fraction=None)
     if "ms_per_step" in reference:
         no_move = batch / reference["ms_per_step"] * 1e3
         row.update(no_move_images_per_s=no_move, fraction=row["images_per_s"] / no_move,
@@ -269,12 +272,11 @@ def model_largest(name, args, cap) -> int:
     return sn.max_batch(fn, cap, "all", host_memory=args.host_memory)
 
 
-def run_model(name, args, device, bandwidth, result, save) -> None:
-    """The curve and the PyTorch configurations of one model into `result`, saved after
-    each configuration."""
+def run_model(name, largest, args, device, bandwidth, result, save) -> None:
+    """The curve up to `largest` and the PyTorch configurations of one model into `result`,
+    saved after each configuration."""
     cap, reference = sn.parse_bytes(args.memory), sn.parse_bytes(args.reference)
     host_cap = args.host_memory and sn.parse_bytes(args.host_memory)
-    largest = model_largest(name, args, cap)
     print(f"{name}: largest batch {largest} under {args.memory}", flush=True)
     fn = MODELS[name]
     if "tinysn" in args.parts:
@@ -466,6 +468,8 @@ def main(argv=None) -> dict:
     if args.source:
         plot(common.read(args.source), args.plot)
         return print(f"drew {args.plot}")
+    cap = sn.parse_bytes(args.memory)
+    largest = {name: model_largest(name, args, cap) for name in args.models}  # checks --batches
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     torch.backends.cudnn.allow_tf32 = torch.backends.cuda.matmul.allow_tf32 = True
     torch.backends.cudnn.benchmark = True
@@ -480,7 +484,7 @@ def main(argv=None) -> dict:
     def save():
         common.write(args.out, result)
     for name in args.models:
-        run_model(name, args, device, bandwidth, result, save)
+        run_model(name, largest[name], args, device, bandwidth, result, save)
     if args.plot:
         plot(result, args.plot)
         print(f"drew {args.plot}")

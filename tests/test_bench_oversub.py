@@ -113,6 +113,31 @@ def test_merge_keeps_other_models_and_parts(tmp_path):
                                   "pytorch": [{"model": "vgg16"}]}
 
 
+def test_a_failed_run_is_recorded_in_its_row():
+    bandwidth = {"to_host_gb_per_s": 1.0, "to_device_gb_per_s": 1.0}
+    capped = {"ms_per_step": 500.0, "bytes_to_host": 2e9, "bytes_to_device": 1e9,
+              "bytes_moved_per_step": 3e9, "predicted_step_s": 3.1, "model_bound_by": "pcie",
+              "process_peak_bytes": 7, "peak_bytes": 5, "peak_equals_plan": True,
+              "setup_s": 1.0, "losses": [2.3]}
+    row = oversub.curve_row("m", 4, capped, {"error": "OutOfMemory: no"}, bandwidth)
+    assert row["images_per_s"] == 8.0 and row["pcie_floor_s"] == 3.0
+    assert row["bound_by"] == "pcie" and row["fraction"] is None
+    assert row["no_move_error"] == "OutOfMemory: no"
+    failed = oversub.curve_row("m", 8, {"refused": "too small"}, {}, bandwidth)
+    assert failed == {"model": "m", "batch": 8, "error": "too small"}
+    lines = oversub.table_rows({"rows": [row, failed], "pytorch": [
+        {"model": "m", "config": "eager", "largest": 0}]})
+    assert lines == ['| m, tinysn "all" | 4 | 8.0 | - | - | 3.0 GB | 3.00 s | pcie |',
+                     '| m, tinysn "all" | 8 | failed: too small | | | | | |',
+                     "| m, PyTorch eager | 0 | failed: nothing fits | | | | | |"]
+
+
+def test_a_batch_that_is_not_the_largest_stops_before_anything_runs(capsys):
+    with pytest.raises(SystemExit, match="not the largest batch"):
+        oversub.main(SMOKE[:-1] + ["lenet=7"])
+    assert "copies:" not in capsys.readouterr().out
+
+
 @pytest.mark.parametrize("argv, names", [
     (["--models", "lenet,nope"], "--models"),
     (["--parts", "both"], "--parts"),
@@ -164,7 +189,8 @@ def test_cpu_smoke_plot_and_table(smoke, capsys):
     oversub.print_tables([str(out)])
     lines = capsys.readouterr().out.strip().splitlines()
     assert len(lines) == len(data["rows"]) + len(data["pytorch"]) == 5
-    assert lines[1].startswith(f'| lenet, tinysn "all" | 8 | {data["rows"][1]["images_per_s"]:,.1f} |')
+    rate = data["rows"][1]["images_per_s"]
+    assert lines[1].startswith(f'| lenet, tinysn "all" | 8 | {rate:,.1f} |')
     assert lines[-1].startswith("| lenet, PyTorch save_on_cpu | 8 |")
     with pytest.raises(SystemExit, match="no such file"):
         oversub.print_tables([str(out) + ".missing"])

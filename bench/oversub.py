@@ -159,7 +159,8 @@ def host_peak_bytes():
     without CUDA)."""
     if not torch.cuda.is_available():
         return None
-    return torch.cuda.host_memory_stats().get("allocated_bytes.peak")
+    stats = torch.cuda.host_memory_stats()
+    return stats.get("allocated_bytes.peak", stats.get("allocated_bytes.all.peak"))
 
 
 def pytorch_run(net, model_name, config, cap, device, warmup, steps, host_cap=None):

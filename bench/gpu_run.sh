@@ -2,14 +2,14 @@
 # Every GPU figure in few calls on the device machine; each stage has its own time limit and
 # writes its results straight into $OUT (never into the tracked bench/results/).
 #   PYTHONPATH=. OUT=/some/dir bash bench/gpu_run.sh STAGE...
-# stages: first-run streams tests runtime cap kernels pool train memory-a memory-b deep-graph trace ddp-b32 ddp-largest
+# stages: first-run streams tests runtime cap kernels pool train memory-a memory-b deep-graph trace oversub ddp-b32 ddp-largest
 # (the ddp stages need two GPUs: bench/ddp.py, one file with both stages' configurations)
 # Copy a result into bench/results/ by hand once it is checked, one file per configuration.
 set -u
 export PYTHONPATH=${PYTHONPATH:-.}
 export PYTHONUNBUFFERED=1
 OUT=${OUT:-/tmp/tinysn-gpu}
-STAGES="first-run streams tests runtime cap kernels pool train memory-a memory-b deep-graph trace ddp-b32 ddp-largest"
+STAGES="first-run streams tests runtime cap kernels pool train memory-a memory-b deep-graph trace oversub ddp-b32 ddp-largest"
 for stage in "$@"; do
   case " $STAGES " in *" $stage "*) ;; *) echo "unknown stage '$stage' (stages: $STAGES)"; exit 2 ;; esac
 done
@@ -17,8 +17,9 @@ mkdir -p "$OUT"
 nvidia-smi --query-gpu=name,memory.total,clocks.sm --format=csv,noheader | tee -a "$OUT/gpu.log"
 GPU=$(nvidia-smi --query-gpu=name --format=csv,noheader | head -1 | tr ' ' '-')
 MEM="--memory 12GiB --host-memory 60GiB --merge --out $OUT/memory-$GPU.json"
-# memory-a and memory-b fill one file; start from the tracked one so the other stage's rows stay
-seed_memory() { [ -e "$OUT/memory-$GPU.json" ] || cp "bench/results/memory-$GPU.json" "$OUT/" 2>/dev/null || true; }
+# memory-a and memory-b fill one file (oversub too, over several calls); start from the
+# tracked one so the other stage's rows stay
+seed() { [ -e "$OUT/$1" ] || cp "bench/results/$1" "$OUT/" 2>/dev/null || true; }
 for stage in "$@"; do
   start=$(date +%s)
   case $stage in
@@ -38,14 +39,18 @@ for stage in "$@"; do
     train)    for model in ${TRAIN_MODELS:-resnet50 vgg16 alexnet inception_v4}; do
                 timeout ${TRAIN_S:-90} python3 bench/train.py --model "$model" --batch 32 --out "$OUT/train-$model-b32-$GPU.json" 2>&1 | tail -8
               done ;;
-    memory-a) seed_memory; TINYSN_AUTOTUNE=0 timeout 420 python3 bench/memory.py $MEM --models resnet50,vgg16,inception_v4 --reference 120GiB --reference-models resnet50 2>&1 | tail -20 ;;
-    memory-b) seed_memory; TINYSN_AUTOTUNE=0 timeout 480 python3 bench/memory.py $MEM --models resnet101,resnet152 --deep-n "${DEEP_N:-0}" 2>&1 | tail -20 ;;
+    memory-a) seed "memory-$GPU.json"; TINYSN_AUTOTUNE=0 timeout 420 python3 bench/memory.py $MEM --models resnet50,vgg16,inception_v4 --reference 120GiB --reference-models resnet50 2>&1 | tail -20 ;;
+    memory-b) seed "memory-$GPU.json"; TINYSN_AUTOTUNE=0 timeout 480 python3 bench/memory.py $MEM --models resnet101,resnet152 --deep-n "${DEEP_N:-0}" 2>&1 | tail -20 ;;
     # the deep ResNet alone, its step replayed as a CUDA graph
     deep-graph) TINYSN_AUTOTUNE=0 timeout ${DEEP_S:-330} python3 bench/memory.py --memory 12GiB --host-memory 60GiB --models "" --deep-n "${DEEP_N:-2021}" --cuda-graph --out "$OUT/memory-graph-$GPU.json" 2>&1 | tail -12 ;;
     # one step of ResNet-50 at its largest 12 GiB batch (TRACE_BATCH, else the tracked memory
     # result's) as a Chrome trace; draw it off the device: python3 -m tinysn trace F --plot P
     trace)    B=${TRACE_BATCH:-$(python3 -c "import json, sys; print(json.load(open(sys.argv[1]))['models']['resnet50']['max_batch_all'])" "bench/results/memory-$GPU.json")}
               TINYSN_AUTOTUNE=0 timeout ${TRACE_S:-420} python3 -m tinysn train --model resnet50 --batch "$B" --memory 12GiB --host-memory 60GiB --momentum 0 --steps 3 --schedule constant --device cuda --trace "$OUT/trace-resnet50-b$B-$GPU.json" 2>&1 | tail -6 ;;
+    # images/s against batch beyond the cap: each model's ladder under 12 GiB and 120 GiB,
+    # then PyTorch eager / checkpoint / save_on_cpu at their largest batches; one model and
+    # part per call (OVERSUB_MODELS, OVERSUB_PARTS) keeps each call under 10 minutes
+    oversub)  seed "oversub-$GPU.json"; TINYSN_AUTOTUNE=0 timeout ${OVERSUB_S:-540} python3 bench/oversub.py --models ${OVERSUB_MODELS:-resnet50} --parts ${OVERSUB_PARTS:-tinysn,pytorch} --memory 12GiB --reference 120GiB --host-memory 60GiB --batches resnet50=897,vgg16=320,inception_v4=713 --merge --out "$OUT/oversub-$GPU.json" 2>&1 | tail -30 ;;
     ddp-b32)  NCCL_NVLS_ENABLE=0 timeout ${DDP_S:-540} python3 bench/ddp.py --gpus 2 --configs b32-graph,b32 --merge --out "$OUT/ddp-$GPU.json" 2>&1 | tail -6 ;;
     ddp-largest) NCCL_NVLS_ENABLE=0 timeout ${DDP_S:-540} python3 bench/ddp.py --gpus 2 --configs largest --merge --out "$OUT/ddp-$GPU.json" 2>&1 | tail -6 ;;
   esac 2>&1 | tee -a "$OUT/gpu.log"

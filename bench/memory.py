@@ -20,6 +20,7 @@ max_memory_allocated, everything it held included) is recorded beside the pool's
 Writes the results to --out after every model.
 """
 import argparse
+import contextlib
 import gc
 import json
 import os
@@ -109,35 +110,49 @@ def conv_fc_layers(net) -> int:
     return sum(1 for layer in net.layers if layer.op in ("conv", "fc"))
 
 
-def pytorch_peak(net, model_name, cap: int):
-    """PyTorch eager, two plain SGD steps of `net`'s twin (common.torch_model) with every
-    device byte of the process under `cap` (torch.cuda.set_per_process_memory_fraction: torch
-    refuses to reserve more), batches fed from pinned host memory as tinysn's are: the
-    process's max_memory_allocated, or None when it runs out of memory."""
+@contextlib.contextmanager
+def capped(cap: int):
+    """Every device byte of the process under `cap` while inside (torch refuses to reserve
+    more: torch.cuda.set_per_process_memory_fraction), the peak statistics reset on entry
+    and the cache handed back on exit; a no-op without CUDA, where nothing can be capped."""
+    if not torch.cuda.is_available():
+        yield
+        return
     torch.cuda.empty_cache()
     torch.cuda.reset_peak_memory_stats()
     torch.cuda.set_per_process_memory_fraction(
         min(1.0, cap / torch.cuda.get_device_properties(0).total_memory))
+    try:
+        yield
+    finally:
+        gc.collect()
+        torch.cuda.empty_cache()
+        torch.cuda.set_per_process_memory_fraction(1.0)
+
+
+def pytorch_peak(net, model_name, cap: int):
+    """PyTorch eager, two plain SGD steps of `net`'s twin (common.torch_model) with every
+    device byte of the process under `cap` (`capped`), batches fed from pinned host memory as
+    tinysn's are: the process's max_memory_allocated, or None when it runs out of memory."""
     model = opt = None
     peak = None
-    try:
-        model = common.torch_model(model_name, net)[0].cuda().train()
-        opt = torch.optim.SGD(model.parameters(), lr=0.01)
-        images, labels = (t.pin_memory() for t in sn.data.synthetic(net, seed=0))
-        for _ in range(2):
-            opt.zero_grad(set_to_none=True)
-            logits = model(images.cuda(non_blocking=True))
-            torch.nn.functional.cross_entropy(logits, labels.cuda(non_blocking=True)).backward()
-            del logits
-            opt.step()
-        torch.cuda.synchronize()
-        peak = torch.cuda.max_memory_allocated()
-    except torch.cuda.OutOfMemoryError:
-        pass
-    model = opt = None
-    gc.collect()
-    torch.cuda.empty_cache()
-    torch.cuda.set_per_process_memory_fraction(1.0)
+    with capped(cap):
+        try:
+            model = common.torch_model(model_name, net)[0].cuda().train()
+            opt = torch.optim.SGD(model.parameters(), lr=0.01)
+            images, labels = (t.pin_memory() for t in sn.data.synthetic(net, seed=0))
+            for _ in range(2):
+                opt.zero_grad(set_to_none=True)
+                logits = model(images.cuda(non_blocking=True))
+                labels_here = labels.cuda(non_blocking=True)
+                torch.nn.functional.cross_entropy(logits, labels_here).backward()
+                del logits
+                opt.step()
+            torch.cuda.synchronize()
+            peak = torch.cuda.max_memory_allocated()
+        except torch.cuda.OutOfMemoryError:
+            pass
+        model = opt = None
     return peak
 
 

@@ -36,6 +36,7 @@ import torch.nn.functional as F  # noqa: E402
 
 from bench import common  # noqa: E402
 from tinysn.cli import MODELS  # noqa: E402
+from tinysn.sched.timing import DeviceModel, simulate  # noqa: E402
 
 PYTORCH_CONFIGS = ("eager NCHW", "eager channels-last", "torch.compile")
 
@@ -111,23 +112,28 @@ def torch_step(forward, opt, batch, device, fmt):
     return step
 
 
-def tinysn_row(net, policy, cuda_graph, device, args) -> dict:
-    """Time tinysn's Runtime under `policy`, eagerly or replaying the step as a CUDA graph."""
+def tinysn_row(net, policy, cuda_graph, device, args, host_memory=None) -> dict:
+    """Time tinysn's Runtime under `policy` (and `host_memory`, the pinned host arena's cap),
+    eagerly or replaying the step as a CUDA graph; beside the measured step, the plan's
+    bytes moved each way and the step-time model's prediction for it (sched/timing.py)."""
     reset_peak(device)
     t0 = time.perf_counter()
     try:
         rt = sn.Runtime(net, args.memory, policy, device=device, lr=args.lr,
                         momentum=args.momentum, weight_decay=args.weight_decay,
-                        cuda_graph=cuda_graph)
+                        cuda_graph=cuda_graph, host_memory=host_memory)
     except ValueError as err:
         raise Refused(str(err)) from None
     setup_s = time.perf_counter() - t0
     images, labels = host_batch(net, device)
     row = timed(lambda: rt.step(images, labels), device, args.warmup, args.steps)
+    timeline = simulate(rt.plan, DeviceModel.h200(graphed=cuda_graph))
     row.update(setup_s=setup_s, peak_bytes=rt.stats.peak_bytes,
                planned_peak_bytes=rt.plan.peak_bytes,
                peak_equals_plan=rt.stats.peak_bytes == rt.plan.peak_bytes,
                bytes_moved_per_step=rt.plan.bytes_to_host + rt.plan.bytes_to_device,
+               bytes_to_host=rt.plan.bytes_to_host, bytes_to_device=rt.plan.bytes_to_device,
+               predicted_step_s=timeline.step_s, model_bound_by=timeline.bound_by,
                conv_algos=sorted({f"{p}:{a}" for d in rt.plan.conv_algos.values()
                                   for p, a in d.items()}))
     return row

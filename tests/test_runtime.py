@@ -192,3 +192,27 @@ def test_dropout_masks_come_from_a_device_counter_each_training_step_advances():
     assert rt.stats.peak_bytes == rt.plan.peak_bytes and rt.plan.recomputed_steps > 0
     rt.load_state_dict(state)
     assert int(counter) == 0 and rt.step(images, labels) == losses[0]
+
+
+def test_close_gives_the_pool_back_at_once_and_refuses_later_calls():
+    """The launchers refer back to the Runtime, so without close its arena waits for the
+    garbage collector; close frees it at once, and every later call says so in one line."""
+    import gc
+    import weakref
+
+    net = block_net(batch=2, p=0.0)
+    images = torch.randn(2, *net.input_shape)
+    labels = torch.zeros(2, dtype=torch.long)
+    with sn.Runtime(net, "64MiB", "all", device="cpu") as rt:
+        rt.step(images, labels)
+        pool, host = weakref.ref(rt.arena.buffer), weakref.ref(rt.host.buffer)
+    gc.disable()
+    try:
+        assert pool() is None and host() is None
+    finally:
+        gc.enable()
+    for call in (lambda: rt.step(images, labels), lambda: rt.predict(images), rt.params,
+                 rt.state_dict, lambda: rt.load_params({})):
+        with pytest.raises(RuntimeError, match="this Runtime was closed"):
+            call()
+    rt.close()                                             # twice: nothing happens

@@ -100,3 +100,9 @@ def check_images(net, images, up_to=False) -> int:
     if not math.isfinite(images.sum(dtype=torch.float64)):
         raise ValueError("images contain NaN or infinite values")
     return n
+
+
+def check_open(rt) -> None:
+    """A closed Runtime (Runtime.close) has no pool: one line instead of a deep error."""
+    if rt.arena is None:
+        raise RuntimeError("this Runtime was closed (Runtime.close): make a new one")

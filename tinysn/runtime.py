@@ -158,6 +158,26 @@ class Runtime:
                                small_bytes=self.plan.small_bytes)
 
     # -- the public surface -----------------------------------------------------------
+    def close(self) -> None:
+        """Give the pool and the pinned host arena back now. Without close they go when the
+        garbage collector finds the Runtime (its kernel launchers refer back to it), which
+        may be long after a loop has made the next Runtime. Afterwards every method raises;
+        closing twice does nothing. `with Runtime(...) as rt:` closes on leaving."""
+        if self.arena is None:
+            return
+        if self._cuda:
+            torch.cuda.synchronize(self.device)   # copies and kernels may still use the pool
+        self.replay = self.grad_sync = self.recorder = None
+        self._launch, self._execute = {}, {}
+        self.tensors, self._views, self._events = [], [], []
+        self.arena = self.host = self.images = None
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
     def step(self, images, labels) -> float:
         """One training iteration (forward, backward, SGD update); returns the mean loss.
 
@@ -165,6 +185,7 @@ class Runtime:
         pool's data and labels tensors: feeding from the host keeps every device byte inside
         the cap. A GPU tensor passed in stays the caller's memory, outside the pool.
         """
+        inputs.check_open(self)
         inputs.check_batch(self.net, images, labels)
         if self.replay is not None and self.stats.iterations >= GRAPH_WARMUP:
             self.replay.step(images, labels)
@@ -216,26 +237,32 @@ class Runtime:
     # -- inference and state: evaluate.py and checkpoint.py --------------------------
     def predict(self, images):
         """Logits for up to net.batch images (a CPU copy), in eval mode (evaluate.predict)."""
+        inputs.check_open(self)
         return evaluate.predict(self, images)
 
     def evaluate(self, loader) -> dict:
         """{"loss", "accuracy"} in eval mode over `loader` (evaluate.evaluate)."""
+        inputs.check_open(self)
         return evaluate.evaluate(self, loader)
 
     def params(self) -> dict:
         """Parameters and batch-norm statistics in torch layouts (checkpoint.params)."""
+        inputs.check_open(self)
         return checkpoint.params(self)
 
     def load_params(self, state: dict) -> None:
         """Copy parameters and bn statistics in, torch names (checkpoint.load_params)."""
+        inputs.check_open(self)
         checkpoint.load_params(self, state)
 
     def state_dict(self) -> dict:
         """The whole training state, for a bitwise resume (checkpoint.state_dict)."""
+        inputs.check_open(self)
         return checkpoint.state_dict(self)
 
     def load_state_dict(self, state: dict) -> None:
         """Restore a state_dict(), all or nothing (checkpoint.load_state_dict)."""
+        inputs.check_open(self)
         checkpoint.load_state_dict(self, state)
 
     # -- memory operations ------------------------------------------------------------

@@ -125,6 +125,7 @@ class Launch:
 
 
 POLICIES = ("baseline", "liveness", "offload", "recompute", "all")
+TRADE_BUDGET = 24   # policy "all": plans the search trading copies for rebuilds may make
 HOST_CAPACITY = 1 << 46   # bookkeeping bound for the host arena; the plan sizes the real one
 
 
@@ -254,7 +255,7 @@ def plan(net, memory, policy: str = "all", *, momentum: float = 0.0, conv_algos=
          checkpoints=offload.DEFAULT_CHECKPOINTS, block_bytes: int = 1024,
          layout: str = "auto", host_memory=None, rankings=None,
          data_parallel: bool = False, bucket_bytes=liveness.BUCKET_BYTES,
-         early_write_back: bool = True) -> Plan:
+         early_write_back: bool = True, trade_budget: int = TRADE_BUDGET) -> Plan:
     """Dry-run one training iteration of `net` under a `memory` cap and `policy`.
 
     Raises OutOfMemory naming the first step that does not fit. `conv_algos` pins conv
@@ -273,6 +274,9 @@ def plan(net, memory, policy: str = "all", *, momentum: float = 0.0, conv_algos=
     host right after its last use before the eviction, so the eviction moves nothing and
     frees its block at once (`_Search.write_back_early`); False copies it out at the
     eviction, when the allocation that needs the room waits for it.
+    `trade_budget` (policy "all"): how many plans the search that trades copies for
+    recomputing conv, add and concat outputs may make (`_trade`); 0 recomputes only the
+    cheap layers.
 
     A plan that fits under a cap fits under every larger cap, for every policy and layout
     (`_Search` says why). The returned plan's `capacity` is the pool it was made for: the
@@ -281,13 +285,15 @@ def plan(net, memory, policy: str = "all", *, momentum: float = 0.0, conv_algos=
     search = _search(net, memory, policy, momentum=momentum, conv_algos=conv_algos,
                      checkpoints=checkpoints, block_bytes=block_bytes, layout=layout,
                      host_memory=host_memory, rankings=rankings, data_parallel=data_parallel,
-                     bucket_bytes=bucket_bytes, early_write_back=early_write_back)
+                     bucket_bytes=bucket_bytes, early_write_back=early_write_back,
+                     trade_budget=trade_budget)
     return search.write_back_early(_choose(search, policy))
 
 
 def _search(net, memory, policy, *, momentum, conv_algos, checkpoints, block_bytes, layout,
             host_memory, rankings=None, data_parallel=False,
-            bucket_bytes=liveness.BUCKET_BYTES, early_write_back=True) -> "_Search":
+            bucket_bytes=liveness.BUCKET_BYTES, early_write_back=True,
+            trade_budget=TRADE_BUDGET) -> "_Search":
     """Check `plan`'s arguments (before any state changes) and set up its runs."""
     if layout not in ("auto", "first_fit", "two_ended"):
         raise ValueError(f"layout must be 'auto', 'first_fit' or 'two_ended', got {layout!r}")
@@ -299,6 +305,8 @@ def _search(net, memory, policy, *, momentum, conv_algos, checkpoints, block_byt
         raise ValueError(f"data_parallel must be a bool, got {data_parallel!r}")
     if not isinstance(early_write_back, bool):
         raise ValueError(f"early_write_back must be a bool, got {early_write_back!r}")
+    if isinstance(trade_budget, bool) or not isinstance(trade_budget, int) or trade_budget < 0:
+        raise ValueError(f"trade_budget must be an int >= 0, got {trade_budget!r}")
     program = liveness.Program(net, momentum=momentum, data_parallel=data_parallel,
                                bucket_bytes=liveness.parse_bucket_bytes(bucket_bytes))
 
@@ -307,7 +315,7 @@ def _search(net, memory, policy, *, momentum, conv_algos, checkpoints, block_byt
                         small, host_capacity, rankings, floor=floor, early=early)
 
     return _Search(make, capacity, policy, layout, block_bytes, host_capacity,
-                   early_write_back)
+                   early_write_back, trade_budget)
 
 
 VARIANTS = (None, "from_checkpoints", "strict")   # what `drops` a policy's runs may use
@@ -323,15 +331,49 @@ def _choose(search, policy, any_fit: bool = False) -> Plan:
         # plan that moves the fewest bytes: dropping cheap layers' outputs and recomputing
         # them beats carrying them over PCIe and back (a ResNet-50 step at batch 897 took
         # 1.27x its copy time on the H200: moves dominate).
+        # Then trade copies for recomputing conv, add and concat outputs where the step-time
+        # model predicts a faster step (`_trade`); fit does not change, so `any_fit` skips it.
         try:
             cached = search.first(None)
             if not cached.bytes_to_host or any_fit:
                 return cached
         except OutOfMemory:
             pass
-        return _pick(search, VARIANTS, _moved_then_peak, any_fit)
+        fewest = _pick(search, VARIANTS, _moved_then_peak, any_fit)
+        return fewest if any_fit else _trade(search, fewest)
     # "recompute": cost-aware, recomputation only where it lowers the peak
     return _pick(search, VARIANTS, _peak, any_fit)
+
+
+def _trade(search, base: Plan) -> Plan:
+    """`base`, or a plan predicted faster that also drops the outputs of some rebuildable
+    layers (conv, add, concat) and recomputes them: when PCIe bounds the step and compute
+    has slack, a conv rebuilt from its input costs less time than its copy out and back.
+
+    Greedy, at most `search.trade_budget` plans: take the layer whose output the best plan
+    so far moves with the most bytes per second of forward compute (timing.rebuild_order),
+    add it to the plan's drop choice (recompute.Traded) and plan again; keep the change when
+    the new plan fits the cap and its predicted step, written back early as it will run, is
+    faster than the best so far. Each layer is tried once."""
+    from .timing import rebuild_order
+    if not base.bytes_to_host:
+        return base
+    best, best_s = base, search.write_back_early(base).predicted_step_s
+    variant, chosen = recompute.split(base.drops)
+    tried = set()
+    for _ in range(search.trade_budget):
+        layer = next((i for i in rebuild_order(best) if i not in tried), None)
+        if layer is None:
+            break
+        tried.add(layer)
+        try:
+            trial = search.first(recompute.Traded(variant, chosen | {layer}))
+        except OutOfMemory:
+            continue
+        trial_s = search.write_back_early(trial).predicted_step_s
+        if trial_s < best_s:
+            best, best_s, chosen = trial, trial_s, chosen | {layer}
+    return best
 
 
 def _pick(search, variants, key, any_fit) -> Plan:
@@ -375,9 +417,11 @@ class _Search:
     """
 
     def __init__(self, make, capacity, policy, layout, block_bytes, host_capacity,
-                 early_write_back=False):
+                 early_write_back=False, trade_budget=0):
         self.make, self.capacity, self.block_bytes = make, capacity, block_bytes
         self.host_capacity, self.early_write_back = host_capacity, early_write_back
+        self.trade_budget = trade_budget
+        self.rewritten = {}        # id(first plan) -> (it, write_back_early of it)
         self.exact = policy != "all" and layout != "two_ended"
         self.layouts = ([0] if policy == "all" and layout != "two_ended" else []) + \
                        ([None] if layout != "first_fit" else [])   # None: small_bytes_for(cap)
@@ -439,7 +483,12 @@ class _Search:
         the host early (offload.EarlyWriteBacks): same blocks, evictions, peak and bytes
         moved; the evictions move nothing. `first` itself when its cache copied nothing, or
         when the second pass does not fit the host arena (its blocks are placed earlier, so
-        first fit may fragment it differently)."""
+        first fit may fragment it differently). Each plan is rewritten once."""
+        if id(first) not in self.rewritten:
+            self.rewritten[id(first)] = first, self._write_back_early(first)
+        return self.rewritten[id(first)][1]
+
+    def _write_back_early(self, first: Plan) -> Plan:
         if not self.early_write_back or first.evictions is None or not first.evictions.victims:
             return first
         early = offload.EarlyWriteBacks(first.evictions, self.host_capacity, self.block_bytes)
@@ -560,14 +609,16 @@ class _Planner:
     def _choose_roles(self, checkpoints):
         p = self.program
         ckpt = offload.checkpoint_layers(p, checkpoints) if self.always_offload else set()
-        self.dropped = (recompute.dropped_tensors(p, self.drops == "from_checkpoints", ckpt)
+        variant, extra = recompute.split(self.drops)
+        self.dropped = (recompute.dropped_tensors(p, variant == "from_checkpoints", ckpt, extra,
+                                                  cheap_layers=variant is not None)
                         if self.recompute else set())
         if self.recompute:
             l_peak = recompute.layer_peak(p, self._default_workspace)
-            self.schedule = recompute.RecomputeSchedule(p, self.dropped,
-                                                        recompute.strategies(p, l_peak))
+            self.schedule = recompute.RecomputeSchedule(
+                p, self.dropped, recompute.strategies(p, l_peak, extra))
             self.uses = self.schedule.uses
-            keep = ckpt | recompute.extra_checkpoints(p, self.dropped)
+            keep = ckpt | recompute.extra_checkpoints(p, self.dropped, extra)
         else:
             self.schedule = None
             self.uses = p.uses
@@ -689,9 +740,9 @@ class _Planner:
             self._make_readable(xid, ops)
         self.locked = set(inputs) | set(self.program.passes[step.index].reads) | {tid}
         self._alloc(tid, ops)
-        size = workspace.fixed_workspace(layer, "forward")
+        algos, size = workspace.rebuild_workspace(layer, self.conv_algos)
         ws = self._new_workspace(layer, size, ops) if size else None
-        ops.append(Launch(("recompute", layer.index), None, ws))
+        ops.append(Launch(("recompute", layer.index), algos, ws))
         self.kernels += 1
         self._record(Step(len(self.steps), layer.name, "recompute", ops, self.dev.in_use,
                           len(self.dblock)), inputs + [tid])

@@ -350,30 +350,40 @@ def _trade(search, base: Plan) -> Plan:
     layers (conv, add, concat) and recomputes them: when PCIe bounds the step and compute
     has slack, a conv rebuilt from its input costs less time than its copy out and back.
 
-    Greedy, at most `search.trade_budget` plans: take the layer whose output the best plan
-    so far moves with the most bytes per second of forward compute (timing.rebuild_order),
-    add it to the plan's drop choice (recompute.Traded) and plan again; keep the change when
-    the new plan fits the cap and its predicted step, written back early as it will run, is
-    faster than the best so far. Each layer is tried once."""
+    Greedy, at most `search.trade_budget` plans. Take the next `k` layers whose outputs the
+    best plan so far moves, most bytes per second of forward compute first
+    (timing.rebuild_order), add them to its drop choice (recompute.Traded) and plan again;
+    keep the change when the new plan fits the cap and its predicted step, written back
+    early as it will run, is faster than the best so far. `k` starts at 1, doubles after a
+    kept change and halves after a refused one; a layer refused alone is not tried again."""
     from .timing import rebuild_order
     if not base.bytes_to_host:
         return base
     best, best_s = base, search.write_back_early(base).predicted_step_s
     variant, chosen = recompute.split(base.drops)
-    tried = set()
+    refused, k = set(), 1
     for _ in range(search.trade_budget):
-        layer = next((i for i in rebuild_order(best) if i not in tried), None)
-        if layer is None:
+        group = [i for i in rebuild_order(best) if i not in refused][:k]
+        if not group:
             break
-        tried.add(layer)
-        try:
-            trial = search.first(recompute.Traded(variant, chosen | {layer}))
-        except OutOfMemory:
-            continue
-        trial_s = search.write_back_early(trial).predicted_step_s
+        trial_s, trial = _trial(search, recompute.Traded(variant, chosen | set(group)))
         if trial_s < best_s:
-            best, best_s, chosen = trial, trial_s, chosen | {layer}
+            best, best_s, chosen, k = trial, trial_s, chosen | set(group), 2 * k
+            continue
+        if k == 1:
+            refused.add(group[0])
+        k = max(1, k // 2)
     return best
+
+
+def _trial(search, drops) -> tuple:
+    """(predicted step seconds, plan) of the run for `drops` at the top of the cap, as it
+    will run (written back early); (inf, None) when it does not fit."""
+    try:
+        first = search.first(drops)
+    except OutOfMemory:
+        return float("inf"), None
+    return search.write_back_early(first).predicted_step_s, first
 
 
 def _pick(search, variants, key, any_fit) -> Plan:
@@ -421,7 +431,6 @@ class _Search:
         self.make, self.capacity, self.block_bytes = make, capacity, block_bytes
         self.host_capacity, self.early_write_back = host_capacity, early_write_back
         self.trade_budget = trade_budget
-        self.rewritten = {}        # id(first plan) -> (it, write_back_early of it)
         self.exact = policy != "all" and layout != "two_ended"
         self.layouts = ([0] if policy == "all" and layout != "two_ended" else []) + \
                        ([None] if layout != "first_fit" else [])   # None: small_bytes_for(cap)
@@ -483,12 +492,7 @@ class _Search:
         the host early (offload.EarlyWriteBacks): same blocks, evictions, peak and bytes
         moved; the evictions move nothing. `first` itself when its cache copied nothing, or
         when the second pass does not fit the host arena (its blocks are placed earlier, so
-        first fit may fragment it differently). Each plan is rewritten once."""
-        if id(first) not in self.rewritten:
-            self.rewritten[id(first)] = first, self._write_back_early(first)
-        return self.rewritten[id(first)][1]
-
-    def _write_back_early(self, first: Plan) -> Plan:
+        first fit may fragment it differently)."""
         if not self.early_write_back or first.evictions is None or not first.evictions.victims:
             return first
         early = offload.EarlyWriteBacks(first.evictions, self.host_capacity, self.block_bytes)

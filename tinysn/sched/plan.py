@@ -349,41 +349,68 @@ def _trade(search, base: Plan) -> Plan:
     """`base`, or a plan predicted faster that also drops the outputs of some rebuildable
     layers (conv, add, concat) and recomputes them: when PCIe bounds the step and compute
     has slack, a conv rebuilt from its input costs less time than its copy out and back.
-
-    Greedy, at most `search.trade_budget` plans. Take the next `k` layers whose outputs the
-    best plan so far moves, most bytes per second of forward compute first
-    (timing.rebuild_order), add them to its drop choice (recompute.Traded) and plan again;
-    keep the change when the new plan fits the cap and its predicted step, written back
-    early as it will run, is faster than the best so far. `k` starts at 1, doubles after a
-    kept change and halves after a refused one; a layer refused alone is not tried again."""
-    from .timing import rebuild_order
+    At most `search.trade_budget` plans (`_Trade` says how they are chosen)."""
     if not base.bytes_to_host:
         return base
-    best, best_s = base, search.write_back_early(base).predicted_step_s
-    variant, chosen = recompute.split(base.drops)
-    refused, k = set(), 1
-    for _ in range(search.trade_budget):
-        group = [i for i in rebuild_order(best) if i not in refused][:k]
-        if not group:
+    trade = _Trade(search, base)
+    while trade.left > 0:
+        trade.add_layers()
+        if not trade.switch_variant():
             break
-        trial_s, trial = _trial(search, recompute.Traded(variant, chosen | set(group)))
-        if trial_s < best_s:
-            best, best_s, chosen, k = trial, trial_s, chosen | set(group), 2 * k
-            continue
-        if k == 1:
-            refused.add(group[0])
-        k = max(1, k // 2)
-    return best
+    return trade.best
 
 
-def _trial(search, drops) -> tuple:
-    """(predicted step seconds, plan) of the run for `drops` at the top of the cap, as it
-    will run (written back early); (inf, None) when it does not fit."""
-    try:
-        first = search.first(drops)
-    except OutOfMemory:
-        return float("inf"), None
-    return search.write_back_early(first).predicted_step_s, first
+class _Trade:
+    """The state of `_trade`'s greedy search: the best plan so far, its predicted step (as
+    it will run: written back early), its drop choice and the plans left to make.
+
+    `add_layers`: take the next `k` layers whose outputs the best plan moves, most bytes per
+    second of forward compute first (timing.rebuild_order), add them to its drop choice
+    (recompute.Traded) and plan again; keep the change when the new plan fits the cap and is
+    predicted faster. `k` starts at 1, doubles after a kept change and halves after a
+    refused one; a layer refused alone is not tried again. `switch_variant`: the same
+    layers with each other way of dropping cheap layers (VARIANTS), for when the rebuilt
+    layers have made room for one that did not fit before."""
+
+    def __init__(self, search, base: Plan):
+        self.search, self.left, self.refused = search, search.trade_budget, set()
+        self.best, self.best_s = base, search.write_back_early(base).predicted_step_s
+        self.variant, self.chosen = recompute.split(base.drops)
+
+    def attempt(self, variant, layers) -> bool:
+        """Plan `variant` with `layers` dropped; keep it if it fits and is faster."""
+        self.left -= 1
+        try:
+            first = self.search.first(recompute.Traded(variant, frozenset(layers)))
+        except OutOfMemory:
+            return False
+        seconds = self.search.write_back_early(first).predicted_step_s
+        if seconds >= self.best_s:
+            return False
+        self.best, self.best_s, self.variant, self.chosen = first, seconds, variant, set(layers)
+        return True
+
+    def add_layers(self):
+        from .timing import rebuild_order
+        k = 1
+        while self.left > 0:
+            group = [i for i in rebuild_order(self.best) if i not in self.refused][:k]
+            if not group:
+                return
+            if self.attempt(self.variant, self.chosen | set(group)):
+                k *= 2
+                continue
+            if k == 1:
+                self.refused.add(group[0])
+            k = max(1, k // 2)
+
+    def switch_variant(self) -> bool:
+        """True when another variant with the chosen layers is faster (then it is kept)."""
+        switched = False
+        for variant in VARIANTS:
+            if variant != self.variant and self.left > 0:
+                switched |= self.attempt(variant, self.chosen)
+        return switched
 
 
 def _pick(search, variants, key, any_fit) -> Plan:

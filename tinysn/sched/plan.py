@@ -23,9 +23,11 @@ Policies (a ladder, each including the ones before it where it makes sense):
     recompute  + drop cheap layers' outputs and recompute them, cost-aware (§3.4)
     all        liveness + LRU tensor cache (move only when short) + dynamic conv workspaces
                (§3.5); once something must move, the same with cost-aware recomputation
-               where that moves fewer bytes (or where the cache alone does not fit); the
-               chosen run is planned again with the cache's victims written back to the
-               host right after their last use (`_Search.write_back_early`)
+               where that moves fewer bytes (or where the cache alone does not fit), then
+               conv, add and concat outputs recomputed too where the step-time model
+               predicts a faster step (`_trade`); the chosen run is planned again with the
+               cache's victims written back to the host right after their last use
+               (`_Search.write_back_early`)
 """
 from __future__ import annotations
 

@@ -5,6 +5,7 @@ import dataclasses
 
 import pytest
 import torch
+from hypothesis import given, strategies as st
 
 import tinysn as sn
 import tinysn.testing as snt
@@ -22,8 +23,11 @@ STARVED = timing.DeviceModel(flops_per_s=100e12, bytes_per_s=3e12, to_host_bytes
 @pytest.fixture
 def starved(monkeypatch):
     """The planner and predicted_step_s use STARVED instead of the H200's figures."""
-    monkeypatch.setattr(timing.DeviceModel, "h200",
-                        classmethod(lambda cls, graphed=False: STARVED))
+    starve(monkeypatch)
+
+
+def starve(mp):
+    mp.setattr(timing.DeviceModel, "h200", classmethod(lambda cls, graphed=False: STARVED))
 
 
 def pointwise_net(batch=2):
@@ -157,6 +161,27 @@ def test_check_plan_refuses_a_conv_rebuilt_otherwise(starved):
     variant, _ = recompute.split(plan.drops)
     with pytest.raises(snt.ScheduleError, match="recomputation of layer"):
         snt.check_plan(dataclasses.replace(plan, drops=variant))
+
+
+@snt.settings(25)
+@given(net=snt.nets(), data=st.data())
+def test_random_nets_traded_plans_are_correct_and_never_slower(net, data):
+    """On random nonlinear nets (fans, joins, every layer op) at any feasible cap, PCIe
+    starved: every plan the trade returns is a correct schedule, no slower than without."""
+    with pytest.MonkeyPatch.context() as mp:
+        starve(mp)
+        cap = data.draw(snt.caps(net, "all"), label="cap")
+        traded = sn.plan(net, cap, "all")
+        snt.check_plan(traded)
+        assert traded.predicted_step_s <= sn.plan(net, cap, "all", trade_budget=0).predicted_step_s
+
+
+@snt.settings(4)
+@given(net=snt.nets())
+def test_random_nets_train_bitwise_equal_with_rebuilds(net):
+    with pytest.MonkeyPatch.context() as mp:
+        starve(mp)
+        snt.check_equivalent(net, ["baseline", "all"], conv_algos={})
 
 
 @pytest.mark.parametrize("budget", [-1, 1.5, "8", True])

@@ -39,8 +39,6 @@ The workspace (uint8 or float32, 1-D, at least workspace_bytes) holds per-(chann
 partials ([C, chunks, 3] floats forward, [C, chunks, 2] + [2, C] backward); its contents on
 entry do not matter.
 """
-import functools
-
 import triton
 import triton.language as tl
 
@@ -53,12 +51,10 @@ _MIN_CHUNK = 8192                            # elements per chunk, at least (whe
 
 
 # ----------------------------------------------------------------------------- geometry
-@functools.lru_cache(maxsize=None)
 def _chunks(n, c, hw):
     """(rows per chunk, row groups, cols per chunk, col groups) of a channel's [n, hw] view.
 
-    From the shape alone (the workspace size must not depend on the machine), so it is
-    remembered: the planner asks for every batch norm step of every run it makes.
+    From the shape alone (the workspace size must not depend on the machine).
     """
     want = max(1, min(triton.cdiv(_TARGET_PROGRAMS, c), triton.cdiv(n * hw, _MIN_CHUNK)))
     nr = min(n, want)

@@ -78,10 +78,11 @@ def parse_batches(text: str) -> dict:
 
 def checked_largest(model_fn, batch: int, cap: int, host_memory=None) -> int:
     """`batch`, after checking that it is the largest batch policy "all" plans under `cap`
-    (it plans, batch + 1 does not): what sn.max_batch would return, at the cost of two plans."""
+    (it plans, batch + 1 does not): what sn.max_batch would return, at the cost of two plans
+    (without the search that trades copies for recomputation: it never changes fit)."""
     def fits(k):
         try:
-            sn.plan(model_fn(batch=k), cap, "all", host_memory=host_memory)
+            sn.plan(model_fn(batch=k), cap, "all", host_memory=host_memory, trade_budget=0)
             return True
         except sn.OutOfMemory:
             return False
@@ -98,7 +99,8 @@ def deepest_resnet(memory, batch=16, policy="all", host_memory=None):
     """Largest n such that resnet([6, 32, n, 6]) at `batch` plans; returns (n, layers)."""
     def fits(n):
         try:
-            sn.plan(deep_resnet(n)(batch), memory, policy, host_memory=host_memory)
+            sn.plan(deep_resnet(n)(batch), memory, policy, host_memory=host_memory,
+                    trade_budget=0)
             return True
         except sn.OutOfMemory:
             return False
@@ -233,6 +235,8 @@ def train_for_real(net, memory, host_memory=None, steps=2, cuda_graph=False):
            "process_peak_within_cap":
                process_peak <= sn.parse_bytes(memory) + sn.runtime.PROCESS_SLACK_BYTES,
            "setup_seconds_incl_rankings": setup_s,
+           "predicted_seconds_per_step": rt.plan.predicted_step_s,
+           "trade_budget": sn.plan.__kwdefaults__["trade_budget"],
            "seconds_per_step": s, "images_per_s": net.batch / s, "losses": losses,
            "bytes_moved_per_step": moved, "transfer_gb_per_s": moved / s / 1e9,
            "recomputed_steps": rt.plan.recomputed_steps, "conv_algos_chosen": algos}
@@ -296,7 +300,8 @@ def main():
         p = sn.plan(fn(batch=best), cap, "all", host_memory=args.host_memory)
         row.update(planned_peak_bytes=p.peak_bytes, uses_recompute=p.uses_recompute,
                    planned_bytes_to_host=p.bytes_to_host, host_memory=args.host_memory,
-                   planned_host_bytes=p.host_bytes, recomputed_steps=p.recomputed_steps)
+                   planned_host_bytes=p.host_bytes, recomputed_steps=p.recomputed_steps,
+                   predicted_seconds_per_step=p.predicted_step_s)
         print(f"{name}: max batch {best} (layer-wise bound {row['layerwise_bound']}, PyTorch "
               f"reference {row['pytorch_12gib_reference']})", flush=True)
         rows[name] = row

@@ -7,7 +7,8 @@ rows), plan the same configuration again (on any machine: planning needs no GPU)
 
 The plan made here uses the default conv rankings (the GPU run used measured ones), so its
 kernels may differ in workspace, not in the bytes it moves or the kernels' costs the model
-counts.
+counts. A memory run is planned with the `trade_budget` it records (runs made before policy
+"all" traded copies for recomputation record none: 0, the planner they ran).
 """
 import argparse
 import json
@@ -34,7 +35,8 @@ def compare(net, memory, policy, measured_s, graphed=False, host_memory=None, **
 
 
 def memory_rows(path: Path) -> list:
-    """The largest-batch runs of a memory.py result (policy "all", plain SGD)."""
+    """The largest-batch runs of a memory.py result (policy "all", plain SGD), each planned
+    with the trade budget it ran with."""
     models = json.loads(path.read_text())["models"]
     rows = []
     for name, row in models.items():
@@ -43,7 +45,8 @@ def memory_rows(path: Path) -> list:
             continue
         net = getattr(sn.models, name)(batch=row["max_batch_all"])
         rows.append({**compare(net, real["memory"], "all", real["seconds_per_step"],
-                               real["cuda_graph"], row.get("host_memory")), "model": name})
+                               real["cuda_graph"], row.get("host_memory"),
+                               trade_budget=real.get("trade_budget", 0)), "model": name})
     return rows
 
 

@@ -52,6 +52,10 @@ class OpSpec:
                            a function of the layer: max pooling does, average pooling not)
     backward_reads_output  the backward kernel reads the layer's own output (ReLU)
     recomputable           cheap enough to drop and rebuild in the backward pass (§3.4)
+    rebuildable            not cheap, but its output is a pure function of its inputs and
+                           parameters, which no step updates before the backward pass reads
+                           it: policy "all" may drop and rebuild it where the step-time
+                           model says moving it costs more (conv, add, concat)
     is_loss                the network's loss: its output lives across iterations, it reads
                            the labels, and no gradient flows into it
     saves_statistics       writes a saved-statistics tensor and running buffers (batch norm)
@@ -75,6 +79,7 @@ class OpSpec:
     backward_reads_input: bool | Callable = False
     backward_reads_output: bool = False
     recomputable: bool = False
+    rebuildable: bool = False
     is_loss: bool = False
     saves_statistics: bool = False
     counts_batches: bool = False
@@ -343,7 +348,7 @@ def _softmax_workspace(layer, phase) -> int:
 SPECS = {
     "data": OpSpec(_data_forward, is_data=True),
     "conv": OpSpec(_conv_forward, _conv_backward, backward_reads_input=True, has_algorithms=True,
-                   cost=_conv_cost),
+                   rebuildable=True, cost=_conv_cost),
     "bn": OpSpec(_bn_forward, _bn_backward, backward_reads_input=True, recomputable=True,
                  saves_statistics=True, counts_batches=True, workspace=_bn_workspace),
     "relu": OpSpec(_relu_forward, _relu_backward, backward_reads_output=True, recomputable=True,
@@ -355,8 +360,8 @@ SPECS = {
                  cost=_fc_cost),
     "dropout": OpSpec(_dropout_forward, _dropout_backward, recomputable=True,
                       draws_mask=True),
-    "add": OpSpec(_add_forward, _add_backward),
-    "concat": OpSpec(_concat_forward, _concat_backward),
+    "add": OpSpec(_add_forward, _add_backward, rebuildable=True),
+    "concat": OpSpec(_concat_forward, _concat_backward, rebuildable=True),
     "softmax_loss": OpSpec(_softmax_forward, _softmax_backward, backward_reads_input=True,
                            is_loss=True, workspace=_softmax_workspace),
 }

@@ -35,7 +35,9 @@ The rules `check_plan` enforces (each ScheduleError carries one of these as `.ru
     leak        a tensor still holds device or host bytes when the iteration ends
     recompute   a recomputation that would update batch-norm running statistics (a logical
                 step launched twice) or redraw a dropout mask (rebuilt before its forward
-                ran this iteration), or recomputes a layer that is not recomputable
+                ran this iteration), recomputes a layer that is neither recomputable
+                nor one of the plan's traded layers (`recompute.Traded`), or rebuilds a
+                conv with other algorithms than its forward pass ran (other bits)
     program     a layer pass missing, repeated or out of its place (layer, phase)
     figures     the plan's own figures (peak, bytes in use per step, bytes moved,
                 recomputed steps) disagree with what its operations do
@@ -54,6 +56,7 @@ from . import graph
 from .errors import OutOfMemory
 from .ops import spec
 from .runtime import Runtime
+from .sched import recompute as recompute_mod
 from .sched.plan import (POLICIES, Alloc, Drop, Evict, Free, Launch, Mark, Offload, Prefetch,
                          Release, Sync, Wait, plan)
 from .units import parse_bytes
@@ -399,6 +402,8 @@ class _Replay:
         self.where = "setup"
         self.forward = {s.layer: s for s in self.program.passes if s.phase == "forward"}
         self.by_index = {layer.index: layer for layer in self.program.order}
+        self.traded = recompute_mod.split(p.drops)[1]
+        self.forward_algos = {}               # layer pass index -> algos its Launch ran
         self.handlers = {Alloc: self.alloc, Free: self.free, Drop: self.drop,
                          Offload: self.offload, Release: self.release, Evict: self.evict,
                          Prefetch: self.prefetch, Wait: self.wait, Sync: self.sync,
@@ -533,8 +538,9 @@ class _Replay:
 
     # -- kernels ---------------------------------------------------------------------
     def launch(self, op):
-        reads, writes = (self.recomputation(op.key) if isinstance(op.key, tuple)
+        reads, writes = (self.recomputation(op.key, op.algos) if isinstance(op.key, tuple)
                          else self.logical(op.key))
+        self.forward_algos.setdefault(op.key, op.algos)
         if op.workspace is not None:
             writes = list(writes) + [op.workspace]
         c = self.clocks
@@ -569,13 +575,14 @@ class _Replay:
         self.launched.append(key)
         return want.reads, want.writes
 
-    def recomputation(self, key):
-        """Reads and writes of rebuilding layer key[1]'s output: its forward's, with the
-        batch-norm running statistics read, not updated."""
+    def recomputation(self, key, algos):
+        """Reads and writes of rebuilding layer key[1]'s output with `algos`: its forward's,
+        with the batch-norm running statistics read, not updated."""
         layer = self.by_index.get(key[1]) if len(key) == 2 and key[0] == "recompute" else None
         if layer is None:
             self.fail("program", None, f"launch of unknown key {key!r}")
-        if not spec(layer).recomputable or self.step.phase != "recompute" \
+        allowed = spec(layer).recomputable or layer.index in self.traded
+        if not allowed or self.step.phase != "recompute" \
                 or self.step.layer != layer.name:
             self.fail("recompute", self.program.act[layer], f"recomputation of layer "
                       f"{layer.name} ({layer.op}) in a {self.step.phase} step of "
@@ -585,6 +592,10 @@ class _Replay:
             self.fail("recompute", self.program.act[layer], f"rebuilt before layer "
                       f"{layer.name}'s forward ran this iteration: a dropout would draw "
                       f"another mask, a batch norm see other inputs")
+        ran = self.forward_algos[forward.index]
+        if spec(layer).has_algorithms and algos != {"forward": ran["forward"]}:
+            self.fail("recompute", self.program.act[layer], f"rebuilt with algorithms "
+                      f"{algos}, its forward pass ran {ran['forward']!r}")
         buffers = {self.program.buffer[f"{layer.name}.{b}"] for b in layer.buffers}
         return (list(forward.reads) + sorted(buffers),
                 [t for t in forward.writes if t not in buffers])

@@ -23,9 +23,11 @@ Policies (a ladder, each including the ones before it where it makes sense):
     recompute  + drop cheap layers' outputs and recompute them, cost-aware (§3.4)
     all        liveness + LRU tensor cache (move only when short) + dynamic conv workspaces
                (§3.5); once something must move, the same with cost-aware recomputation
-               where that moves fewer bytes (or where the cache alone does not fit); the
-               chosen run is planned again with the cache's victims written back to the
-               host right after their last use (`_Search.write_back_early`)
+               where that moves fewer bytes (or where the cache alone does not fit), then
+               conv, add and concat outputs recomputed too where the step-time model
+               predicts a faster step (`_trade`); the chosen run is planned again with the
+               cache's victims written back to the host right after their last use
+               (`_Search.write_back_early`)
 """
 from __future__ import annotations
 
@@ -125,6 +127,7 @@ class Launch:
 
 
 POLICIES = ("baseline", "liveness", "offload", "recompute", "all")
+TRADE_BUDGET = 24   # policy "all": plans the search trading copies for rebuilds may make
 HOST_CAPACITY = 1 << 46   # bookkeeping bound for the host arena; the plan sizes the real one
 
 
@@ -254,7 +257,7 @@ def plan(net, memory, policy: str = "all", *, momentum: float = 0.0, conv_algos=
          checkpoints=offload.DEFAULT_CHECKPOINTS, block_bytes: int = 1024,
          layout: str = "auto", host_memory=None, rankings=None,
          data_parallel: bool = False, bucket_bytes=liveness.BUCKET_BYTES,
-         early_write_back: bool = True) -> Plan:
+         early_write_back: bool = True, trade_budget: int = TRADE_BUDGET) -> Plan:
     """Dry-run one training iteration of `net` under a `memory` cap and `policy`.
 
     Raises OutOfMemory naming the first step that does not fit. `conv_algos` pins conv
@@ -273,6 +276,9 @@ def plan(net, memory, policy: str = "all", *, momentum: float = 0.0, conv_algos=
     host right after its last use before the eviction, so the eviction moves nothing and
     frees its block at once (`_Search.write_back_early`); False copies it out at the
     eviction, when the allocation that needs the room waits for it.
+    `trade_budget` (policy "all"): how many plans the search that trades copies for
+    recomputing conv, add and concat outputs may make (`_trade`); 0 recomputes only the
+    cheap layers.
 
     A plan that fits under a cap fits under every larger cap, for every policy and layout
     (`_Search` says why). The returned plan's `capacity` is the pool it was made for: the
@@ -281,13 +287,15 @@ def plan(net, memory, policy: str = "all", *, momentum: float = 0.0, conv_algos=
     search = _search(net, memory, policy, momentum=momentum, conv_algos=conv_algos,
                      checkpoints=checkpoints, block_bytes=block_bytes, layout=layout,
                      host_memory=host_memory, rankings=rankings, data_parallel=data_parallel,
-                     bucket_bytes=bucket_bytes, early_write_back=early_write_back)
+                     bucket_bytes=bucket_bytes, early_write_back=early_write_back,
+                     trade_budget=trade_budget)
     return search.write_back_early(_choose(search, policy))
 
 
 def _search(net, memory, policy, *, momentum, conv_algos, checkpoints, block_bytes, layout,
             host_memory, rankings=None, data_parallel=False,
-            bucket_bytes=liveness.BUCKET_BYTES, early_write_back=True) -> "_Search":
+            bucket_bytes=liveness.BUCKET_BYTES, early_write_back=True,
+            trade_budget=TRADE_BUDGET) -> "_Search":
     """Check `plan`'s arguments (before any state changes) and set up its runs."""
     if layout not in ("auto", "first_fit", "two_ended"):
         raise ValueError(f"layout must be 'auto', 'first_fit' or 'two_ended', got {layout!r}")
@@ -299,6 +307,8 @@ def _search(net, memory, policy, *, momentum, conv_algos, checkpoints, block_byt
         raise ValueError(f"data_parallel must be a bool, got {data_parallel!r}")
     if not isinstance(early_write_back, bool):
         raise ValueError(f"early_write_back must be a bool, got {early_write_back!r}")
+    if isinstance(trade_budget, bool) or not isinstance(trade_budget, int) or trade_budget < 0:
+        raise ValueError(f"trade_budget must be an int >= 0, got {trade_budget!r}")
     program = liveness.Program(net, momentum=momentum, data_parallel=data_parallel,
                                bucket_bytes=liveness.parse_bucket_bytes(bucket_bytes))
 
@@ -307,7 +317,7 @@ def _search(net, memory, policy, *, momentum, conv_algos, checkpoints, block_byt
                         small, host_capacity, rankings, floor=floor, early=early)
 
     return _Search(make, capacity, policy, layout, block_bytes, host_capacity,
-                   early_write_back)
+                   early_write_back, trade_budget)
 
 
 VARIANTS = (None, "from_checkpoints", "strict")   # what `drops` a policy's runs may use
@@ -323,15 +333,86 @@ def _choose(search, policy, any_fit: bool = False) -> Plan:
         # plan that moves the fewest bytes: dropping cheap layers' outputs and recomputing
         # them beats carrying them over PCIe and back (a ResNet-50 step at batch 897 took
         # 1.27x its copy time on the H200: moves dominate).
+        # Then trade copies for recomputing conv, add and concat outputs where the step-time
+        # model predicts a faster step (`_trade`); fit does not change, so `any_fit` skips it.
         try:
             cached = search.first(None)
             if not cached.bytes_to_host or any_fit:
                 return cached
         except OutOfMemory:
             pass
-        return _pick(search, VARIANTS, _moved_then_peak, any_fit)
+        fewest = _pick(search, VARIANTS, _moved_then_peak, any_fit)
+        return fewest if any_fit else _trade(search, fewest)
     # "recompute": cost-aware, recomputation only where it lowers the peak
     return _pick(search, VARIANTS, _peak, any_fit)
+
+
+def _trade(search, base: Plan) -> Plan:
+    """`base`, or a plan predicted faster that also drops the outputs of some rebuildable
+    layers (conv, add, concat) and recomputes them: when PCIe bounds the step and compute
+    has slack, a conv rebuilt from its input costs less time than its copy out and back.
+    At most `search.trade_budget` plans (`_Trade` says how they are chosen)."""
+    if not base.bytes_to_host:
+        return base
+    trade = _Trade(search, base)
+    while trade.left > 0:
+        trade.add_layers()
+        if not trade.switch_variant():
+            break
+    return trade.best
+
+
+class _Trade:
+    """The state of `_trade`'s greedy search: the best plan so far, its predicted step (as
+    it will run: written back early), its drop choice and the plans left to make.
+
+    `add_layers`: take the next `k` layers whose outputs the best plan moves, most bytes per
+    second of forward compute first (timing.rebuild_order), add them to its drop choice
+    (recompute.Traded) and plan again; keep the change when the new plan fits the cap and is
+    predicted faster. `k` starts at 1, doubles after a kept change and halves after a
+    refused one; a layer refused alone is not tried again. `switch_variant`: the same
+    layers with each other way of dropping cheap layers (VARIANTS), for when the rebuilt
+    layers have made room for one that did not fit before."""
+
+    def __init__(self, search, base: Plan):
+        self.search, self.left, self.refused = search, search.trade_budget, set()
+        self.best, self.best_s = base, search.write_back_early(base).predicted_step_s
+        self.variant, self.chosen = recompute.split(base.drops)
+
+    def attempt(self, variant, layers) -> bool:
+        """Plan `variant` with `layers` dropped; keep it if it fits and is faster."""
+        self.left -= 1
+        try:
+            first = self.search.first(recompute.Traded(variant, frozenset(layers)))
+        except OutOfMemory:
+            return False
+        seconds = self.search.write_back_early(first).predicted_step_s
+        if seconds >= self.best_s:
+            return False
+        self.best, self.best_s, self.variant, self.chosen = first, seconds, variant, set(layers)
+        return True
+
+    def add_layers(self):
+        from .timing import rebuild_order
+        k = 1
+        while self.left > 0:
+            group = [i for i in rebuild_order(self.best) if i not in self.refused][:k]
+            if not group:
+                return
+            if self.attempt(self.variant, self.chosen | set(group)):
+                k *= 2
+                continue
+            if k == 1:
+                self.refused.add(group[0])
+            k = max(1, k // 2)
+
+    def switch_variant(self) -> bool:
+        """True when another variant with the chosen layers is faster (then it is kept)."""
+        switched = False
+        for variant in VARIANTS:
+            if variant != self.variant and self.left > 0:
+                switched |= self.attempt(variant, self.chosen)
+        return switched
 
 
 def _pick(search, variants, key, any_fit) -> Plan:
@@ -375,9 +456,10 @@ class _Search:
     """
 
     def __init__(self, make, capacity, policy, layout, block_bytes, host_capacity,
-                 early_write_back=False):
+                 early_write_back=False, trade_budget=0):
         self.make, self.capacity, self.block_bytes = make, capacity, block_bytes
         self.host_capacity, self.early_write_back = host_capacity, early_write_back
+        self.trade_budget = trade_budget
         self.exact = policy != "all" and layout != "two_ended"
         self.layouts = ([0] if policy == "all" and layout != "two_ended" else []) + \
                        ([None] if layout != "first_fit" else [])   # None: small_bytes_for(cap)
@@ -560,14 +642,16 @@ class _Planner:
     def _choose_roles(self, checkpoints):
         p = self.program
         ckpt = offload.checkpoint_layers(p, checkpoints) if self.always_offload else set()
-        self.dropped = (recompute.dropped_tensors(p, self.drops == "from_checkpoints", ckpt)
+        variant, extra = recompute.split(self.drops)
+        self.dropped = (recompute.dropped_tensors(p, variant == "from_checkpoints", ckpt, extra,
+                                                  cheap_layers=variant is not None)
                         if self.recompute else set())
         if self.recompute:
             l_peak = recompute.layer_peak(p, self._default_workspace)
-            self.schedule = recompute.RecomputeSchedule(p, self.dropped,
-                                                        recompute.strategies(p, l_peak))
+            self.schedule = recompute.RecomputeSchedule(
+                p, self.dropped, recompute.strategies(p, l_peak, extra))
             self.uses = self.schedule.uses
-            keep = ckpt | recompute.extra_checkpoints(p, self.dropped)
+            keep = ckpt | recompute.extra_checkpoints(p, self.dropped, extra)
         else:
             self.schedule = None
             self.uses = p.uses
@@ -689,9 +773,9 @@ class _Planner:
             self._make_readable(xid, ops)
         self.locked = set(inputs) | set(self.program.passes[step.index].reads) | {tid}
         self._alloc(tid, ops)
-        size = workspace.fixed_workspace(layer, "forward")
+        algos, size = workspace.rebuild_workspace(layer, self.conv_algos)
         ws = self._new_workspace(layer, size, ops) if size else None
-        ops.append(Launch(("recompute", layer.index), None, ws))
+        ops.append(Launch(("recompute", layer.index), algos, ws))
         self.kernels += 1
         self._record(Step(len(self.steps), layer.name, "recompute", ops, self.dev.in_use,
                           len(self.dblock)), inputs + [tid])

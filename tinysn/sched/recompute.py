@@ -14,17 +14,44 @@ The paper picks speed-centric when the segment's memory is at most l_peak, the l
 single layer's memory, since then recomputing it cannot raise the network-wide peak, and
 memory-centric otherwise. A recomputed batch norm does not update its running statistics
 again and a recomputed dropout draws the same mask (both handled by the kernel launch).
+
+Policy "all" may also drop the outputs of layers that are not cheap (conv, add, concat:
+`OpSpec.rebuildable`) when the step-time model predicts that recomputing them is faster
+than carrying them over PCIe and back (`plan._trade` picks them). A `Traded` drop choice
+names those layers; every function below takes the set (`extra`) and treats its layers as
+cheap ones. A rebuilt conv runs the algorithm its forward pass ran, on the same inputs and
+parameters (a layer's parameters are updated only at or after its own backward pass, and
+every rebuild of its output comes before that), so it computes the same bits.
 """
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 from ..ops import spec
 
 
-def _cheap(layer) -> bool:
-    return spec(layer).recomputable
+@dataclass(frozen=True)
+class Traded:
+    """A drop choice of policy "all": the cheap layers' variant (None: no cheap layer is
+    dropped; "from_checkpoints" or "strict" as in `dropped_tensors`) plus `layers`, the
+    indices of rebuildable layers whose outputs are dropped and recomputed as well."""
+    variant: str | None
+    layers: frozenset
 
 
-def dropped_tensors(program, from_checkpoints: bool = True, keep=frozenset()) -> set:
+def split(drops):
+    """(variant, extra layer indices) of a plan's `drops`: a variant name, None or Traded."""
+    if isinstance(drops, Traded):
+        return drops.variant, drops.layers
+    return drops, frozenset()
+
+
+def _cheap(layer, extra=frozenset()) -> bool:
+    return spec(layer).recomputable or layer.index in extra
+
+
+def dropped_tensors(program, from_checkpoints: bool = True, keep=frozenset(),
+                    extra=frozenset(), cheap_layers: bool = True) -> set:
     """Ids of the activations that the recompute policy drops and rebuilds when needed.
 
     A cheap layer's output is rebuildable when each of its inputs is rebuildable itself, or
@@ -36,30 +63,33 @@ def dropped_tensors(program, from_checkpoints: bool = True, keep=frozenset()) ->
     `from_checkpoints=False` (no new checkpoints: rebuild only from tensors the backward pass
     reads anyway), which drops less but can peak lower when rebuilt segments are large.
     Layers in `keep` (the offload policies' checkpoints) are never dropped: they are
-    sources for rebuilds, like non-cheap layers.
+    sources for rebuilds, like non-cheap layers. Layers whose index is in `extra` count as
+    cheap; `cheap_layers=False` drops the outputs of those alone (by the same rule).
     """
     n_forward = len(program.order)
     dropped = set()
     for layer in program.order:
-        if _cheap(layer) and layer not in keep and all(
+        eligible = layer.index in extra or (cheap_layers and _cheap(layer))
+        if eligible and layer not in keep and all(
                 program.act[x] in dropped
-                or (from_checkpoints and (not _cheap(x) or x in keep))
+                or (from_checkpoints and (not _cheap(x, extra) or x in keep))
                 or program.uses[program.act[x]][-1] >= n_forward for x in layer.inputs):
             dropped.add(program.act[layer])
     return dropped
 
 
-def extra_checkpoints(program, dropped) -> set:
+def extra_checkpoints(program, dropped, extra=frozenset()) -> set:
     """Non-cheap layers whose outputs feed a dropped layer: recomputation starts from them."""
     keep = set()
     for layer in program.order:
         if program.act[layer] in dropped:
-            keep |= {x for x in layer.inputs if not _cheap(x)}
+            keep |= {x for x in layer.inputs if not _cheap(x, extra)}
     return keep
 
 
-def segments(program) -> list:
-    """Connected groups of recomputable layers (edges between two cheap layers join them)."""
+def segments(program, extra=frozenset()) -> list:
+    """Connected groups of recomputable layers (edges between two cheap layers join them;
+    layers in `extra` count as cheap)."""
     parent = {}
 
     def find(a):
@@ -68,7 +98,7 @@ def segments(program) -> list:
             a = parent[a]
         return a
 
-    cheap = [layer for layer in program.order if _cheap(layer)]
+    cheap = [layer for layer in program.order if _cheap(layer, extra)]
     for layer in cheap:
         parent[layer] = layer
     for layer in cheap:
@@ -91,10 +121,10 @@ def layer_peak(program, workspace_of) -> int:
     return best
 
 
-def strategies(program, l_peak: int) -> dict:
+def strategies(program, l_peak: int, extra=frozenset()) -> dict:
     """tensor id -> "speed" | "memory" for every dropped tensor, by its segment's cost."""
     chosen = {}
-    for seg in segments(program):
+    for seg in segments(program, extra):
         cost = sum(program.tensors[program.act[layer]].nbytes for layer in seg)
         kind = "speed" if cost <= l_peak else "memory"
         for layer in seg:

@@ -81,6 +81,11 @@ def kernel_seconds(plan, launch: Launch, model: DeviceModel) -> float:
         params = sum(program.tensors[program.param[f"{layer.name}.{s}"]].nbytes
                      for s in layer.params)
         nbytes += params * (3 + momentum)              # read w, dw (and m); write w (and m)
+    return roofline(flops, nbytes, model)
+
+
+def roofline(flops: float, nbytes: float, model: DeviceModel) -> float:
+    """Seconds of a kernel: the larger of its arithmetic time and its memory time."""
     return max(flops / model.flops_per_s, nbytes / model.bytes_per_s)
 
 
@@ -118,3 +123,20 @@ def simulate(plan, model: DeviceModel | None = None) -> Timeline:
                 slots[op.slot] = compute
     return Timeline(step_s=max(compute, to_host, to_device, host), compute_s=busy["compute"],
                     to_host_s=busy["to_host"], to_device_s=busy["to_device"], events=events)
+
+
+def rebuild_order(plan, model: DeviceModel | None = None) -> list:
+    """Indices of the rebuildable layers (OpSpec.rebuildable: conv, add, concat) whose
+    outputs `plan` copies to the host, most bytes per second of forward compute first: the
+    order in which recomputing them instead saves the most PCIe time per compute time."""
+    model = model or DeviceModel.h200()
+    program, score = plan.program, {}
+    for step in plan.steps:
+        for op in step.ops:
+            if isinstance(op, (Offload, Evict)) and op.host_offset is not None:
+                layer = plan.tensors[op.tensor].layer
+                if layer is not None and spec(layer).rebuildable \
+                        and program.act.get(layer) == op.tensor:
+                    seconds = roofline(*spec(layer).cost(layer, "forward"), model)
+                    score[layer.index] = plan.tensors[op.tensor].nbytes / seconds
+    return sorted(score, key=lambda i: (-score[i], i))

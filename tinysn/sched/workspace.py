@@ -45,6 +45,17 @@ def fixed_workspace(layer, phase: str) -> int:
     return spec(layer).workspace(layer, phase)
 
 
+def rebuild_workspace(layer, conv_algos) -> tuple:
+    """(algos, workspace bytes) of recomputing a layer's forward pass. A conv repeats the
+    algorithm its forward pass ran (`conv_algos`: layer name -> {phase: algo}, as the plan
+    records them), so the rebuilt output has the same summation order and the same bits;
+    other layers take no algorithm and their fixed workspace."""
+    if not spec(layer).has_algorithms:
+        return None, fixed_workspace(layer, "forward")
+    algo = conv_algos[layer.name]["forward"]
+    return {"forward": algo}, conv_k.algos(*conv_geometry(layer), "forward")[algo]
+
+
 def ranking(geometry, phase: str, rankings=None) -> list:
     """Algorithms for one conv phase, fastest first: from `rankings` when it has this shape,
     else the fixed preference order (least workspace first, ties in the kernel module's order)."""

@@ -198,3 +198,25 @@ def test_gpu_trains_bitwise_equal_with_convs_rebuilt(starved):
     rts = snt.check_equivalent(net, ["baseline", "all"], steps=2, lr=0.05, device="cuda")
     plan = rts["all"].plan
     assert any("conv" in layer for layer in traded_layers(plan)) and plan.bytes_to_host > 0
+
+
+def test_the_search_plans_a_bounded_number_of_steps(starved, monkeypatch):
+    """Planning time grows with a plan's steps: the search stops at TRADE_STEPS in all, so
+    a net of thousands of layers trades little or nothing rather than planning for minutes."""
+    net = snt.block_net(batch=2)
+    cap = snt.smallest_cap(net, "all", conv_algos={})
+    attempts = []
+    real = plan_mod._Trade.attempt
+    monkeypatch.setattr(plan_mod._Trade, "attempt",
+                        lambda self, *a: attempts.append(1) or real(self, *a))
+    base = sn.plan(net, cap, "all", conv_algos={}, trade_budget=0)
+    sn.plan(net, cap, "all", conv_algos={})
+    assert 0 < len(attempts) <= plan_mod.TRADE_BUDGET
+    attempts.clear()
+    monkeypatch.setattr(plan_mod, "TRADE_STEPS", 2 * len(base.steps) * 2)   # two plans' worth
+    sn.plan(net, cap, "all", conv_algos={})
+    assert 0 < len(attempts) <= 2
+    attempts.clear()
+    monkeypatch.setattr(plan_mod, "TRADE_STEPS", len(base.steps))         # not one
+    assert sn.plan(net, cap, "all", conv_algos={}).steps == base.steps
+    assert not attempts

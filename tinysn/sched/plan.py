@@ -128,6 +128,7 @@ class Launch:
 
 POLICIES = ("baseline", "liveness", "offload", "recompute", "all")
 TRADE_BUDGET = 24   # policy "all": plans the search trading copies for rebuilds may make
+TRADE_STEPS = 64_000   # ... and plan steps in all, so a deep net's search stays short
 HOST_CAPACITY = 1 << 46   # bookkeeping bound for the host arena; the plan sizes the real one
 
 
@@ -351,7 +352,10 @@ def _trade(search, base: Plan) -> Plan:
     """`base`, or a plan predicted faster that also drops the outputs of some rebuildable
     layers (conv, add, concat) and recomputes them: when PCIe bounds the step and compute
     has slack, a conv rebuilt from its input costs less time than its copy out and back.
-    At most `search.trade_budget` plans (`_Trade` says how they are chosen)."""
+    At most `search.trade_budget` plans (`_Trade` says how they are chosen), and at most
+    TRADE_STEPS plan steps in all: planning time grows with the step count, so a net of
+    thousands of layers (50,000 steps a plan) trades few layers or none, and its planning
+    stays within the time of a few plans."""
     if not base.bytes_to_host:
         return base
     trade = _Trade(search, base)
@@ -375,7 +379,8 @@ class _Trade:
     layers have made room for one that did not fit before."""
 
     def __init__(self, search, base: Plan):
-        self.search, self.left, self.refused = search, search.trade_budget, set()
+        self.left = min(search.trade_budget, TRADE_STEPS // (2 * max(1, len(base.steps))))
+        self.search, self.refused = search, set()
         self.best, self.best_s = base, search.write_back_early(base).predicted_step_s
         self.variant, self.chosen = recompute.split(base.drops)
 

@@ -306,8 +306,9 @@ class Runtime:
 
     def _prefetch(self, op: Prefetch):
         t = self.tensors[op.tensor]
-        t.prefetch(self.arena, self.to_device_stream, views=self._views[op.tensor],
-                   waits=self.events_of(op))
+        block = self.arena.alloc(t.nbytes, top=True) if op.top else None   # an early one
+        t.prefetch(self.arena, self.to_device_stream, block=block,
+                   views=self._views[op.tensor], waits=self.events_of(op))
         self._events[op.slot] = t.event
         self.stats.bytes_to_device += t.nbytes
         if t.block.offset != op.offset:

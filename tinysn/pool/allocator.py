@@ -106,8 +106,9 @@ class BlockAllocator:
         self._next_id = 0
 
     # ------------------------------------------------------------------ alloc / free
-    def alloc(self, nbytes) -> Block:
-        """Return a Block of at least `nbytes` at the lowest offset that fits.
+    def alloc(self, nbytes, top: bool = False) -> Block:
+        """Return a Block of at least `nbytes` at the lowest offset that fits (`top`: at the
+        highest, as requests up to `small_bytes` always are).
 
         Raises ValueError for nbytes <= 0 and OutOfMemory when no free run is long enough;
         a failed request changes nothing.
@@ -117,16 +118,11 @@ class BlockAllocator:
         bb = self._bb
         need = -(-nbytes // bb)
         lens = self._lens
-        # First fit: the first run with length >= need. Usually the first run fits; else
-        # the scan over the lengths runs in C (compress/map), O(#free runs).
-        if nbytes <= self._small:
+        if top or nbytes <= self._small:
             return self._alloc_top(nbytes, need)
-        if lens and lens[0] >= need:
-            i = 0
-        else:
-            i = next(compress(count(), map(need.__le__, lens)), -1)
-            if i < 0:
-                raise self._oom(nbytes, need)
+        i = self._first_run(need)
+        if i < 0:
+            raise self._oom(nbytes, need)
         starts = self._starts
         start = starts[i]
         rest = lens[i] - need
@@ -138,10 +134,33 @@ class BlockAllocator:
             del lens[i]
         return self._record(start, need)
 
+    def placement(self, nbytes: int, top: bool = False) -> int | None:
+        """The offset `alloc(nbytes, top)` would return now, or None where it would fail;
+        changes nothing (the planner asks before issuing a prefetch early: sched/plan.py)."""
+        need = -(-nbytes // self._bb)
+        if top or nbytes <= self._small:
+            i = self._top_run(need)
+            return None if i < 0 else (self._starts[i] + self._lens[i] - need) * self._bb
+        i = self._first_run(need)
+        return None if i < 0 else self._starts[i] * self._bb
+
+    def _first_run(self, need: int) -> int:
+        """Index of the lowest free run of at least `need` blocks, -1 if none. Usually the
+        first run fits; else the scan over the lengths runs in C (compress/map)."""
+        lens = self._lens
+        if lens and lens[0] >= need:
+            return 0
+        return next(compress(count(), map(need.__le__, lens)), -1)
+
+    def _top_run(self, need: int) -> int:
+        """Index of the highest free run of at least `need` blocks, -1 if none."""
+        lens = self._lens
+        return next((j for j in range(len(lens) - 1, -1, -1) if lens[j] >= need), -1)
+
     def _alloc_top(self, nbytes: int, need: int) -> Block:
         """First fit from the top: the end of the highest free run that is long enough."""
         lens = self._lens
-        i = next((j for j in range(len(lens) - 1, -1, -1) if lens[j] >= need), -1)
+        i = self._top_run(need)
         if i < 0:
             raise self._oom(nbytes, need)
         start = self._starts[i] + lens[i] - need

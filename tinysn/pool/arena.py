@@ -96,8 +96,8 @@ class Arena:
     def block_bytes(self) -> int:
         return self.allocator.block_bytes
 
-    def alloc(self, nbytes) -> Block:
-        return self.allocator.alloc(nbytes)
+    def alloc(self, nbytes, top: bool = False) -> Block:
+        return self.allocator.alloc(nbytes, top)
 
     def free(self, block: Block) -> None:
         self.allocator.free(block)

@@ -195,3 +195,45 @@ class EarlyWriteBacks:
         for t in span:
             self.extra[t] += need
         return True
+
+
+class Headroom:
+    """Device bytes a first planning pass left free at each step, for a second pass that
+    issues prefetches early (`plan._Planner._prefetch_early`).
+
+    An early prefetch holds its block from its issue to the step where the first pass
+    allocated it (one step before the use). The first pass's decisions hold in the second
+    only while every allocation still finds room, so an early prefetch is admitted only if,
+    at every step in between, the bytes the first pass had free there minus the early
+    prefetches already admitted over that step still hold its block; else it waits."""
+
+    def __init__(self, free, first_step):
+        self.free = tuple(free)              # step index -> bytes free at its launch
+        self.first_step = tuple(first_step)  # pass index -> its first step (recomputes first)
+        self.reserved = [0] * len(self.free)
+
+    @classmethod
+    def of(cls, plan, block_bytes: int) -> "Headroom":
+        """The headroom of `plan`'s steps, in whole blocks."""
+        free, first_step, start = [], [], 0
+        for step in plan.steps:
+            spare = plan.capacity - step.bytes_in_use
+            free.append(spare // block_bytes * block_bytes)
+            if step.phase != "recompute":
+                first_step.append(start)
+                start = step.index + 1
+        return cls(free, first_step)
+
+    def fresh(self) -> "Headroom":
+        """The same headroom with nothing admitted (one per planning pass)."""
+        return Headroom(self.free, self.first_step)
+
+    def admit(self, issue: int, use_pass: int, nbytes: int) -> bool:
+        """Reserve `nbytes` (rounded up as `free` is) over the steps after step `issue` and
+        before the first step of pass `use_pass`, if every one of them has room."""
+        span = range(issue + 1, self.first_step[use_pass])
+        if any(self.free[s] - self.reserved[s] < nbytes for s in span):
+            return False
+        for s in span:
+            self.reserved[s] += nbytes
+        return True

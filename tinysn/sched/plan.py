@@ -92,11 +92,13 @@ class Evict:
 @dataclass(frozen=True)
 class Prefetch:
     """Allocate a device block at `offset` and copy the tensor back (host-to-device stream)
-    once the events in `waits` are done; its event goes to `slot`."""
+    once the events in `waits` are done; its event goes to `slot`. `top`: the block is
+    placed by first fit from the top of the pool (an early prefetch), not from the bottom."""
     tensor: int
     offset: int
     slot: int
     waits: tuple
+    top: bool = False
 
 
 @dataclass(frozen=True)
@@ -129,6 +131,7 @@ class Launch:
 POLICIES = ("baseline", "liveness", "offload", "recompute", "all")
 TRADE_BUDGET = 24   # policy "all": plans the search trading copies for rebuilds may make
 TRADE_STEPS = 64_000   # ... and plan steps in all, so a deep net's search stays short
+LOOKAHEADS = (2, 4, 8, 16, 64)   # policy "all": prefetch distances the planner tries
 HOST_CAPACITY = 1 << 46   # bookkeeping bound for the host arena; the plan sizes the real one
 
 
@@ -170,6 +173,8 @@ class Plan:
     drops: object = None      # the recomputation variant it was made with (VARIANTS)
     evictions: object = None  # policy "all": what its cache copied out when evicting, and
                               # when (offload.EvictionLog)
+    lookahead: int = 1        # policy "all": how many layer passes ahead a prefetch may go
+    headroom: object = None   # ... within the room a first pass left (offload.Headroom)
 
     def table(self) -> str:
         """Per-step bytes in use and live tensors, as text."""
@@ -258,7 +263,8 @@ def plan(net, memory, policy: str = "all", *, momentum: float = 0.0, conv_algos=
          checkpoints=offload.DEFAULT_CHECKPOINTS, block_bytes: int = 1024,
          layout: str = "auto", host_memory=None, rankings=None,
          data_parallel: bool = False, bucket_bytes=liveness.BUCKET_BYTES,
-         early_write_back: bool = True, trade_budget: int = TRADE_BUDGET) -> Plan:
+         early_write_back: bool = True, trade_budget: int = TRADE_BUDGET,
+         lookahead: int | None = None) -> Plan:
     """Dry-run one training iteration of `net` under a `memory` cap and `policy`.
 
     Raises OutOfMemory naming the first step that does not fit. `conv_algos` pins conv
@@ -280,6 +286,10 @@ def plan(net, memory, policy: str = "all", *, momentum: float = 0.0, conv_algos=
     `trade_budget` (policy "all"): how many plans the search that trades copies for
     recomputing conv, add and concat outputs may make (`_trade`); 0 recomputes only the
     cheap layers.
+    `lookahead` (policy "all"): how many layer passes (forward or backward steps) before
+    its use a prefetch may be issued where memory allows (`_ahead`); None (default) lets
+    the step-time model choose among 1 and LOOKAHEADS; 1 issues each prefetch one step
+    before its use, as the paper does.
 
     A plan that fits under a cap fits under every larger cap, for every policy and layout
     (`_Search` says why). The returned plan's `capacity` is the pool it was made for: the
@@ -289,14 +299,14 @@ def plan(net, memory, policy: str = "all", *, momentum: float = 0.0, conv_algos=
                      checkpoints=checkpoints, block_bytes=block_bytes, layout=layout,
                      host_memory=host_memory, rankings=rankings, data_parallel=data_parallel,
                      bucket_bytes=bucket_bytes, early_write_back=early_write_back,
-                     trade_budget=trade_budget)
+                     trade_budget=trade_budget, lookahead=lookahead)
     return search.write_back_early(_choose(search, policy))
 
 
 def _search(net, memory, policy, *, momentum, conv_algos, checkpoints, block_bytes, layout,
             host_memory, rankings=None, data_parallel=False,
             bucket_bytes=liveness.BUCKET_BYTES, early_write_back=True,
-            trade_budget=TRADE_BUDGET) -> "_Search":
+            trade_budget=TRADE_BUDGET, lookahead=None) -> "_Search":
     """Check `plan`'s arguments (before any state changes) and set up its runs."""
     if layout not in ("auto", "first_fit", "two_ended"):
         raise ValueError(f"layout must be 'auto', 'first_fit' or 'two_ended', got {layout!r}")
@@ -310,15 +320,19 @@ def _search(net, memory, policy, *, momentum, conv_algos, checkpoints, block_byt
         raise ValueError(f"early_write_back must be a bool, got {early_write_back!r}")
     if isinstance(trade_budget, bool) or not isinstance(trade_budget, int) or trade_budget < 0:
         raise ValueError(f"trade_budget must be an int >= 0, got {trade_budget!r}")
+    if lookahead is not None and (isinstance(lookahead, bool) or not isinstance(lookahead, int)
+                                  or lookahead < 1):
+        raise ValueError(f"lookahead must be None or an int >= 1, got {lookahead!r}")
     program = liveness.Program(net, momentum=momentum, data_parallel=data_parallel,
                                bucket_bytes=liveness.parse_bucket_bytes(bucket_bytes))
 
-    def make(cap, drops, small, floor=False, early=None):
+    def make(cap, drops, small, floor=False, early=None, lookahead=1, headroom=None):
         return _Planner(program, cap, policy, conv_algos, checkpoints, block_bytes, drops,
-                        small, host_capacity, rankings, floor=floor, early=early)
+                        small, host_capacity, rankings, floor=floor, early=early,
+                        lookahead=lookahead, headroom=headroom)
 
     return _Search(make, capacity, policy, layout, block_bytes, host_capacity,
-                   early_write_back, trade_budget)
+                   early_write_back, trade_budget, lookahead)
 
 
 VARIANTS = (None, "from_checkpoints", "strict")   # what `drops` a policy's runs may use
@@ -335,7 +349,8 @@ def _choose(search, policy, any_fit: bool = False) -> Plan:
         # them beats carrying them over PCIe and back (a ResNet-50 step at batch 897 took
         # 1.27x its copy time on the H200: moves dominate).
         # Then trade copies for recomputing conv, add and concat outputs where the step-time
-        # model predicts a faster step (`_trade`); fit does not change, so `any_fit` skips it.
+        # model predicts a faster step (`_trade`), and prefetch further ahead where it
+        # predicts that pays (`_ahead`); fit does not change, so `any_fit` skips both.
         try:
             cached = search.first(None)
             if not cached.bytes_to_host or any_fit:
@@ -343,7 +358,7 @@ def _choose(search, policy, any_fit: bool = False) -> Plan:
         except OutOfMemory:
             pass
         fewest = _pick(search, VARIANTS, _moved_then_peak, any_fit)
-        return fewest if any_fit else _trade(search, fewest)
+        return fewest if any_fit else _ahead(search, _trade(search, fewest))
     # "recompute": cost-aware, recomputation only where it lowers the peak
     return _pick(search, VARIANTS, _peak, any_fit)
 
@@ -420,6 +435,35 @@ class _Trade:
         return switched
 
 
+def _ahead(search, base: Plan) -> Plan:
+    """`base` planned again with prefetches issued up to `lookahead` layer passes before
+    their use, within the room `base` leaves free (`_Planner._prefetch_early`). With the
+    search's `lookahead` fixed, that plan where it fits; else, among `base` and its plans
+    for each distance of LOOKAHEADS, the one the step-time model predicts fastest as it
+    will run (written back early), the shorter distance on a tie. An early block can still
+    fragment the pool (a plan may then fail, or choose slower conv algorithms, or evict
+    more): the cap and the model decide. At most TRADE_STEPS // 8 plan steps in all, as
+    `_trade` is bounded."""
+    if search.lookahead is not None:
+        distances = (search.lookahead,) if search.lookahead > 1 else ()
+    else:
+        distances = LOOKAHEADS[:TRADE_STEPS // (8 * max(1, len(base.steps)))]
+    best, best_s = base, None
+    for k in distances:
+        try:
+            ahead = search.make(base.capacity, base.drops, base.small_bytes, lookahead=k,
+                                headroom=offload.Headroom.of(base, search.block_bytes)).run()
+        except OutOfMemory:
+            continue
+        if search.lookahead is not None:
+            return ahead
+        best_s = best_s or search.write_back_early(base).predicted_step_s
+        seconds = search.write_back_early(ahead).predicted_step_s
+        if seconds < best_s:
+            best, best_s = ahead, seconds
+    return best
+
+
 def _pick(search, variants, key, any_fit) -> Plan:
     """The variants' best plan (lowest `key`) at the top of the cap; only if none fits
     there, their best below it, down to their floors. Raises the search's first error."""
@@ -461,10 +505,10 @@ class _Search:
     """
 
     def __init__(self, make, capacity, policy, layout, block_bytes, host_capacity,
-                 early_write_back=False, trade_budget=0):
+                 early_write_back=False, trade_budget=0, lookahead=1):
         self.make, self.capacity, self.block_bytes = make, capacity, block_bytes
         self.host_capacity, self.early_write_back = host_capacity, early_write_back
-        self.trade_budget = trade_budget
+        self.trade_budget, self.lookahead = trade_budget, lookahead
         self.exact = policy != "all" and layout != "two_ended"
         self.layouts = ([0] if policy == "all" and layout != "two_ended" else []) + \
                        ([None] if layout != "first_fit" else [])   # None: small_bytes_for(cap)
@@ -532,7 +576,8 @@ class _Search:
         early = offload.EarlyWriteBacks(first.evictions, self.host_capacity, self.block_bytes)
         try:
             second = self.make(first.capacity, first.drops, first.small_bytes,
-                               early=early).run()
+                               early=early, lookahead=first.lookahead,
+                               headroom=first.headroom).run()
         except OutOfMemory:
             return first
         same = ("peak_bytes", "required_bytes", "bytes_to_host", "bytes_to_device")
@@ -606,10 +651,14 @@ class _Planner:
 
     def __init__(self, program, capacity, policy, conv_algos, checkpoints, block_bytes,
                  drops=None, small_bytes=0, host_capacity=HOST_CAPACITY, rankings=None,
-                 floor=False, early=None):
+                 floor=False, early=None, lookahead=1, headroom=None):
         """`floor=True` also records `floor` (see `_track_floor`); else `floor` is None.
-        `early` (offload.EarlyWriteBacks): the victims to write back ahead of eviction."""
+        `early` (offload.EarlyWriteBacks): the victims to write back ahead of eviction.
+        `lookahead` > 1 (with `headroom`, offload.Headroom, the first pass's free bytes):
+        how many layer passes before its use a prefetch may be issued."""
         self.program = program
+        self.lookahead, self.headroom = lookahead, headroom
+        self.room = headroom.fresh() if headroom is not None else None
         self.floor = 0 if floor else None
         self.policy = policy
         self.tensors = list(program.tensors)
@@ -722,7 +771,7 @@ class _Planner:
             recomputed_steps=sum(1 for s in self.steps if s.phase == "recompute"),
             conv_algos=self.conv_algos, uses_recompute=self.recompute, program=p,
             small_bytes=self.small_bytes, event_slots=self.n_slots, drops=self.drops,
-            evictions=self.evictions)
+            evictions=self.evictions, lookahead=self.lookahead, headroom=self.headroom)
 
     def _run_step(self, step):
         ops = []
@@ -750,6 +799,7 @@ class _Planner:
         self._write_back(ops)
         if step.index + 1 < len(self.program.passes):
             self._lookahead(self.program.passes[step.index + 1], ops)
+            self._prefetch_early(step.index, ops)
 
     def _track_floor(self, step):
         """Raise `floor` to the bytes this step holds at any cap, its kernel about to launch.
@@ -851,19 +901,44 @@ class _Planner:
                     ops.append(Release(tid))
                     self._release_device(tid, "host")
 
-    def _lookahead(self, nxt, ops):
-        """Prefetch what the next step (and the recomputations before it) will read."""
+    def _on_host(self, nxt) -> list:
+        """What step `nxt` (and the recomputations before it) will read that is on the host
+        now, in the order it is read."""
         needed = list(nxt.reads)
         if self.schedule and nxt.index in self.schedule.rebuild:
             for tid in self.schedule.rebuild[nxt.index]:
                 needed += [self.program.act[x] for x in self.producer[tid].inputs]
-        needed = [t for t in dict.fromkeys(needed) if self.loc.get(t) == "host"]
+        return [t for t in dict.fromkeys(needed) if self.loc.get(t) == "host"]
+
+    def _lookahead(self, nxt, ops):
+        """Prefetch what the next step (and the recomputations before it) will read."""
+        needed = self._on_host(nxt)
         if not needed:
             return
         self.locked = set(nxt.reads) | set(nxt.writes) | set(needed)
         for tid in needed:
             self._prefetch(tid, ops)
         self.locked = set()
+
+    def _prefetch_early(self, index, ops):
+        """After pass `index`, prefetch what passes index+2 .. index+lookahead will read, in
+        the order they read it, placed from the top of the pool (away from the blocks first
+        fit is about to hand out), while each block fits as the pool is (nothing is evicted
+        for it) and within the room the first pass left until its own prefetch (`room`):
+        the copy then overlaps the compute of the steps in between. The first that does
+        not go ends it, so the host-to-device stream stays in use order; that one is
+        prefetched later, at the latest one step ahead (`_lookahead`)."""
+        if self.room is None:
+            return
+        passes, issue = self.program.passes, len(self.steps) - 1
+        for j in range(index + 2, min(index + 1 + self.lookahead, len(passes))):
+            for tid in self._on_host(passes[j]):
+                nbytes = self.tensors[tid].nbytes
+                rounded = -(-nbytes // self.dev.block_bytes) * self.dev.block_bytes
+                if self.dev.placement(nbytes, top=True) is None or \
+                        not self.room.admit(issue, j, rounded):
+                    return
+                self._prefetch(tid, ops, top=True)
 
     # -- primitive operations ---------------------------------------------------------
     def _make_readable(self, tid, ops):
@@ -892,12 +967,12 @@ class _Planner:
                 and tid not in self.dropped):
             self.cache.touch(tid)
 
-    def _dev_alloc(self, nbytes, name, ops):
-        """Allocate on the device; under the cache policy, evict LRU activations (appending
-        the Evict operations to `ops`) until the request fits."""
+    def _dev_alloc(self, nbytes, name, ops, top=False):
+        """Allocate on the device (from the top with `top`); under the cache policy, evict
+        LRU activations (appending the Evict operations to `ops`) until the request fits."""
         while True:
             try:
-                block = self.dev.alloc(nbytes)
+                block = self.dev.alloc(nbytes, top)
                 self.extent = max(self.extent, block.offset + block.nbytes)
                 return block
             except OutOfMemory:
@@ -972,8 +1047,9 @@ class _Planner:
         if self.cache is not None:
             self.cache.remove(tid)
 
-    def _prefetch(self, tid, ops):
-        block = self._dev_alloc(self.tensors[tid].nbytes, self.tensors[tid].name, ops)
+    def _prefetch(self, tid, ops, top=False):
+        """Allocate `tid`'s block (from the pool's top with `top`) and copy it back."""
+        block = self._dev_alloc(self.tensors[tid].nbytes, self.tensors[tid].name, ops, top)
         self.dblock[tid] = block
         self.loc[tid] = "prefetching"
         pos, waits = self.dev_freed.take(block.offset, block.end)
@@ -981,7 +1057,7 @@ class _Planner:
         if pos:
             waits.add(self._mark(pos))            # kernels that read the old contents
         slot = self.h2d[tid] = self._slot()
-        ops.append(Prefetch(tid, block.offset, slot, tuple(sorted(waits))))
+        ops.append(Prefetch(tid, block.offset, slot, tuple(sorted(waits)), top))
         self.to_device += self.tensors[tid].nbytes
         if self.cache is not None:
             self.cache.touch(tid)

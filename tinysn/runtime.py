@@ -144,15 +144,15 @@ class Runtime:
         Under policy "all" on a GPU the conv rankings come from the disk cache or, when a
         shape is missing there, are timed inside the new arena before anything is placed;
         the first plan (default rankings) has already shown that the cap is large enough,
-        and is made without early write-back or the recompute trade, which never change
-        whether a plan fits.
+        and is made without early write-back, the recompute trade or early prefetches,
+        which never change whether a plan fits.
         """
         dynamic = self.device.type == "cuda" and self.policy == "all" \
             and options["conv_algos"] is None
         self.rankings = workspace.cached_rankings(self.net, self.device) if dynamic else None
         timing = dynamic and self.rankings is None   # then this plan only checks the fit
         self.plan = plan_mod.plan(self.net, memory, self.policy, rankings=self.rankings,
-                                  early_write_back=not timing,
+                                  early_write_back=not timing, lookahead=1 if timing else None,
                                   trade_budget=0 if timing else plan_mod.TRADE_BUDGET, **options)
         self.arena = Arena(self.plan.capacity, self.device, small_bytes=self.plan.small_bytes)
         if timing:

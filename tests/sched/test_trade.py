@@ -50,8 +50,11 @@ def traded_layers(plan):
 
 
 def with_and_without(net, cap, **kwargs):
-    return (sn.plan(net, cap, "all", conv_algos={}, **kwargs),
-            sn.plan(net, cap, "all", conv_algos={}, trade_budget=0, **kwargs))
+    """The plan with and without the trade search, both prefetching one step ahead (the
+    prefetch distance is chosen after the trade, for the plan it made: tests/sched/
+    test_ahead.py)."""
+    return (sn.plan(net, cap, "all", conv_algos={}, lookahead=1, **kwargs),
+            sn.plan(net, cap, "all", conv_algos={}, trade_budget=0, lookahead=1, **kwargs))
 
 
 @pytest.mark.parametrize("scale", [1.0, 1.1])
@@ -209,7 +212,7 @@ def test_the_search_plans_a_bounded_number_of_steps(starved, monkeypatch):
     real = plan_mod._Trade.attempt
     monkeypatch.setattr(plan_mod._Trade, "attempt",
                         lambda self, *a: attempts.append(1) or real(self, *a))
-    base = sn.plan(net, cap, "all", conv_algos={}, trade_budget=0)
+    base = sn.plan(net, cap, "all", conv_algos={}, trade_budget=0, lookahead=1)
     sn.plan(net, cap, "all", conv_algos={})
     assert 0 < len(attempts) <= plan_mod.TRADE_BUDGET
     attempts.clear()

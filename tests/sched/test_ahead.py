@@ -1,0 +1,149 @@
+"""Prefetch distance (plan._ahead): policy "all" issues prefetches further ahead of their use
+where the room the one-step plan leaves allows it, with the distance the step-time model
+predicts fastest. Never a prefetch later than one step ahead, every early prefetch still
+waited for, the same bytes moved, never a slower prediction, bitwise-equal training."""
+import dataclasses
+
+import pytest
+
+import tinysn as sn
+import tinysn.testing as snt
+from tinysn.sched import plan as plan_mod
+from tinysn.sched.plan import Prefetch, Wait
+
+from test_trade import starve   # tests/sched is on the path (no package)
+
+
+def resnet():
+    return sn.models.resnet(blocks=[1, 2, 2, 1], batch=16, classes=10, input_shape=(3, 64, 64))
+
+
+@pytest.fixture(scope="module")
+def roomy():
+    """The ResNet at 1.25x its smallest cap: it moves tensors and has room to spare."""
+    net = resnet()
+    return net, int(snt.smallest_cap(net, "all", conv_algos={}) * 1.25)
+
+
+def prefetches(plan):
+    """{(tensor, step of its Wait): step of the Prefetch} and the Prefetches placed early."""
+    issued, pairs, early = {}, {}, []
+    for step in plan.steps:
+        for op in step.ops:
+            if isinstance(op, Prefetch):
+                issued[op.tensor] = step.index
+                if op.top:
+                    early.append(op)
+            elif isinstance(op, Wait):
+                pairs[op.tensor, step.index] = issued.pop(op.tensor)
+    return pairs, early
+
+
+@pytest.mark.parametrize("lookahead", [2, 4, 8])
+def test_no_prefetch_is_issued_later_and_some_go_earlier(roomy, lookahead):
+    """Against the one-step plan: the same tensors come back for the same reads, each
+    prefetch at the same step or earlier, some earlier; the same bytes move
+    and the peak stays within the cap."""
+    net, cap = roomy
+    base = sn.plan(net, cap, "all", conv_algos={}, lookahead=1)
+    ahead = sn.plan(net, cap, "all", conv_algos={}, lookahead=lookahead)
+    assert ahead.lookahead == lookahead
+    (near, none), (far, early) = prefetches(base), prefetches(ahead)
+    assert not none and early
+    assert far.keys() == near.keys()
+    assert all(far[k] <= near[k] for k in near)
+    assert any(far[k] < near[k] for k in near)
+    assert (ahead.bytes_to_host, ahead.bytes_to_device) == (base.bytes_to_host,
+                                                            base.bytes_to_device)
+    assert ahead.peak_bytes <= ahead.capacity == base.capacity
+
+
+def test_an_early_prefetch_is_waited_for_before_its_use(roomy):
+    """The replay accepts the plan; without the Wait of any early prefetch it finds the read
+    of a tensor still in flight."""
+    net, cap = roomy
+    plan = sn.plan(net, cap, "all", conv_algos={}, lookahead=8)
+    snt.check_plan(plan)
+    early = {op.tensor for op in prefetches(plan)[1]}
+    caught = 0
+    for step in plan.steps:
+        for i, op in enumerate(step.ops):
+            if isinstance(op, Wait) and op.tensor in early:
+                steps = list(plan.steps)
+                steps[step.index] = dataclasses.replace(step, ops=step.ops[:i] + step.ops[i + 1:])
+                with pytest.raises(snt.ScheduleError, match="prefetched without a Wait"):
+                    snt.check_plan(dataclasses.replace(plan, steps=steps))
+                caught += 1
+    assert caught == len(early) > 0
+
+
+@pytest.mark.parametrize("scale", [1.0, 1.1, 1.25, 1.5])
+def test_the_chosen_distance_is_never_predicted_slower(scale):
+    """The model's choice is never slower than one step ahead (the H200's figures), and
+    faster on this launch-light ResNet where memory allows."""
+    net = resnet()
+    cap = int(snt.smallest_cap(net, "all", conv_algos={}) * scale)
+    chosen = sn.plan(net, cap, "all", conv_algos={})
+    base = sn.plan(net, cap, "all", conv_algos={}, lookahead=1)
+    assert chosen.predicted_step_s <= base.predicted_step_s
+    if scale >= 1.25:
+        assert chosen.lookahead > 1 and chosen.predicted_step_s < 0.97 * base.predicted_step_s
+    snt.check_plan(chosen)
+
+
+def test_resnet50_at_640_in_12gib_is_predicted_faster():
+    """ResNet-50 at batch 640 under 12 GiB (60 GiB host): prefetching ahead saves at least
+    5% of the predicted step and moves the same bytes it would move one step ahead."""
+    net = sn.models.resnet50(batch=640)
+    chosen = sn.plan(net, "12GiB", "all", host_memory="60GiB")
+    base = sn.plan(net, "12GiB", "all", host_memory="60GiB", lookahead=1)
+    assert chosen.lookahead > 1 and prefetches(chosen)[1]
+    assert chosen.predicted_step_s < 0.95 * base.predicted_step_s
+    assert chosen.peak_bytes <= 12 * 2**30
+
+
+def test_the_search_is_bounded_by_trade_steps(roomy, monkeypatch):
+    """At most TRADE_STEPS // 8 plan steps go into trying distances: none for a net too
+    deep, and the distances beyond that are not planned."""
+    net, cap = roomy
+    made = []
+    real = plan_mod._Planner.__init__
+
+    def spy(self, *args, **kwargs):
+        made.append(kwargs.get("lookahead", 1))
+        real(self, *args, **kwargs)
+    monkeypatch.setattr(plan_mod._Planner, "__init__", spy)
+    steps = len(sn.plan(net, cap, "all", conv_algos={}, trade_budget=0, lookahead=1).steps)
+    made.clear()
+    monkeypatch.setattr(plan_mod, "TRADE_STEPS", 8 * steps * 2)      # two distances' worth
+    sn.plan(net, cap, "all", conv_algos={}, trade_budget=0)
+    assert sorted({k for k in made if k > 1}) == list(plan_mod.LOOKAHEADS[:2])
+    made.clear()
+    monkeypatch.setattr(plan_mod, "TRADE_STEPS", steps)
+    assert sn.plan(net, cap, "all", conv_algos={}).lookahead == 1
+    assert not [k for k in made if k > 1]
+
+
+@pytest.mark.parametrize("bad", [0, -2, True, 1.5, "4"])
+def test_a_bad_lookahead_is_refused(bad):
+    with pytest.raises(ValueError, match="lookahead must be None or an int >= 1"):
+        sn.plan(snt.block_net(batch=2), "1GiB", "all", lookahead=bad)
+
+
+def test_trains_bitwise_equal_to_baseline_with_early_prefetches(monkeypatch):
+    """With PCIe starved the model sends prefetches ahead on this net at its smallest cap:
+    the runtime places them from the pool's top as planned, losses and parameters equal
+    baseline's bit for bit and the pool peaks where the plan says (check_equivalent)."""
+    starve(monkeypatch)
+    rts = snt.check_equivalent(snt.block_net(batch=2), ["baseline", "all"], steps=2)
+    assert prefetches(rts["all"].plan)[1]
+
+
+@pytest.mark.gpu
+def test_gpu_trains_bitwise_equal_with_early_prefetches(monkeypatch):
+    """On a GPU, with real streams: the ResNet with prefetches issued ahead (its smallest
+    cap, PCIe starved) trains to baseline's parameters bit for bit."""
+    starve(monkeypatch)
+    rts = snt.check_equivalent(resnet(), ["baseline", "all"], steps=2, lr=0.05, device="cuda")
+    assert prefetches(rts["all"].plan)[1]
+

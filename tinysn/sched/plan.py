@@ -25,8 +25,10 @@ Policies (a ladder, each including the ones before it where it makes sense):
                (§3.5); once something must move, the same with cost-aware recomputation
                where that moves fewer bytes (or where the cache alone does not fit), then
                conv, add and concat outputs recomputed too where the step-time model
-               predicts a faster step (`_trade`); the chosen run is planned again with the
-               cache's victims written back to the host right after their last use
+               predicts a faster step (`_trade`), and prefetches issued up to a few layer
+               passes ahead of need where memory allows and the model predicts that pays
+               (`_ahead`); the chosen run is planned again with the cache's victims
+               written back to the host right after their last use
                (`_Search.write_back_early`)
 """
 from __future__ import annotations

@@ -237,6 +237,7 @@ def train_for_real(net, memory, host_memory=None, steps=2, cuda_graph=False):
            "setup_seconds_incl_rankings": setup_s,
            "predicted_seconds_per_step": rt.plan.predicted_step_s,
            "trade_budget": sn.plan.__kwdefaults__["trade_budget"],
+           "lookahead": rt.plan.lookahead,
            "seconds_per_step": s, "images_per_s": net.batch / s, "losses": losses,
            "bytes_moved_per_step": moved, "transfer_gb_per_s": moved / s / 1e9,
            "recomputed_steps": rt.plan.recomputed_steps, "conv_algos_chosen": algos}

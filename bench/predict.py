@@ -7,8 +7,9 @@ rows), plan the same configuration again (on any machine: planning needs no GPU)
 
 The plan made here uses the default conv rankings (the GPU run used measured ones), so its
 kernels may differ in workspace, not in the bytes it moves or the kernels' costs the model
-counts. A memory run is planned with the `trade_budget` it records (runs made before policy
-"all" traded copies for recomputation record none: 0, the planner they ran).
+counts. A memory run is planned with the `trade_budget` and prefetch `lookahead` it records
+(runs made before policy "all" traded copies for recomputation record no budget: 0, and
+runs made before prefetches went ahead record no lookahead: 1, the planners they ran).
 """
 import argparse
 import json
@@ -46,7 +47,8 @@ def memory_rows(path: Path) -> list:
         net = getattr(sn.models, name)(batch=row["max_batch_all"])
         rows.append({**compare(net, real["memory"], "all", real["seconds_per_step"],
                                real["cuda_graph"], row.get("host_memory"),
-                               trade_budget=real.get("trade_budget", 0)), "model": name})
+                               trade_budget=real.get("trade_budget", 0),
+                               lookahead=real.get("lookahead", 1)), "model": name})
     return rows
 
 

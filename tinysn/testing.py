@@ -55,6 +55,7 @@ from hypothesis import HealthCheck, settings as _settings, strategies as st
 from . import graph
 from .errors import OutOfMemory
 from .ops import spec
+from .pool.allocator import block_rounded
 from .runtime import Runtime
 from .sched import recompute as recompute_mod
 from .sched.plan import (POLICIES, Alloc, Drop, Evict, Free, Launch, Mark, Offload, Prefetch,
@@ -335,7 +336,7 @@ READABLE = ("gpu", "offloading")
 
 def _blocks(nbytes: int) -> int:
     """Bytes of the pool blocks a request of `nbytes` occupies."""
-    return -(-nbytes // BLOCK_BYTES) * BLOCK_BYTES
+    return block_rounded(nbytes, BLOCK_BYTES)
 
 
 class _Clocks:

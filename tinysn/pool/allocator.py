@@ -53,6 +53,11 @@ class Block(NamedTuple):
         return f"Block(id={self.id}, offset={self.offset}, nbytes={self.nbytes})"
 
 
+def block_rounded(nbytes: int, block_bytes: int) -> int:
+    """Bytes of the whole blocks a request of `nbytes` occupies."""
+    return -(-nbytes // block_bytes) * block_bytes
+
+
 def _request(nbytes) -> int:
     if type(nbytes) is not int:
         if isinstance(nbytes, bool):

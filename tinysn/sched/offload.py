@@ -22,6 +22,7 @@ import bisect
 from collections import OrderedDict
 
 from ..ops import spec
+from ..pool.allocator import block_rounded
 
 DEFAULT_CHECKPOINTS = ("data", "conv")
 
@@ -188,7 +189,7 @@ class EarlyWriteBacks:
     def admit(self, tid: int, nbytes: int, index: int) -> bool:
         """Reserve `tid`'s host bytes from the end of step `index` to its eviction, if the
         host cap allows it at every tick in between."""
-        need = -(-nbytes // self.block_bytes) * self.block_bytes
+        need = block_rounded(nbytes, self.block_bytes)
         span = range(self.log.step_ticks[index], self.log.victims[tid][1])
         if any(self.log.ticks[t] + self.extra[t] + need > self.capacity for t in span):
             return False

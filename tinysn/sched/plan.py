@@ -39,7 +39,7 @@ import torch
 
 from ..errors import OutOfMemory
 from ..ops import spec
-from ..pool.allocator import BlockAllocator
+from ..pool.allocator import BlockAllocator, block_rounded
 from ..units import format_bytes, parse_bytes
 from . import liveness, offload, recompute, workspace
 from .liveness import TensorInfo
@@ -510,6 +510,7 @@ class _Search:
                  early_write_back=False, trade_budget=0, lookahead=1):
         self.make, self.capacity, self.block_bytes = make, capacity, block_bytes
         self.host_capacity, self.early_write_back = host_capacity, early_write_back
+        self._written_back = {}   # (id(plan), host cap) -> (plan, write_back_early(plan))
         self.trade_budget, self.lookahead = trade_budget, lookahead
         self.exact = policy != "all" and layout != "two_ended"
         self.layouts = ([0] if policy == "all" and layout != "two_ended" else []) + \
@@ -572,9 +573,17 @@ class _Search:
         the host early (offload.EarlyWriteBacks): same blocks, evictions, peak and bytes
         moved; the evictions move nothing. `first` itself when its cache copied nothing, or
         when the second pass does not fit the host arena (its blocks are placed earlier, so
-        first fit may fragment it differently)."""
+        first fit may fragment it differently). Remembered per plan: the trade search,
+        `_ahead` and `plan` each ask again for the plans they keep."""
         if not self.early_write_back or first.evictions is None or not first.evictions.victims:
             return first
+        key = (id(first), self.host_capacity)
+        done = self._written_back.get(key)
+        if done is None or done[0] is not first:
+            done = self._written_back[key] = (first, self._write_back(first))
+        return done[1]
+
+    def _write_back(self, first: Plan) -> Plan:
         early = offload.EarlyWriteBacks(first.evictions, self.host_capacity, self.block_bytes)
         try:
             second = self.make(first.capacity, first.drops, first.small_bytes,
@@ -936,9 +945,8 @@ class _Planner:
         for j in range(index + 2, min(index + 1 + self.lookahead, len(passes))):
             for tid in self._on_host(passes[j]):
                 nbytes = self.tensors[tid].nbytes
-                rounded = -(-nbytes // self.dev.block_bytes) * self.dev.block_bytes
-                if self.dev.placement(nbytes, top=True) is None or \
-                        not self.room.admit(issue, j, rounded):
+                if self.dev.placement(nbytes, top=True) is None or not self.room.admit(
+                        issue, j, block_rounded(nbytes, self.dev.block_bytes)):
                     return
                 self._prefetch(tid, ops, top=True)
 

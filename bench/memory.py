@@ -34,6 +34,7 @@ import torch  # noqa: E402
 from bench import common  # noqa: E402
 from tinysn.cli import MODELS  # noqa: E402
 from tinysn.sched import liveness, recompute  # noqa: E402
+from tinysn.sched import plan as plan_mod  # noqa: E402
 
 # PyTorch 2.11 eager in the same 12 GiB cap, as measured by the team that filed the issue
 # (plain SGD); context only, not reproduced here.
@@ -78,14 +79,10 @@ def parse_batches(text: str) -> dict:
 
 def checked_largest(model_fn, batch: int, cap: int, host_memory=None) -> int:
     """`batch`, after checking that it is the largest batch policy "all" plans under `cap`
-    (it plans, batch + 1 does not): what sn.max_batch would return, at the cost of two plans
-    (without the search that trades copies for recomputation: it never changes fit)."""
+    (it plans, batch + 1 does not): what sn.max_batch would return, at the cost of two of its
+    fit tests."""
     def fits(k):
-        try:
-            sn.plan(model_fn(batch=k), cap, "all", host_memory=host_memory, trade_budget=0)
-            return True
-        except sn.OutOfMemory:
-            return False
+        return plan_mod.fits(model_fn(batch=k), cap, "all", host_memory=host_memory)
     if not fits(batch) or fits(batch + 1):
         raise SystemExit(f"--batches: {batch} is not the largest batch that plans under the cap")
     return batch
@@ -97,14 +94,8 @@ def deep_resnet(n):
 
 def deepest_resnet(memory, batch=16, policy="all", host_memory=None):
     """Largest n such that resnet([6, 32, n, 6]) at `batch` plans; returns (n, layers)."""
-    def fits(n):
-        try:
-            sn.plan(deep_resnet(n)(batch), memory, policy, host_memory=host_memory,
-                    trade_budget=0)
-            return True
-        except sn.OutOfMemory:
-            return False
-    n = largest(fits, start=64)
+    n = largest(lambda n: plan_mod.fits(deep_resnet(n)(batch), memory, policy,
+                                        host_memory=host_memory), start=64)
     return n, conv_fc_layers(deep_resnet(n)(batch))
 
 

@@ -647,14 +647,22 @@ def max_batch(model_fn, memory, policy: str = "all", *, limit: int = 1 << 16, **
     batches 1-4 and 6-9 but not at 5 (tests/sched/test_monotone.py). So no bisection:
     batches are tried in turn from 1, each up to its first plan that fits, and the first
     batch that does not plan ends the search."""
-    options = {**plan.__kwdefaults__, **kwargs}
     for batch in range(1, limit + 1):
-        try:
-            _choose(_search(model_fn(batch=batch), memory, policy, **options), policy,
-                    any_fit=True)
-        except OutOfMemory:
+        if not fits(model_fn(batch=batch), memory, policy, **kwargs):
             return batch - 1
     return limit
+
+
+def fits(net, memory, policy: str = "all", **kwargs) -> bool:
+    """Whether `net` plans under `memory` (plan's keyword arguments): the first plan that
+    fits is enough, and the passes that only make a fitting plan faster (the trade search,
+    early prefetches, early write-back) never change the answer, so none is made."""
+    try:
+        _choose(_search(net, memory, policy, **{**plan.__kwdefaults__, **kwargs}), policy,
+                any_fit=True)
+        return True
+    except OutOfMemory:
+        return False
 
 
 class _Planner:

@@ -1,5 +1,6 @@
 """kernels/_compile_pool.py: cold compiles go through worker processes, warm ones never do."""
 import os
+import threading
 import time
 from types import SimpleNamespace
 
@@ -32,6 +33,14 @@ def test_a_worker_compiles_for_the_gpu_into_the_disk_cache_and_reports_failures(
             workers.compile(_relu_job("no_such_kernel"))
         workers.compile(_relu_job(block=256))     # a failed job leaves the worker usable
         assert len(os.listdir(tmp_path)) == 3
+        workers.started[0].kill()                 # a worker that dies is replaced
+        with pytest.raises(EOFError):
+            workers.compile(_relu_job(block=128))
+        workers.compile(_relu_job(block=128))
+        assert len(os.listdir(tmp_path)) == 4 and len(workers.started) == 1
+        with pytest.raises(TypeError):            # a job that does not pickle
+            workers.compile(_relu_job() + (threading.Lock(),))
+        assert len(workers.started) == 1 and workers.started[0].poll() is None
     finally:
         workers.close()
     assert not workers.started

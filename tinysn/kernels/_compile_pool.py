@@ -45,13 +45,14 @@ class Workers:
 
     def compile(self, job: tuple) -> None:
         """Run `compile_in_worker(*job)` in a worker; raises if it did not compile."""
+        data = pickle.dumps(job)            # a job that does not pickle reaches no worker
         proc = self._take()
         try:
-            pickle.dump(job, proc.stdin)
+            proc.stdin.write(data)
             proc.stdin.flush()
             error = pickle.load(proc.stdout)
         except Exception:
-            proc.kill()                     # a broken worker is not reused
+            self._drop(proc)                # a broken worker makes room for a new one
             raise
         self.idle.put(proc)
         if error:
@@ -73,6 +74,12 @@ class Workers:
                 self.started.append(proc)
                 return proc
         return self.idle.get()
+
+    def _drop(self, proc) -> None:
+        proc.kill()
+        proc.wait()
+        with self.lock:
+            self.started.remove(proc)
 
     def close(self) -> None:
         for proc in self.started:

@@ -69,9 +69,10 @@ def release_memory() -> None:
         if clear_cublas is not None:
             clear_cublas()
         torch.cuda.empty_cache()
-        empty_host = getattr(torch._C, "_host_emptyCache", None)
-        if empty_host is not None:
-            empty_host()
+        for name in ("_host_emptyCache", "_accelerator_emptyHostCache"):   # by torch release
+            if hasattr(torch._C, name):
+                getattr(torch._C, name)()
+                break
 
 
 def read(path) -> dict:

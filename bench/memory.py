@@ -234,10 +234,6 @@ def train_for_real(net, memory, host_memory=None, steps=2, cuda_graph=False):
            "recomputed_steps": rt.plan.recomputed_steps, "conv_algos_chosen": algos}
     rt.close()
     common.release_memory()
-    for name in ("_host_emptyCache", "_accelerator_emptyHostCache"):   # torch's pinned cache
-        if hasattr(torch._C, name):
-            getattr(torch._C, name)()
-            break
     return out
 
 

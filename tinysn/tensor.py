@@ -167,16 +167,23 @@ def _cached_view(arena, block, shape, dtype, views):
     return view
 
 
+def await_copy_inputs(copy_stream, waits=(), compute=None) -> None:
+    """Make `copy_stream` wait for the work queued so far on stream `compute` (None: none)
+    and for the events `waits`: what a copy must follow (also used by tinysn.trace to time
+    a copy from when it can begin)."""
+    if compute is not None:
+        copy_stream.wait_stream(compute)
+    for event in waits:
+        copy_stream.wait_event(event)
+
+
 def _copy(dst: torch.Tensor, src: torch.Tensor, copy_stream, waits=(), after_compute=True):
     """Copy src into dst on `copy_stream` after the events `waits` (and, with
     `after_compute`, the work queued on the compute stream so far); return its event."""
     if copy_stream is None:
         dst.copy_(src)
         return _DoneEvent()
-    if after_compute:
-        copy_stream.wait_stream(torch.cuda.current_stream())
-    for event in waits:
-        copy_stream.wait_event(event)
+    await_copy_inputs(copy_stream, waits, torch.cuda.current_stream() if after_compute else None)
     with torch.cuda.stream(copy_stream):
         dst.copy_(src, non_blocking=True)
         event = torch.cuda.Event()

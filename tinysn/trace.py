@@ -25,6 +25,7 @@ import time
 import torch
 
 from .sched.plan import Evict, Launch, Offload, Prefetch
+from .tensor import await_copy_inputs
 from .units import format_bytes
 
 COMPUTE, TO_HOST, TO_DEVICE = "compute", "to host", "to device"
@@ -75,11 +76,8 @@ class Recorder:
         compute queued so far before a copy out; the plan's events), so the start mark that
         follows is reached when the copy can begin. The copy's own waits then find them met:
         the schedule is unchanged."""
-        copy_stream = self._streams[stream]
-        if stream == TO_HOST:
-            copy_stream.wait_stream(self._streams[COMPUTE])
-        for event in rt.events_of(op):
-            copy_stream.wait_event(event)
+        await_copy_inputs(self._streams[stream], rt.events_of(op),
+                          self._streams[COMPUTE] if stream == TO_HOST else None)
 
     def after(self, start, op, step, rt) -> None:
         """Record the operation begun with mark `start` (None: nothing to record)."""

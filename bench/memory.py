@@ -72,7 +72,8 @@ def parse_batches(text: str) -> dict:
     for item in filter(None, text.split(",")):
         name, _, n = item.partition("=")
         if name not in MODELS or not n.isdigit() or int(n) < 1:
-            raise SystemExit(f"--batches: expected name=N with a model name and N >= 1, got {item!r}")
+            raise SystemExit(f"--batches: expected name=N with a model name and N >= 1, "
+                             f"got {item!r}")
         out[name] = int(n)
     return out
 

@@ -192,6 +192,12 @@ def _branches(draw, net, h, max_channels, same_shape):
     return branches
 
 
+def _bn(net, h):
+    """Batch norm where it has more than one value per channel to normalise, else ReLU."""
+    n, _, height, width = h.shape
+    return net.record("bn", h) if n * height * width > 1 else net.record("relu", h)
+
+
 def _skip(draw, net, h, outputs, max_channels):
     same = [e for e in outputs if e.shape == h.shape and e is not h]
     return net.record("add", h, draw(st.sampled_from(same))) if same else h
@@ -200,7 +206,7 @@ def _skip(draw, net, h, outputs, max_channels):
 _BLOCKS = {
     "relu": lambda draw, net, h, outs, c: net.record("relu", h),
     "conv": lambda draw, net, h, outs, c: _conv(draw, net, h, draw(st.integers(1, c))),
-    "bn": lambda draw, net, h, outs, c: net.record("bn", h),
+    "bn": lambda draw, net, h, outs, c: _bn(net, h),
     "pool": lambda draw, net, h, outs, c: _pool(draw, net, h),
     "lrn": lambda draw, net, h, outs, c: net.record("lrn", h, size=draw(st.sampled_from([3, 2, 5]))),
     "dropout": lambda draw, net, h, outs, c: net.record("dropout", h,

@@ -7,9 +7,12 @@ rows), plan the same configuration again (on any machine: planning needs no GPU)
 
 The plan made here uses the default conv rankings (the GPU run used measured ones), so its
 kernels may differ in workspace, not in the bytes it moves or the kernels' costs the model
-counts. A memory run is planned with the `trade_budget` and prefetch `lookahead` it records
-(runs made before policy "all" traded copies for recomputation record no budget: 0, and
-runs made before prefetches went ahead record no lookahead: 1, the planners they ran).
+counts. A run is planned again as it was planned when measured: with the `device_model`
+its planner chose with, and a memory run with its `trade_budget` and prefetch `lookahead`.
+Runs that record none of these ran earlier planners: `PLANNED_BEFORE` holds the device
+figures those chose with, a missing budget is 0 (no trade search yet) and a missing
+lookahead 1. The prediction itself always uses today's model (DeviceModel.h200), so the
+table shows how well today's model explains every measured step.
 """
 import argparse
 import json
@@ -24,13 +27,29 @@ from tinysn.sched.timing import DeviceModel, simulate  # noqa: E402
 from tinysn.units import format_bytes  # noqa: E402
 
 
-def compare(net, memory, policy, measured_s, graphed=False, host_memory=None, **plan_kw) -> dict:
-    """One row: the prediction for `net` planned as it was measured, and its error."""
+# The device figures planners chose with before runs recorded their `device_model`.
+PLANNED_BEFORE = DeviceModel(flops_per_s=100e12, bytes_per_s=3.0e12, to_host_bytes_per_s=55e9,
+                             to_device_bytes_per_s=55e9, launch_s=16e-6)
+
+
+def planned_with(row: dict) -> DeviceModel:
+    """The device model a measured run's planner chose with."""
+    recorded = row.get("device_model")
+    return DeviceModel(**recorded) if recorded else PLANNED_BEFORE
+
+
+def compare(net, memory, policy, measured: dict, graphed=False, host_memory=None,
+            **plan_kw) -> dict:
+    """One row: the prediction for `net` planned as it was measured (`measured`: the run's
+    seconds per step and the bytes it moved), and its error. Equal bytes moved say the plan
+    made here is the one that ran."""
     plan = sn.plan(net, memory, policy, host_memory=host_memory, **plan_kw)
     timeline = simulate(plan, DeviceModel.h200(graphed=graphed))
     return {"batch": net.batch, "memory": memory, "policy": policy, "cuda_graph": graphed,
-            "measured_s": measured_s, "predicted_s": timeline.step_s,
-            "error": timeline.step_s / measured_s - 1, "bound_by": timeline.bound_by,
+            "measured_s": measured["s"], "predicted_s": timeline.step_s,
+            "bytes_moved_per_step": plan.bytes_to_host + plan.bytes_to_device,
+            "measured_bytes_moved_per_step": measured["moved"],
+            "error": timeline.step_s / measured["s"] - 1, "bound_by": timeline.bound_by,
             "compute_s": timeline.compute_s, "to_host_s": timeline.to_host_s,
             "to_device_s": timeline.to_device_s}
 
@@ -45,10 +64,12 @@ def memory_rows(path: Path) -> list:
         if not real or "seconds_per_step" not in real:
             continue
         net = getattr(sn.models, name)(batch=row["max_batch_all"])
-        rows.append({**compare(net, real["memory"], "all", real["seconds_per_step"],
+        measured = {"s": real["seconds_per_step"], "moved": real["bytes_moved_per_step"]}
+        rows.append({**compare(net, real["memory"], "all", measured,
                                real["cuda_graph"], row.get("host_memory"),
                                trade_budget=real.get("trade_budget", 0),
-                               lookahead=real.get("lookahead", 1)), "model": name})
+                               lookahead=real.get("lookahead", 1),
+                               device_model=planned_with(real)), "model": name})
     return rows
 
 
@@ -61,8 +82,10 @@ def train_rows(path: Path) -> list:
             continue
         net = getattr(sn.models, run["model"])(batch=run["batch"])
         memory = run.get("memory") or "40GiB"
-        rows.append({**compare(net, memory, row["policy"], row["ms_per_step"] / 1e3,
-                               row["cuda_graph"], momentum=run["sgd"]["momentum"]),
+        measured = {"s": row["ms_per_step"] / 1e3, "moved": row["bytes_moved_per_step"]}
+        rows.append({**compare(net, memory, row["policy"], measured,
+                               row["cuda_graph"], momentum=run["sgd"]["momentum"],
+                               device_model=planned_with(row)),
                      "model": run["model"]})
     return rows
 

@@ -25,6 +25,7 @@ the same code runs on the CPU (Triton's interpreter) as a smoke test; torch.comp
 skipped there, and the JSON says so.
 """
 import argparse
+import dataclasses
 import os
 import sys
 import time
@@ -134,6 +135,7 @@ def tinysn_row(net, policy, cuda_graph, device, args, host_memory=None) -> dict:
                bytes_moved_per_step=rt.plan.bytes_to_host + rt.plan.bytes_to_device,
                bytes_to_host=rt.plan.bytes_to_host, bytes_to_device=rt.plan.bytes_to_device,
                predicted_step_s=timeline.step_s, model_bound_by=timeline.bound_by,
+               device_model=dataclasses.asdict(rt.plan.device_model),
                conv_algos=sorted({f"{p}:{a}" for d in rt.plan.conv_algos.values()
                                   for p, a in d.items()}))
     return row

@@ -128,6 +128,8 @@ def test_step_time_table_is_what_predict_prints():
     from bench import predict
     rows = predict.main(["--results", str(RESULTS)])
     assert len(rows) >= 3
+    for row in rows:                       # each prediction is of the plan that ran
+        assert row["bytes_moved_per_step"] == row["measured_bytes_moved_per_step"], row
     lines = set(BENCH_README.splitlines())
     for line in predict.table(rows):
         assert line in lines, line

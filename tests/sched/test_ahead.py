@@ -10,6 +10,7 @@ import tinysn as sn
 import tinysn.testing as snt
 from tinysn.sched import plan as plan_mod
 from tinysn.sched.plan import Prefetch, Wait
+from tinysn.sched.timing import DeviceModel
 
 from test_trade import starve   # tests/sched is on the path (no package)
 
@@ -79,21 +80,23 @@ def test_an_early_prefetch_is_waited_for_before_its_use(roomy):
 
 @pytest.mark.parametrize("scale", [1.0, 1.1, 1.25, 1.5])
 def test_the_chosen_distance_is_never_predicted_slower(scale):
-    """The model's choice is never slower than one step ahead (the H200's figures), and
-    faster on this launch-light ResNet where memory allows."""
+    """The model's choice is never slower than one step ahead (the H200's figures replayed
+    from a CUDA graph: eager, this small ResNet is bound by Python's launches and no
+    distance matters), and faster where memory allows."""
     net = resnet()
     cap = int(snt.smallest_cap(net, "all", conv_algos={}) * scale)
-    chosen = sn.plan(net, cap, "all", conv_algos={})
-    base = sn.plan(net, cap, "all", conv_algos={}, lookahead=1)
+    graphed = DeviceModel.h200(graphed=True)
+    kw = dict(conv_algos={}, trade_budget=0, device_model=graphed)   # it moves tensors
+    chosen, base = sn.plan(net, cap, "all", **kw), sn.plan(net, cap, "all", lookahead=1, **kw)
     assert chosen.predicted_step_s <= base.predicted_step_s
     if scale >= 1.25:
         assert chosen.lookahead > 1 and chosen.predicted_step_s < 0.97 * base.predicted_step_s
     snt.check_plan(chosen)
 
 
-@pytest.mark.parametrize("batch,gain", [(640, 0.95), (897, 0.99)])
+@pytest.mark.parametrize("batch,gain", [(640, 0.98), (897, 0.99)])
 def test_resnet50_in_12gib_is_predicted_faster(batch, gain):
-    """ResNet-50 under 12 GiB (60 GiB host): prefetching ahead saves at least 5% (batch 640)
+    """ResNet-50 under 12 GiB (60 GiB host): prefetching ahead saves at least 2% (batch 640)
     or 1% (897) of the predicted step, within the cap."""
     net = sn.models.resnet50(batch=batch)
     chosen = sn.plan(net, "12GiB", "all", host_memory="60GiB")
@@ -121,8 +124,7 @@ def test_the_model_picks_the_distance(roomy, monkeypatch, sign):
     """With a model that says longer distances are slower, one step ahead is kept; with one
     that says they are faster, the longest distance that fits is chosen."""
     net, cap = roomy
-    monkeypatch.setattr(plan_mod.Plan, "predicted_step_s",
-                        property(lambda p: sign * p.lookahead))
+    monkeypatch.setattr(plan_mod._Search, "step_seconds", lambda search, p: sign * p.lookahead)
     chosen = sn.plan(net, cap, "all", conv_algos={}, trade_budget=0)
     fit = [k for k in plan_mod.LOOKAHEADS
            if sn.plan(net, cap, "all", conv_algos={}, trade_budget=0, lookahead=k).lookahead == k]

@@ -57,3 +57,28 @@ def test_compute_waits_for_its_prefetches():
     last_kernel = max(e[3] for e in tl.events if e[0] == "compute")
     last_prefetch = max(e[3] for e in tl.events if e[0] == "to_device")
     assert last_kernel > last_prefetch
+
+
+def test_a_conv_pays_its_arithmetic_and_its_memory_traffic():
+    """With conv rates set, a conv costs flops/F + bytes/B (both, not the larger); without,
+    it takes the roofline like any other kernel."""
+    net = sn.models.resnet(blocks=[1, 1, 1, 1], **NET)
+    conv = next(layer for layer in net.layers if layer.op == "conv")
+    flops, nbytes = sn.ops.spec(conv).cost(conv, "forward")
+    rated = model(conv_flops_per_s=2e12, conv_bytes_per_s=4e11)
+    assert timing.layer_seconds(conv, "forward", rated) == \
+        pytest.approx(flops / 2e12 + nbytes / 4e11)
+    assert timing.layer_seconds(conv, "forward", model()) == \
+        pytest.approx(max(flops / 1e12, nbytes / 1e11))
+
+
+def test_a_plan_is_chosen_and_predicted_with_the_model_it_is_given():
+    net = sn.models.resnet(blocks=[1, 1, 1, 1], **NET)
+    slow = model(launch_s=1e-3)
+    plan = sn.plan(net, "1GiB", "all", device_model=slow)
+    assert plan.device_model is slow
+    assert plan.predicted_step_s == timing.simulate(plan, slow).step_s
+    assert plan.predicted_step_s >= 1e-3 * len(plan.steps)
+    assert sn.plan(net, "1GiB", "all").device_model == timing.DeviceModel.h200()
+    with pytest.raises(ValueError, match="device_model must be a timing.DeviceModel"):
+        sn.plan(net, "1GiB", "all", device_model="h200")

@@ -177,6 +177,7 @@ class Plan:
                               # when (offload.EvictionLog)
     lookahead: int = 1        # policy "all": how many layer passes ahead a prefetch may go
     headroom: object = None   # ... within the room a first pass left (offload.Headroom)
+    device_model: object = None   # the timing.DeviceModel `plan` chose with (None: the H200's)
 
     def table(self) -> str:
         """Per-step bytes in use and live tensors, as text."""
@@ -188,11 +189,12 @@ class Plan:
 
     @property
     def predicted_step_s(self) -> float:
-        """Seconds one iteration takes on an H200 by the step-time model (sched/timing.py):
-        kernels by roofline, copies at pinned bandwidth, overlapped as the plan's events
-        allow. `timing.simulate(plan, model)` gives the whole timeline, for other models."""
+        """Seconds one iteration takes by the step-time model it was planned with
+        (sched/timing.py; `device_model`): kernels from their flops and bytes, copies at
+        pinned bandwidth, overlapped as the plan's events allow. `timing.simulate(plan,
+        model)` gives the whole timeline, for other models."""
         from .timing import simulate
-        return simulate(self).step_s
+        return simulate(self, self.device_model).step_s
 
     def placements(self) -> list:
         """One row per device placement of a tensor in one iteration (a tensor that leaves
@@ -266,7 +268,7 @@ def plan(net, memory, policy: str = "all", *, momentum: float = 0.0, conv_algos=
          layout: str = "auto", host_memory=None, rankings=None,
          data_parallel: bool = False, bucket_bytes=liveness.BUCKET_BYTES,
          early_write_back: bool = True, trade_budget: int = TRADE_BUDGET,
-         lookahead: int | None = None) -> Plan:
+         lookahead: int | None = None, device_model=None) -> Plan:
     """Dry-run one training iteration of `net` under a `memory` cap and `policy`.
 
     Raises OutOfMemory naming the first step that does not fit. `conv_algos` pins conv
@@ -292,6 +294,9 @@ def plan(net, memory, policy: str = "all", *, momentum: float = 0.0, conv_algos=
     its use a prefetch may be issued where memory allows (`_ahead`); None (default) lets
     the step-time model choose among 1 and LOOKAHEADS; 1 issues each prefetch one step
     before its use, as the paper does.
+    `device_model` (a timing.DeviceModel; default DeviceModel.h200()): the step-time model
+    that chooses among plans that fit (the trade, the lookahead), and the one the returned
+    plan's `predicted_step_s` uses.
 
     A plan that fits under a cap fits under every larger cap, for every policy and layout
     (`_Search` says why). The returned plan's `capacity` is the pool it was made for: the
@@ -301,14 +306,17 @@ def plan(net, memory, policy: str = "all", *, momentum: float = 0.0, conv_algos=
                      checkpoints=checkpoints, block_bytes=block_bytes, layout=layout,
                      host_memory=host_memory, rankings=rankings, data_parallel=data_parallel,
                      bucket_bytes=bucket_bytes, early_write_back=early_write_back,
-                     trade_budget=trade_budget, lookahead=lookahead)
-    return search.write_back_early(_choose(search, policy))
+                     trade_budget=trade_budget, lookahead=lookahead,
+                     device_model=device_model)
+    chosen = search.write_back_early(_choose(search, policy))
+    chosen.device_model = search.device_model
+    return chosen
 
 
 def _search(net, memory, policy, *, momentum, conv_algos, checkpoints, block_bytes, layout,
             host_memory, rankings=None, data_parallel=False,
             bucket_bytes=liveness.BUCKET_BYTES, early_write_back=True,
-            trade_budget=TRADE_BUDGET, lookahead=None) -> "_Search":
+            trade_budget=TRADE_BUDGET, lookahead=None, device_model=None) -> "_Search":
     """Check `plan`'s arguments (before any state changes) and set up its runs."""
     if layout not in ("auto", "first_fit", "two_ended"):
         raise ValueError(f"layout must be 'auto', 'first_fit' or 'two_ended', got {layout!r}")
@@ -325,6 +333,11 @@ def _search(net, memory, policy, *, momentum, conv_algos, checkpoints, block_byt
     if lookahead is not None and (isinstance(lookahead, bool) or not isinstance(lookahead, int)
                                   or lookahead < 1):
         raise ValueError(f"lookahead must be None or an int >= 1, got {lookahead!r}")
+    from .timing import DeviceModel
+    if device_model is None:
+        device_model = DeviceModel.h200()
+    elif not isinstance(device_model, DeviceModel):
+        raise ValueError(f"device_model must be a timing.DeviceModel, got {device_model!r}")
     program = liveness.Program(net, momentum=momentum, data_parallel=data_parallel,
                                bucket_bytes=liveness.parse_bucket_bytes(bucket_bytes))
 
@@ -334,7 +347,7 @@ def _search(net, memory, policy, *, momentum, conv_algos, checkpoints, block_byt
                         lookahead=lookahead, headroom=headroom)
 
     return _Search(make, capacity, policy, layout, block_bytes, host_capacity,
-                   early_write_back, trade_budget, lookahead)
+                   early_write_back, trade_budget, lookahead, device_model)
 
 
 VARIANTS = (None, "from_checkpoints", "strict")   # what `drops` a policy's runs may use
@@ -398,7 +411,7 @@ class _Trade:
     def __init__(self, search, base: Plan):
         self.left = min(search.trade_budget, TRADE_STEPS // (2 * max(1, len(base.steps))))
         self.search, self.refused = search, set()
-        self.best, self.best_s = base, search.write_back_early(base).predicted_step_s
+        self.best, self.best_s = base, search.step_seconds(base)
         self.variant, self.chosen = recompute.split(base.drops)
 
     def attempt(self, variant, layers) -> bool:
@@ -408,7 +421,7 @@ class _Trade:
             first = self.search.first(recompute.Traded(variant, frozenset(layers)))
         except OutOfMemory:
             return False
-        seconds = self.search.write_back_early(first).predicted_step_s
+        seconds = self.search.step_seconds(first)
         if seconds >= self.best_s:
             return False
         self.best, self.best_s, self.variant, self.chosen = first, seconds, variant, set(layers)
@@ -418,7 +431,7 @@ class _Trade:
         from .timing import rebuild_order
         k = 1
         while self.left > 0:
-            group = [i for i in rebuild_order(self.best) if i not in self.refused][:k]
+            group = [i for i in rebuild_order(self.best, self.search.device_model) if i not in self.refused][:k]
             if not group:
                 return
             if self.attempt(self.variant, self.chosen | set(group)):
@@ -459,8 +472,8 @@ def _ahead(search, base: Plan) -> Plan:
             continue
         if search.lookahead is not None:
             return ahead
-        best_s = best_s or search.write_back_early(base).predicted_step_s
-        seconds = search.write_back_early(ahead).predicted_step_s
+        best_s = best_s or search.step_seconds(base)
+        seconds = search.step_seconds(ahead)
         if seconds < best_s:
             best, best_s = ahead, seconds
     return best
@@ -507,11 +520,12 @@ class _Search:
     """
 
     def __init__(self, make, capacity, policy, layout, block_bytes, host_capacity,
-                 early_write_back=False, trade_budget=0, lookahead=1):
+                 early_write_back=False, trade_budget=0, lookahead=1, device_model=None):
         self.make, self.capacity, self.block_bytes = make, capacity, block_bytes
         self.host_capacity, self.early_write_back = host_capacity, early_write_back
         self._written_back = {}   # (id(plan), host cap) -> (plan, write_back_early(plan))
         self.trade_budget, self.lookahead = trade_budget, lookahead
+        self.device_model = device_model
         self.exact = policy != "all" and layout != "two_ended"
         self.layouts = ([0] if policy == "all" and layout != "two_ended" else []) + \
                        ([None] if layout != "first_fit" else [])   # None: small_bytes_for(cap)
@@ -567,6 +581,12 @@ class _Search:
     def _layouts_at(self, cap):
         for small in self.layouts:
             yield cap, small_bytes_for(cap) if small is None else small
+
+    def step_seconds(self, first: Plan) -> float:
+        """The step time of `first` as it would run (written back early where the search
+        does that), by the search's device model: what the choices among fits compare."""
+        from .timing import simulate
+        return simulate(self.write_back_early(first), self.device_model).step_s
 
     def write_back_early(self, first: Plan) -> Plan:
         """`first` planned again with the victims its LRU cache copied out written back to

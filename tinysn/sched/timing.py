@@ -4,9 +4,10 @@ A plan fixes every kernel, copy and event of an iteration, so its time can be wo
 before anything runs. Three queues run concurrently, as in the runtime: the compute stream
 (kernels, in plan order), the device-to-host copy stream (Offload, Evict) and the
 host-to-device copy stream (Prefetch). Each kernel costs the larger of its arithmetic time
-and its memory time (a roofline: OpSpec.cost gives flops and bytes), and cannot start before
-the host has issued it (Python's launch cost, or a graph replay's); each copy costs its bytes
-over the measured pinned bandwidth of its direction. Dependencies are exactly the plan's:
+and its memory time (a roofline: OpSpec.cost gives flops and bytes; a conv pays both, see
+conv_seconds), and cannot start before the host has issued it (Python's launch cost, or a
+graph replay's); each copy costs its bytes over the measured pinned bandwidth of its
+direction. Dependencies are exactly the plan's:
 
     Offload / Evict   after the compute queued so far and the events in `waits`
     Prefetch          after the events in `waits` (not after compute: it overlaps it)
@@ -33,21 +34,35 @@ from .plan import Evict, Launch, Mark, Offload, Prefetch, Sync, Wait
 @dataclass(frozen=True)
 class DeviceModel:
     """What one GPU does per second, as the step-time model sees it."""
-    flops_per_s: float        # dense arithmetic the conv and fc kernels reach
+    flops_per_s: float        # dense arithmetic the fc kernels reach
     bytes_per_s: float        # device-memory bandwidth the memory-bound kernels reach
     to_host_bytes_per_s: float
     to_device_bytes_per_s: float
-    launch_s: float           # host time to issue one kernel (eager Python launch)
+    launch_s: float           # host time to issue one layer step (eager Python launches)
+    # A conv's implicit GEMM: its arithmetic and its memory traffic add up at these rates
+    # (conv_seconds); None: the conv takes the roofline like every other kernel.
+    conv_flops_per_s: float | None = None
+    conv_bytes_per_s: float | None = None
 
     @classmethod
     def h200(cls, graphed: bool = False) -> "DeviceModel":
-        """An NVIDIA H200 with tinysn's kernels. Arithmetic at 100 TFLOP/s: the rate at which
-        ResNet-50 at batch 897 trained with nothing moved (1,353 images/s, about 12.3 GFLOP
-        an image per iteration, bench/README); memory-bound kernels at about 3 TB/s (69-102%
-        of the copy bandwidth, bench/kernels.py); pinned copies at 55 GB/s each way
-        (bench/memory.py); 16 us of Python per kernel launch, 1 us replayed from a graph."""
+        """An NVIDIA H200 with tinysn's kernels, from measurements on it (bench/calibrate.py
+        derives the fitted figures from the tracked results and a test keeps them equal):
+        convs at 91.9 TFLOP/s plus 2.28 TB/s, fitted over bench/kernels.py's conv rows
+        (the fastest algorithm of each direction and shape); other memory-bound kernels at
+        3 TB/s (69-102% of the copy bandwidth, bench/kernels.py) and fc arithmetic at
+        100 TFLOP/s; pinned copies at 55 GB/s each way (bench/memory.py); 146 us of Python
+        per layer step eager, the host-bound ResNet-50 batch-32 eager step over its
+        launches (bench/train.py), and 1 us per step replayed from a graph."""
         return cls(flops_per_s=100e12, bytes_per_s=3.0e12, to_host_bytes_per_s=55e9,
-                   to_device_bytes_per_s=55e9, launch_s=1e-6 if graphed else 16e-6)
+                   to_device_bytes_per_s=55e9, launch_s=1e-6 if graphed else H200_LAUNCH_S,
+                   conv_flops_per_s=H200_CONV_FLOPS_PER_S, conv_bytes_per_s=H200_CONV_BYTES_PER_S)
+
+
+# The fitted figures of DeviceModel.h200 (bench/calibrate.py prints them from bench/results).
+H200_CONV_FLOPS_PER_S = 91.9e12
+H200_CONV_BYTES_PER_S = 2.28e12
+H200_LAUNCH_S = 146e-6
 
 
 @dataclass
@@ -67,26 +82,42 @@ class Timeline:
 
 
 def kernel_seconds(plan, launch: Launch, model: DeviceModel) -> float:
-    """Roofline time of one Launch: its layer's kernels (plus the SGD updates a backward
-    step applies to the layer's parameters)."""
+    """Time of one Launch: its layer's kernels plus the SGD update a backward step applies
+    to the layer's parameters (a memory-bound pass over them)."""
     program = plan.program
     if isinstance(launch.key, tuple):                 # ("recompute", layer index)
         layer, phase = program.net.layers[launch.key[1]], "forward"
     else:
         step = program.passes[launch.key]
         layer, phase = step.layer, step.phase
-    flops, nbytes = spec(layer).cost(layer, phase)
+    seconds = layer_seconds(layer, phase, model)
     if phase == "backward":
         momentum = 2 if program.momentum else 0
         params = sum(program.tensors[program.param[f"{layer.name}.{s}"]].nbytes
                      for s in layer.params)
-        nbytes += params * (3 + momentum)              # read w, dw (and m); write w (and m)
+        seconds += params * (3 + momentum) / model.bytes_per_s   # read w, dw (m); write w (m)
+    return seconds
+
+
+def layer_seconds(layer, phase: str, model: DeviceModel) -> float:
+    """Time of a layer's own kernels in one phase, from OpSpec.cost's flops and bytes."""
+    flops, nbytes = spec(layer).cost(layer, phase)
+    if spec(layer).has_algorithms and model.conv_flops_per_s:
+        return conv_seconds(flops, nbytes, model)
     return roofline(flops, nbytes, model)
 
 
 def roofline(flops: float, nbytes: float, model: DeviceModel) -> float:
     """Seconds of a kernel: the larger of its arithmetic time and its memory time."""
     return max(flops / model.flops_per_s, nbytes / model.bytes_per_s)
+
+
+def conv_seconds(flops: float, nbytes: float, model: DeviceModel) -> float:
+    """A conv's time: arithmetic plus memory traffic. Its tiles re-read their input from
+    memory and cache while they compute, so unlike a plain roofline the two do not hide each
+    other; bench/kernels.py's small-channel 1x1 convs run at a fifth of the rate of the
+    3x3 ones, which a roofline at any one rate cannot show."""
+    return flops / model.conv_flops_per_s + nbytes / model.conv_bytes_per_s
 
 
 def simulate(plan, model: DeviceModel | None = None) -> Timeline:
@@ -137,6 +168,6 @@ def rebuild_order(plan, model: DeviceModel | None = None) -> list:
                 layer = plan.tensors[op.tensor].layer
                 if layer is not None and spec(layer).rebuildable \
                         and program.act.get(layer) == op.tensor:
-                    seconds = roofline(*spec(layer).cost(layer, "forward"), model)
+                    seconds = layer_seconds(layer, "forward", model)
                     score[layer.index] = plan.tensors[op.tensor].nbytes / seconds
     return sorted(score, key=lambda i: (-score[i], i))

@@ -1,0 +1,46 @@
+"""bench/calibrate.py: the step-time model's fitted figures come from the tracked results."""
+from pathlib import Path
+
+import pytest
+
+from bench import calibrate
+from tinysn.sched import timing
+
+RESULTS = Path(__file__).resolve().parent.parent / "bench" / "results"
+
+
+def test_the_h200_model_carries_the_figures_fitted_on_the_tracked_results():
+    fit = calibrate.calibrate(RESULTS)
+    model = timing.DeviceModel.h200()
+    assert model.conv_flops_per_s == pytest.approx(fit["conv_flops_per_s"], rel=0.01)
+    assert model.conv_bytes_per_s == pytest.approx(fit["conv_bytes_per_s"], rel=0.01)
+    assert model.launch_s == pytest.approx(fit["launch_s"], rel=0.01)
+
+
+def test_fit_recovers_the_rates_that_made_the_times():
+    """Times made by flops / 80e12 + bytes / 2e12 give back those two rates."""
+    shapes = ["3x3 64->64 @56 b32", "1x1 64->256 @56 b32", "3x3 256->256 @14 b32",
+              "1x1 1024->256 @14 b32"]
+    samples = []
+    for i, shape in enumerate(shapes):
+        flops, nbytes = 1e9 * (i + 1) ** 2, calibrate.conv_bytes(shape)
+        samples.append(("conv.forward", shape, flops, nbytes, flops / 80e12 + nbytes / 2e12))
+    flops_per_s, bytes_per_s = calibrate.fit_conv(samples)
+    assert flops_per_s == pytest.approx(80e12) and bytes_per_s == pytest.approx(2e12)
+
+
+def test_conv_bytes_reads_the_kernel_bench_shape():
+    # input 32*3*224*224, weight 64*3*7*7, output 32*64*112*112 floats
+    assert calibrate.conv_bytes("7x7/2 3->64 @224 b32") == \
+        4 * (32 * 3 * 224 * 224 + 64 * 3 * 49 + 32 * 64 * 112 * 112)
+    with pytest.raises(ValueError, match="cannot read the conv shape"):
+        calibrate.conv_bytes("7x7 three->64")
+
+
+def test_fastest_algorithm_per_direction_and_shape_without_the_first_data_gradient():
+    rows = [{"kernel": "conv.forward", "shape": "1x1 64->64 @56 b32", "flops": 1, "tinysn_ms": t}
+            for t in (2.0, 1.0, 3.0)]
+    rows.append({"kernel": "conv.backward_data", "shape": "7x7/2 3->64 @224 b32", "flops": 1,
+                 "tinysn_ms": 9.0})
+    samples = calibrate.conv_samples({"rows": rows})
+    assert [(s[0], s[4]) for s in samples] == [("conv.forward", 1e-3)]

@@ -114,9 +114,9 @@ def test_every_outcome_with_its_reason_and_pytests_exit_code(folder, tmp_path, w
 def test_a_failed_collection_is_an_error_row(folder, tmp_path):
     code, data = run(folder, tmp_path / "r.json", "test_broken_import.py")
     assert code == pytest.ExitCode.INTERRUPTED
+    reason = "ModuleNotFoundError: No module named 'no_such_module_here'"
     assert data["rows"] == [{"nodeid": "test_broken_import.py", "outcome": "error",
-                             "seconds": 0.0,
-                             "reason": "ModuleNotFoundError: No module named 'no_such_module_here'"}]
+                             "seconds": 0.0, "reason": reason}]
 
 
 def test_sigterm_interrupts_pytest_and_the_finished_rows_are_written(folder, tmp_path):

@@ -71,9 +71,11 @@ class Collector:
         self.rows = {}
 
     def _row(self, nodeid) -> dict:
+        """The row of `nodeid`, begun (outcome None) at its first report."""
         return self.rows.setdefault(nodeid, {"nodeid": nodeid, "outcome": None, "seconds": 0.0})
 
     def pytest_runtest_logstart(self, nodeid, location):
+        """A test began: it has a row even if the run stops before its setup is reported."""
         self._row(nodeid)
 
     def pytest_runtest_logreport(self, report):

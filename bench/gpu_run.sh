@@ -26,12 +26,13 @@ for stage in "$@"; do
     first-run) timeout ${FIRST_S:-300} python3 bench/first_run.py --out "$OUT/first-run-$GPU.json" 2>&1 | tail -14 ;;
     streams)  TINYSN_AUTOTUNE=0 timeout 150 python3 -m pytest -q -m gpu -p no:cacheprovider tests/sched/test_streams.py 2>&1 | tail -5 ;;
     # every gpu-marked test; each autotuned kernel's configs are all checked by the
-    # *_every_config tests, so the rest run untuned (one compile per shape)
-    tests)    TINYSN_COMPILE_PROCESSES=0 TINYSN_AUTOTUNE=0 timeout ${TESTS_S:-420} python3 -m pytest -q -rfE --durations=10 -p no:benchmark -m gpu -n ${TEST_WORKERS:-14} -p no:cacheprovider tests 2>&1 | tee "$OUT/gpu-tests-$GPU.txt" | tail -30 ;;
+    # *_every_config tests, so the rest run untuned (one compile per shape); gpu_tests.py
+    # writes one row per test, also when timeout's SIGTERM cuts the run short
+    tests)    TINYSN_COMPILE_PROCESSES=0 TINYSN_AUTOTUNE=0 timeout -k 30 ${TESTS_S:-420} python3 bench/gpu_tests.py --out "$OUT/gpu-tests-$GPU.json" -- -q -rfE --durations=10 -p no:benchmark -m gpu -n ${TEST_WORKERS:-14} -p no:cacheprovider tests 2>&1 | tail -30 ;;
     # the runtime's gpu tests alone (graph mode, streams, tensor moves): quick, after runtime changes
     runtime)  TINYSN_AUTOTUNE=0 timeout ${RUNTIME_S:-240} python3 -m pytest -q -rfE -p no:benchmark -m gpu -p no:cacheprovider tests/test_runtime.py tests/sched tests/test_tensor.py 2>&1 | tail -40 ;;
     # the process-wide cap (tests/test_cap.py) with autotuning ON: tuning must stay in the cap
-    cap)      timeout ${CAP_S:-300} python3 -m pytest -q -s -rfE -p no:benchmark -m gpu -p no:cacheprovider tests/test_cap.py 2>&1 | tee "$OUT/gpu-tests-cap-$GPU.txt" | tail -30 ;;
+    cap)      timeout -k 30 ${CAP_S:-300} python3 bench/gpu_tests.py --out "$OUT/gpu-tests-cap-$GPU.json" -- -q -s -rfE -p no:benchmark -m gpu -p no:cacheprovider tests/test_cap.py 2>&1 | tail -30 ;;
     kernels)  timeout ${KERNELS_S:-330} python3 bench/kernels.py ${KERNELS_ONLY:+--only $KERNELS_ONLY} --out "$OUT/kernels-$GPU.json" 2>&1 | tail -70 ;;
     pool)     timeout 120 python3 bench/pool.py --out "$OUT/pool-$GPU.json" 2>&1 | tail -12 ;;
     # batch 32, each model in its own process and time limit (default kernels, autotuned):

@@ -431,7 +431,8 @@ class _Trade:
         from .timing import rebuild_order
         k = 1
         while self.left > 0:
-            group = [i for i in rebuild_order(self.best, self.search.device_model) if i not in self.refused][:k]
+            order = rebuild_order(self.best, self.search.device_model)
+            group = [i for i in order if i not in self.refused][:k]
             if not group:
                 return
             if self.attempt(self.variant, self.chosen | set(group)):

@@ -223,8 +223,8 @@ def test_close_gives_the_pool_back_at_once_and_refuses_later_calls():
 
 
 def assert_freed_with_last_reference(make, use) -> None:
-    """The Runtime `make()` returns, once `use(rt)` has run, is freed with its pool and its
-    host arena as soon as its last reference goes, with the cyclic garbage collector off
+    """The Runtime `make()` returns, once `use(rt)` has run, is freed with its pool (and its
+    allocator's books) and its host arena as soon as its last reference goes, with the cyclic garbage collector off
     (so no reference cycle may run through it). A storage is freed when no tensor or view
     uses it any more, and its weak reference dies then. Triton's interpreter leaves a
     reference cycle per launch that holds its arguments' storages (GridExecutor's recursive
@@ -239,6 +239,7 @@ def assert_freed_with_last_reference(make, use) -> None:
             gc.collect()
         refs = {"the Runtime": weakref.ref(rt),
                 "the pool": weakref.ref(rt.arena.buffer.untyped_storage()),
+                "the pool's allocator": weakref.ref(rt.arena.allocator),
                 "the host arena": weakref.ref(rt.host.buffer.untyped_storage())}
         del rt
         alive = [name for name, ref in refs.items() if ref() is not None]

@@ -161,10 +161,12 @@ class Runtime:
     # -- the public surface -----------------------------------------------------------
     def close(self) -> None:
         """Give the pool and the pinned host arena back now, while something still refers to
-        the Runtime (the name of a `with` block, a list of results, a traceback). Nothing a
-        Runtime holds refers back to it, so its last reference going frees them too, without
-        close or the garbage collector. Afterwards every method raises; closing twice does
-        nothing. `with Runtime(...) as rt:` closes on leaving."""
+        the Runtime: a list of results, a traceback, or a name about to be rebound (`rt =
+        Runtime(...)` in a loop builds the next Runtime while `rt` still holds the last one,
+        so both pools would exist then). Nothing a Runtime holds refers back to it, so its
+        last reference going (`del rt`) frees them as well, without the garbage collector.
+        Afterwards every method raises; closing twice does nothing. `with Runtime(...) as
+        rt:` closes on leaving."""
         if self.arena is None:
             return
         if self._cuda:

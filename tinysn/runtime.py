@@ -204,15 +204,16 @@ class Runtime:
             self.view(self.program.labels).copy_(labels)
         self.images, self._trace = images, []
         rec = self.recorder if self.recorder is not None and self.recorder.begin(self) else None
+        execute = self._EXECUTE
         try:
             for step in self.plan.steps[:until]:
                 self._step = step
                 for op in step.ops:
                     if rec is None:
-                        self._EXECUTE[type(op)](self, op)
+                        execute[type(op)](self, op)
                     else:
                         start = rec.before(op, self)
-                        self._EXECUTE[type(op)](self, op)
+                        execute[type(op)](self, op)
                         rec.after(start, op, step, self)
             if until is None:            # a training step: the masks' counter moves on
                 advance_iteration(self)

@@ -27,6 +27,11 @@ which raises if a tensor is freed, dropped or still in flight (so a scheduling b
 silently compute wrong numbers).
 `rt.recorder = tinysn.trace.Recorder()` times every kernel and copy walked (a Chrome trace).
 
+Nothing a Runtime holds refers back to it (plan operations dispatch through the class table
+`_EXECUTE`; the kernel launchers and the graph replay are passed the runtime at each call),
+so the Runtime and its pool go as soon as its last reference does; `close()` gives the pool
+back while references remain.
+
 Beside it, each found by name: inputs.py (every argument check), graphs.py (`cuda_graph=True`:
 after `GRAPH_WARMUP` eager steps the step is captured once as a CUDA graph and replayed),
 evaluate.py (`predict`, `evaluate`), checkpoint.py (`params`, `state_dict` and their loads)
@@ -342,15 +347,15 @@ class Runtime:
             stream.wait_stream(self.to_host_stream)
             stream.wait_stream(self.to_device_stream)
 
-    # -- kernel launchers (ops.py builds them; these are what they read) ---------------
-    def view(self, tid):
-        """The torch view of tensor `tid` (raises unless it is on the device and ready)."""
-        return self.tensors[tid].view()
-
     # plan operation type -> what executes it (unbound: the table refers to no Runtime)
     _EXECUTE = {Alloc: _alloc, Free: _free, Drop: _drop, Offload: _offload, Release: _release,
                 Evict: _evict, Prefetch: _prefetch, Wait: _wait, Sync: _sync, Mark: _mark,
                 Launch: _run_kernel}
+
+    # -- kernel launchers (ops.py builds them; these are what they read) ---------------
+    def view(self, tid):
+        """The torch view of tensor `tid` (raises unless it is on the device and ready)."""
+        return self.tensors[tid].view()
 
 
 def _build_launchers(program, data_parallel: bool) -> dict:

@@ -55,12 +55,12 @@ def write(path, payload: dict):
 
 
 def release_memory() -> None:
-    """Give the last configuration's device and pinned host memory back: a Runtime not
-    closed (Runtime.close) is freed only by the garbage collector, and torch caches
-    both device blocks and pinned host blocks, and PyTorch's cuBLAS handles keep their
-    workspaces (65 MiB on the H200) in the caching allocator after a PyTorch reference ran;
-    the next configuration's process peak and host arena then start from what is really
-    held."""
+    """Give the last configuration's device and pinned host memory back: whatever of it sits
+    in a reference cycle (a Runtime does not; a PyTorch reference's objects may) is
+    collected, torch caches both device blocks and pinned host blocks, and PyTorch's cuBLAS
+    handles keep their workspaces (65 MiB on the H200) in the caching allocator after a
+    PyTorch reference ran; the next configuration's process peak and host arena then start
+    from what is really held."""
     import gc
 
     gc.collect()

@@ -23,7 +23,6 @@ agree on every refusal), and the one-GPU run trains the batch it settled on. Wit
 the same code runs on the CPU with gloo as a smoke test (`--model lenet`).
 """
 import argparse
-import gc
 import json
 import os
 import sys
@@ -113,8 +112,7 @@ def _side(run) -> dict:
     except Exception as err:  # noqa: BLE001  (recorded in the row)
         return {"error": f"{type(err).__name__}: {err}"[:500]}
     finally:
-        gc.collect()                 # tinysn's arena goes before PyTorch's side runs
-        if torch.cuda.is_available():
+        if torch.cuda.is_available():   # the side's Runtime went on return: its blocks too
             torch.cuda.empty_cache()
 
 

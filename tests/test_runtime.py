@@ -1,9 +1,16 @@
 """The runtime against a float64 torch model of the same graph, and its input checks."""
+import gc
+import weakref
+
 import pytest
 import torch
+import torch.distributed as dist
 
 import tinysn as sn
+from tinysn import distributed
+from tinysn.kernels._common import INTERPRET
 from tinysn.testing import block_net, every_layer_net, smallest_cap
+from tinysn.trace import Recorder
 
 
 def batch_for(net, seed=1):
@@ -195,11 +202,8 @@ def test_dropout_masks_come_from_a_device_counter_each_training_step_advances():
 
 
 def test_close_gives_the_pool_back_at_once_and_refuses_later_calls():
-    """The launchers refer back to the Runtime, so without close its arena waits for the
-    garbage collector; close frees it at once, and every later call says so in one line."""
-    import gc
-    import weakref
-
+    """close frees the pool while the Runtime is still referenced (here by the name of the
+    `with` block), and every later call says so in one line."""
     net = block_net(batch=2, p=0.0)
     images = torch.randn(2, *net.input_shape)
     labels = torch.zeros(2, dtype=torch.long)
@@ -216,3 +220,81 @@ def test_close_gives_the_pool_back_at_once_and_refuses_later_calls():
         with pytest.raises(RuntimeError, match="this Runtime was closed"):
             call()
     rt.close()                                             # twice: nothing happens
+
+
+def assert_freed_with_last_reference(make, use) -> None:
+    """The Runtime `make()` returns, once `use(rt)` has run, is freed with its pool (and its
+    allocator's books) and its host arena as soon as its last reference goes, with the cyclic garbage collector off
+    (so no reference cycle may run through it). A storage is freed when no tensor or view
+    uses it any more, and its weak reference dies then. Triton's interpreter leaves a
+    reference cycle per launch that holds its arguments' storages (GridExecutor's recursive
+    `_to_cpu`), so under it that garbage is collected first; what the Runtime still reaches
+    survives the collection."""
+    gc.collect()
+    gc.disable()
+    try:
+        rt = make()
+        use(rt)
+        if INTERPRET:
+            gc.collect()
+        refs = {"the Runtime": weakref.ref(rt),
+                "the pool": weakref.ref(rt.arena.buffer.untyped_storage()),
+                "the pool's allocator": weakref.ref(rt.arena.allocator),
+                "the host arena": weakref.ref(rt.host.buffer.untyped_storage())}
+        del rt
+        alive = [name for name, ref in refs.items() if ref() is not None]
+        assert not alive, f"still alive after the last reference went: {alive}"
+    finally:
+        gc.enable()
+
+
+def train_infer_and_save(rt) -> None:
+    """Two steps (the second one recorded), a prediction, an evaluation and a state_dict."""
+    images, labels = batch_for(rt.net)
+    rt.step(images, labels)
+    rt.recorder = Recorder()
+    rt.step(images, labels)
+    rt.predict(images)
+    rt.evaluate([(images, labels)])
+    rt.state_dict()
+
+
+@pytest.mark.parametrize("policy", ["offload", "all"])
+def test_a_runtime_is_freed_with_its_last_reference(policy):
+    """A loop that makes one Runtime after another holds one pool at a time: nothing a
+    Runtime holds (its dispatch table, kernel launchers, recorder) refers back to it."""
+    net = block_net(batch=2, p=0.3)
+    assert_freed_with_last_reference(
+        lambda: sn.Runtime(net, "64MiB", policy, device="cpu", momentum=0.9),
+        train_infer_and_save)
+
+
+def test_a_data_parallel_runtime_is_freed_with_its_last_reference():
+    """The same for one rank of a gloo group of one (its gradient all-reduces and updates)."""
+    net = block_net(batch=2, p=0.0)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{distributed.free_port()}",
+                            rank=0, world_size=1)
+    try:
+        assert_freed_with_last_reference(
+            lambda: sn.Runtime(net, "64MiB", "offload", device="cpu", momentum=0.9,
+                               process_group=dist.group.WORLD, bucket_bytes=1000),
+            train_infer_and_save)
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_a_graph_replaying_runtime_is_freed_with_its_last_reference():
+    """The same on the GPU, after enough steps that the step is captured and replayed."""
+    net = block_net(batch=2, p=0.3)
+
+    def replay(rt):
+        images, labels = batch_for(rt.net)
+        for _ in range(sn.GRAPH_WARMUP + 2):
+            rt.step(images, labels)
+        assert rt.replay.graph is not None
+        rt.predict(images)
+    assert_freed_with_last_reference(
+        lambda: sn.Runtime(net, "64MiB", "offload", device="cuda", momentum=0.9,
+                           cuda_graph=True), replay)

@@ -105,10 +105,11 @@ def plan_everywhere(group, device, make_plan):
 
 class GradientSync:
     """All-reduces the parameter gradients of each bucket of `program.buckets` across the
-    ranks of `group`, straight from the pool buffers that `view(tensor id)` returns."""
+    ranks of `group`, straight from the pool buffers of the runtime's `tensors` (indexed by
+    tensor id; a list, not the Runtime, so that nothing refers back to the Runtime)."""
 
-    def __init__(self, program, group, view):
-        self.group, self.view = group, view
+    def __init__(self, program, group, tensors):
+        self.group, self.tensors = group, tensors
         self.world = dist.get_world_size(group)
         self.source = dist.get_global_rank(group, 0)
         self.coalesce = dist.get_backend(group) in COALESCING_BACKENDS
@@ -120,14 +121,14 @@ class GradientSync:
     def broadcast(self, tensor_ids) -> None:
         """Copy rank 0's values of the tensors `tensor_ids` to every rank (in place)."""
         for tid in tensor_ids:
-            dist.broadcast(self.view(tid), src=self.source, group=self.group)
+            dist.broadcast(self.tensors[tid].view(), src=self.source, group=self.group)
 
     def start(self, bucket) -> None:
         """Start summing `bucket`'s gradients over the ranks (returns at once): one coalesced
         collective, or one per tensor where the backend has none."""
         if bucket in self._pending:
             raise RuntimeError(f"all-reduce of {_name(bucket)} started twice")
-        views = [self.view(tid) for tid in self.grads[bucket]]
+        views = [self.tensors[tid].view() for tid in self.grads[bucket]]
         if self.coalesce:
             options = dist.AllreduceCoalescedOptions()
             options.reduceOp, options.asyncOp = dist.ReduceOp.SUM, True

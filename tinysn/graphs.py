@@ -24,32 +24,31 @@ GRAPH_WARMUP = 2   # eager steps before a capture (compiles, autotuning, first-c
 
 class GraphReplay:
     """The captured step of one Runtime: `graph` (None until captured), the optimizer
-    settings and seed, `key`, it was captured with, and the bytes each replay copies each way."""
+    settings and seed, `key`, it was captured with, and the bytes each replay copies each way.
+    The Runtime owns it and passes itself to each call (so nothing refers back to it)."""
 
-    def __init__(self, rt):
-        self.rt = rt
+    def __init__(self):
         self.graph = self.key = self._batch = None
         self.moved = (0, 0)              # bytes one captured step copies (to host, to device)
 
-    def step(self, images, labels) -> None:
-        """(Re)capture when needed, then copy the batch into the pool and replay the step."""
-        rt = self.rt
+    def step(self, rt, images, labels) -> None:
+        """(Re)capture runtime `rt`'s step when needed, then copy the batch into the pool and
+        replay the step."""
         key = (rt.lr, rt.momentum, rt.weight_decay, rt.seed)
         if self.graph is None or self.key != key:
-            self._capture(key)
-        pool_images, pool_labels = self.batch_in_pool()
+            self._capture(rt, key)
+        pool_images, pool_labels = self.batch_in_pool(rt)
         pool_images.copy_(images, non_blocking=images.is_pinned())
         pool_labels.copy_(labels, non_blocking=labels.is_pinned())
         self.graph.replay()
         rt.stats.bytes_to_host += self.moved[0]
         rt.stats.bytes_to_device += self.moved[1]
 
-    def batch_in_pool(self):
-        """Views of the data tensor's planned block and of the labels tensor, where a replay
+    def batch_in_pool(self, rt):
+        """Views of `rt`'s data tensor's planned block and of its labels tensor, where a replay
         reads its batch (found once). The data tensor's view is the one its launches use (a
         copy of a tensor onto itself is no operation, so the captured walk copies nothing)."""
         if self._batch is None:
-            rt = self.rt
             data = rt.program.act[rt.net.data_layer]
             ops = [*rt.plan.setup, *(op for step in rt.plan.steps for op in step.ops)]
             offset = next(op.offset for op in ops if isinstance(op, Alloc) and op.tensor == data)
@@ -60,10 +59,10 @@ class GraphReplay:
             self._batch = views[offset], rt.tensors[rt.program.labels].view()
         return self._batch
 
-    def _capture(self, key) -> None:
-        """Record one walk of the plan as a CUDA graph (nothing runs while it records); the
+    def _capture(self, rt, key) -> None:
+        """Record one walk of `rt`'s plan as a CUDA graph (nothing runs while it records); the
         copy counters it advanced are put back and added once per replay instead."""
-        rt, stats = self.rt, self.rt.stats
+        stats = rt.stats
         self.graph = None
         torch.cuda.synchronize(rt.device)
         before = (stats.bytes_to_host, stats.bytes_to_device)
@@ -72,7 +71,7 @@ class GraphReplay:
             stream = torch.cuda.current_stream(rt.device)
             rt.to_host_stream.wait_stream(stream)        # the copy streams join the capture
             rt.to_device_stream.wait_stream(stream)
-            rt._walk(*self.batch_in_pool())
+            rt._walk(*self.batch_in_pool(rt))
         self.moved = (stats.bytes_to_host - before[0], stats.bytes_to_device - before[1])
         stats.bytes_to_host, stats.bytes_to_device = before
         self.graph, self.key = graph, key

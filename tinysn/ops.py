@@ -7,14 +7,16 @@ scheduler (sched/) and the runtime consult `SPECS[layer.op]` instead of testing 
 adding an op touches graph.py (the builder and shape rule), kernels/<op>.py (the Triton
 kernels) and one OpSpec here.
 
-Launchers. `spec.forward(rt, layer, update_running)` and `spec.backward(rt, lp)` (`lp` the
-layer's backward `liveness.LayerPass`) are called once, when the Runtime is built; each
-returns `launch(algos, workspace)`, the function the runtime calls every time the plan's
-Launch operation for that pass comes up. They look their tensors up through `rt.view(tensor
-id)` at launch time (so a scheduling bug that reads a freed, dropped or in-flight tensor
-raises instead of computing garbage) and read from `rt`: `program` (tensor ids),
-`precision`, `images` (the batch being fed), `predicting` and `seed`. `advance_iteration(rt)`
-ends every training step (the runtime calls it after the plan's last step).
+Launchers. `spec.forward(program, layer, update_running)` and `spec.backward(program, lp)`
+(`program` the `liveness.Program`, `lp` the layer's backward `liveness.LayerPass`) are called
+once, when the Runtime is built; each returns `launch(rt, algos, workspace)`, the function the
+runtime calls, passing itself, every time the plan's Launch operation for that pass comes up.
+A launcher keeps tensor ids, never the runtime (so nothing refers back to the Runtime and
+it is freed with its last reference). It looks its tensors up through `rt.view(tensor id)`
+at launch time (so a scheduling bug that reads a freed, dropped or in-flight tensor raises
+instead of computing garbage) and reads from `rt`: `precision`, `images` (the batch being
+fed), `predicting` and `seed`. `advance_iteration(rt)` ends every training step (the
+runtime calls it after the plan's last step).
 """
 from __future__ import annotations
 
@@ -101,27 +103,27 @@ def _apply(rule, layer) -> bool:
 
 
 # -- what launchers share ---------------------------------------------------------------
-def _act(rt, layer):
-    """Function returning the view of `layer`'s output at launch time."""
-    tid = rt.program.act[layer]
-    return lambda: rt.view(tid)
+def _act(program, layer):
+    """Function of the runtime returning the view of `layer`'s output at launch time."""
+    return _optional(program.act[layer])
 
 
-def _optional(rt, tid):
-    """Function returning the view of tensor `tid`, or None when there is no such tensor."""
-    return (lambda: None) if tid is None else (lambda: rt.view(tid))
+def _optional(tid):
+    """Function of the runtime returning the view of tensor `tid`, or None when there is no
+    such tensor."""
+    return (lambda rt: None) if tid is None else (lambda rt: rt.view(tid))
 
 
-def _param(rt, layer, suffix):
-    return _optional(rt, rt.program.param.get(f"{layer.name}.{suffix}"))
+def _param(program, layer, suffix):
+    return _optional(program.param.get(f"{layer.name}.{suffix}"))
 
 
-def _buffer(rt, layer, suffix):
-    return _optional(rt, rt.program.buffer.get(f"{layer.name}.{suffix}"))
+def _buffer(program, layer, suffix):
+    return _optional(program.buffer.get(f"{layer.name}.{suffix}"))
 
 
-def _param_grad(rt, layer, suffix):
-    return _optional(rt, rt.program.pgrad.get(f"{layer.name}.{suffix}"))
+def _param_grad(program, layer, suffix):
+    return _optional(program.pgrad.get(f"{layer.name}.{suffix}"))
 
 
 @dataclass(frozen=True)
@@ -133,59 +135,62 @@ class _Grads:
     accumulate: list
 
 
-def _grads(rt, lp) -> _Grads:
-    p, layer = rt.program, lp.layer
-    dx_ids = [p.grad.get(x) for x in layer.inputs]
-    return _Grads(_optional(rt, p.grad.get(layer)), [_optional(rt, d) for d in dx_ids],
+def _grads(program, lp) -> _Grads:
+    dx_ids = [program.grad.get(x) for x in lp.layer.inputs]
+    return _Grads(_optional(program.grad.get(lp.layer)), [_optional(d) for d in dx_ids],
                   [d is not None and lp.accumulate.get(d, False) for d in dx_ids])
 
 
 # -- the ops, each forward beside its backward ------------------------------------------
-def _data_forward(rt, layer, update_running):
-    y = _act(rt, layer)
-    return lambda algos, ws: y().copy_(rt.images)
+def _data_forward(program, layer, update_running):
+    y = _act(program, layer)
+    return lambda rt, algos, ws: y(rt).copy_(rt.images)
 
 
-def _conv_forward(rt, layer, update_running):
-    x, y = _act(rt, layer.inputs[0]), _act(rt, layer)
-    w, b = _param(rt, layer, "weight"), _param(rt, layer, "bias")
+def _conv_forward(program, layer, update_running):
+    x, y = _act(program, layer.inputs[0]), _act(program, layer)
+    w, b = _param(program, layer, "weight"), _param(program, layer, "bias")
     a = layer.attrs
-    return lambda algos, ws: conv_k.forward(
-        x(), w(), b(), y(), stride=a["stride"], padding=a["padding"], algo=algos["forward"],
-        workspace=ws, precision=rt.precision)
+    return lambda rt, algos, ws: conv_k.forward(
+        x(rt), w(rt), b(rt), y(rt), stride=a["stride"], padding=a["padding"],
+        algo=algos["forward"], workspace=ws, precision=rt.precision)
 
 
-def _conv_backward(rt, lp):
-    layer, a, g = lp.layer, lp.layer.attrs, _grads(rt, lp)
-    x, w = _act(rt, layer.inputs[0]), _param(rt, layer, "weight")
-    dw, db = _param_grad(rt, layer, "weight"), _param_grad(rt, layer, "bias")
-    return lambda algos, ws: conv_k.backward(
-        x(), w(), g.dy(), g.dx[0](), dw(), db(), stride=a["stride"], padding=a["padding"],
-        algo_data=algos.get("backward_data", "implicit"), algo_weight=algos["backward_weight"],
-        workspace=ws, accumulate=g.accumulate[0], precision=rt.precision)
+def _conv_backward(program, lp):
+    layer, a, g = lp.layer, lp.layer.attrs, _grads(program, lp)
+    x, w = _act(program, layer.inputs[0]), _param(program, layer, "weight")
+    dw, db = _param_grad(program, layer, "weight"), _param_grad(program, layer, "bias")
+    return lambda rt, algos, ws: conv_k.backward(
+        x(rt), w(rt), g.dy(rt), g.dx[0](rt), dw(rt), db(rt), stride=a["stride"],
+        padding=a["padding"], algo_data=algos.get("backward_data", "implicit"),
+        algo_weight=algos["backward_weight"], workspace=ws, accumulate=g.accumulate[0],
+        precision=rt.precision)
 
 
-def _bn_forward(rt, layer, update_running):
-    x, y, saved = _act(rt, layer.inputs[0]), _act(rt, layer), _optional(rt, rt.program.saved[layer])
-    w, b = _param(rt, layer, "weight"), _param(rt, layer, "bias")
-    mean, var = _buffer(rt, layer, "running_mean"), _buffer(rt, layer, "running_var")
+def _bn_forward(program, layer, update_running):
+    x, y, saved = _act(program, layer.inputs[0]), _act(program, layer), \
+        _optional(program.saved[layer])
+    w, b = _param(program, layer, "weight"), _param(program, layer, "bias")
+    mean, var = _buffer(program, layer, "running_mean"), _buffer(program, layer, "running_var")
     eps, momentum = layer.attrs.get("eps", 1e-5), layer.attrs.get("momentum", 0.1)
 
-    def launch(algos, ws):
+    def launch(rt, algos, ws):
         if rt.predicting:           # eval mode: normalise with the running statistics
-            bn_k.forward_eval(x(), w(), b(), y(), mean(), var(), eps=eps)
+            bn_k.forward_eval(x(rt), w(rt), b(rt), y(rt), mean(rt), var(rt), eps=eps)
         else:
-            bn_k.forward(x(), w(), b(), y(), mean(), var(), saved(), ws, eps=eps,
+            bn_k.forward(x(rt), w(rt), b(rt), y(rt), mean(rt), var(rt), saved(rt), ws, eps=eps,
                          momentum=momentum, update_running=update_running)
     return launch
 
 
-def _bn_backward(rt, lp):
-    layer, g = lp.layer, _grads(rt, lp)
-    x, w, saved = _act(rt, layer.inputs[0]), _param(rt, layer, "weight"), _optional(rt, rt.program.saved[layer])
-    dw, db = _param_grad(rt, layer, "weight"), _param_grad(rt, layer, "bias")
-    return lambda algos, ws: bn_k.backward(x(), w(), g.dy(), saved(), g.dx[0](), dw(), db(), ws,
-                                           accumulate=g.accumulate[0])
+def _bn_backward(program, lp):
+    layer, g = lp.layer, _grads(program, lp)
+    x, w = _act(program, layer.inputs[0]), _param(program, layer, "weight")
+    saved = _optional(program.saved[layer])
+    dw, db = _param_grad(program, layer, "weight"), _param_grad(program, layer, "bias")
+    return lambda rt, algos, ws: bn_k.backward(
+        x(rt), w(rt), g.dy(rt), saved(rt), g.dx[0](rt), dw(rt), db(rt), ws,
+        accumulate=g.accumulate[0])
 
 
 def _conv_cost(layer, phase) -> tuple:
@@ -203,67 +208,69 @@ def _bn_workspace(layer, phase) -> int:
     return bn_k.workspace_bytes(tuple(layer.shape), phase)
 
 
-def _relu_forward(rt, layer, update_running):
-    x, y = _act(rt, layer.inputs[0]), _act(rt, layer)
-    return lambda algos, ws: act_k.forward(x(), y())
+def _relu_forward(program, layer, update_running):
+    x, y = _act(program, layer.inputs[0]), _act(program, layer)
+    return lambda rt, algos, ws: act_k.forward(x(rt), y(rt))
 
 
-def _relu_backward(rt, lp):
-    y, g = _act(rt, lp.layer), _grads(rt, lp)
-    return lambda algos, ws: act_k.backward(y(), g.dy(), g.dx[0](), accumulate=g.accumulate[0])
+def _relu_backward(program, lp):
+    y, g = _act(program, lp.layer), _grads(program, lp)
+    return lambda rt, algos, ws: act_k.backward(y(rt), g.dy(rt), g.dx[0](rt),
+                                                accumulate=g.accumulate[0])
 
 
-def _pool_forward(rt, layer, update_running):
-    x, y, a = _act(rt, layer.inputs[0]), _act(rt, layer), layer.attrs
-    return lambda algos, ws: pool_k.forward(x(), y(), mode=a["mode"], kernel=a["kernel"],
-                                            stride=a["stride"], padding=a["padding"])
+def _pool_forward(program, layer, update_running):
+    x, y, a = _act(program, layer.inputs[0]), _act(program, layer), layer.attrs
+    return lambda rt, algos, ws: pool_k.forward(x(rt), y(rt), mode=a["mode"], kernel=a["kernel"],
+                                                stride=a["stride"], padding=a["padding"])
 
 
-def _pool_backward(rt, lp):
+def _pool_backward(program, lp):
     # max pooling recomputes its argmax from x; average pooling reads neither x nor y, so
     # it runs after both were freed
-    layer, a, g = lp.layer, lp.layer.attrs, _grads(rt, lp)
-    x = _act(rt, layer.inputs[0]) if _pool_reads_input(layer) else (lambda: None)
-    return lambda algos, ws: pool_k.backward(
-        x(), None, g.dy(), g.dx[0](), mode=a["mode"], kernel=a["kernel"], stride=a["stride"],
-        padding=a["padding"], accumulate=g.accumulate[0])
+    layer, a, g = lp.layer, lp.layer.attrs, _grads(program, lp)
+    x = _act(program, layer.inputs[0]) if _pool_reads_input(layer) else _optional(None)
+    return lambda rt, algos, ws: pool_k.backward(
+        x(rt), None, g.dy(rt), g.dx[0](rt), mode=a["mode"], kernel=a["kernel"],
+        stride=a["stride"], padding=a["padding"], accumulate=g.accumulate[0])
 
 
 def _pool_reads_input(layer) -> bool:
     return layer.attrs["mode"] == "max"
 
 
-def _lrn_forward(rt, layer, update_running):
-    x, y, a = _act(rt, layer.inputs[0]), _act(rt, layer), layer.attrs
-    return lambda algos, ws: lrn_k.forward(x(), y(), size=a["size"], alpha=a["alpha"],
-                                           beta=a["beta"], k=a["k"])
+def _lrn_forward(program, layer, update_running):
+    x, y, a = _act(program, layer.inputs[0]), _act(program, layer), layer.attrs
+    return lambda rt, algos, ws: lrn_k.forward(x(rt), y(rt), size=a["size"], alpha=a["alpha"],
+                                               beta=a["beta"], k=a["k"])
 
 
-def _lrn_backward(rt, lp):
-    layer, a, g = lp.layer, lp.layer.attrs, _grads(rt, lp)
-    x = _act(rt, layer.inputs[0])
-    return lambda algos, ws: lrn_k.backward(
-        x(), g.dy(), g.dx[0](), size=a["size"], alpha=a["alpha"], beta=a["beta"], k=a["k"],
+def _lrn_backward(program, lp):
+    layer, a, g = lp.layer, lp.layer.attrs, _grads(program, lp)
+    x = _act(program, layer.inputs[0])
+    return lambda rt, algos, ws: lrn_k.backward(
+        x(rt), g.dy(rt), g.dx[0](rt), size=a["size"], alpha=a["alpha"], beta=a["beta"], k=a["k"],
         accumulate=g.accumulate[0])
 
 
-def _fc_forward(rt, layer, update_running):
-    x, y, n = _act(rt, layer.inputs[0]), _act(rt, layer), layer.shape[0]
-    w, b = _param(rt, layer, "weight"), _param(rt, layer, "bias")
-    return lambda algos, ws: linear_k.forward(x().view(n, -1), w(), b(), y(), precision=rt.precision)
+def _fc_forward(program, layer, update_running):
+    x, y, n = _act(program, layer.inputs[0]), _act(program, layer), layer.shape[0]
+    w, b = _param(program, layer, "weight"), _param(program, layer, "bias")
+    return lambda rt, algos, ws: linear_k.forward(x(rt).view(n, -1), w(rt), b(rt), y(rt),
+                                                  precision=rt.precision)
 
 
-def _fc_backward(rt, lp):
-    layer, g, n = lp.layer, _grads(rt, lp), lp.layer.shape[0]
-    x, w = _act(rt, layer.inputs[0]), _param(rt, layer, "weight")
-    dw, db = _param_grad(rt, layer, "weight"), _param_grad(rt, layer, "bias")
+def _fc_backward(program, lp):
+    layer, g, n = lp.layer, _grads(program, lp), lp.layer.shape[0]
+    x, w = _act(program, layer.inputs[0]), _param(program, layer, "weight")
+    dw, db = _param_grad(program, layer, "weight"), _param_grad(program, layer, "bias")
 
-    def flat_dx():
-        dx = g.dx[0]()
+    def flat_dx(rt):
+        dx = g.dx[0](rt)
         return None if dx is None else dx.view(n, -1)
-    return lambda algos, ws: linear_k.backward(
-        x().view(n, -1), w(), g.dy(), flat_dx(), dw(), db(), accumulate=g.accumulate[0],
-        precision=rt.precision)
+    return lambda rt, algos, ws: linear_k.backward(
+        x(rt).view(n, -1), w(rt), g.dy(rt), flat_dx(rt), dw(rt), db(rt),
+        accumulate=g.accumulate[0], precision=rt.precision)
 
 
 def _fc_cost(layer, phase) -> tuple:
@@ -280,19 +287,19 @@ def _fc_workspace(layer, phase) -> int:
     return linear_k.workspace_bytes(layer.shape[0], features, layer.shape[1], phase)
 
 
-def _dropout_forward(rt, layer, update_running):
-    x, y, p = _act(rt, layer.inputs[0]), _act(rt, layer), layer.attrs["p"]
-    it = _optional(rt, rt.program.iteration)
-    return lambda algos, ws: dropout_k.forward(
-        x(), y(), p=0.0 if rt.predicting else p, seed=rt.seed, iteration=it(),
+def _dropout_forward(program, layer, update_running):
+    x, y, p = _act(program, layer.inputs[0]), _act(program, layer), layer.attrs["p"]
+    it = _optional(program.iteration)
+    return lambda rt, algos, ws: dropout_k.forward(
+        x(rt), y(rt), p=0.0 if rt.predicting else p, seed=rt.seed, iteration=it(rt),
         layer=layer.index)
 
 
-def _dropout_backward(rt, lp):
-    layer, g = lp.layer, _grads(rt, lp)
-    it = _optional(rt, rt.program.iteration)
-    return lambda algos, ws: dropout_k.backward(
-        g.dy(), g.dx[0](), p=layer.attrs["p"], seed=rt.seed, iteration=it(),
+def _dropout_backward(program, lp):
+    layer, g = lp.layer, _grads(program, lp)
+    it = _optional(program.iteration)
+    return lambda rt, algos, ws: dropout_k.backward(
+        g.dy(rt), g.dx[0](rt), p=layer.attrs["p"], seed=rt.seed, iteration=it(rt),
         layer=layer.index, accumulate=g.accumulate[0])
 
 
@@ -303,39 +310,39 @@ def advance_iteration(rt) -> None:
         dropout_k.advance(rt.view(rt.program.iteration))
 
 
-def _add_forward(rt, layer, update_running):
-    xs, y = [_act(rt, x) for x in layer.inputs], _act(rt, layer)
-    return lambda algos, ws: join_k.add_forward([x() for x in xs], y())
+def _add_forward(program, layer, update_running):
+    xs, y = [_act(program, x) for x in layer.inputs], _act(program, layer)
+    return lambda rt, algos, ws: join_k.add_forward([x(rt) for x in xs], y(rt))
 
 
-def _add_backward(rt, lp):
-    g = _grads(rt, lp)
-    return lambda algos, ws: join_k.add_backward(g.dy(), [dx() for dx in g.dx],
-                                                 accumulate=g.accumulate)
+def _add_backward(program, lp):
+    g = _grads(program, lp)
+    return lambda rt, algos, ws: join_k.add_backward(g.dy(rt), [dx(rt) for dx in g.dx],
+                                                     accumulate=g.accumulate)
 
 
-def _concat_forward(rt, layer, update_running):
-    xs, y = [_act(rt, x) for x in layer.inputs], _act(rt, layer)
-    return lambda algos, ws: join_k.concat_forward([x() for x in xs], y())
+def _concat_forward(program, layer, update_running):
+    xs, y = [_act(program, x) for x in layer.inputs], _act(program, layer)
+    return lambda rt, algos, ws: join_k.concat_forward([x(rt) for x in xs], y(rt))
 
 
-def _concat_backward(rt, lp):
-    g, channels = _grads(rt, lp), [x.shape[1] for x in lp.layer.inputs]
-    return lambda algos, ws: join_k.concat_backward(g.dy(), [dx() for dx in g.dx],
-                                                    accumulate=g.accumulate, channels=channels)
+def _concat_backward(program, lp):
+    g, channels = _grads(program, lp), [x.shape[1] for x in lp.layer.inputs]
+    return lambda rt, algos, ws: join_k.concat_backward(g.dy(rt), [dx(rt) for dx in g.dx],
+                                                        accumulate=g.accumulate, channels=channels)
 
 
-def _softmax_forward(rt, layer, update_running):
-    x, loss = _act(rt, layer.inputs[0]), _act(rt, layer)
-    labels = _optional(rt, rt.program.labels)
-    return lambda algos, ws: softmax_k.forward(x(), labels(), loss(), ws)
+def _softmax_forward(program, layer, update_running):
+    x, loss = _act(program, layer.inputs[0]), _act(program, layer)
+    labels = _optional(program.labels)
+    return lambda rt, algos, ws: softmax_k.forward(x(rt), labels(rt), loss(rt), ws)
 
 
-def _softmax_backward(rt, lp):
-    x, g = _act(rt, lp.layer.inputs[0]), _grads(rt, lp)
-    labels = _optional(rt, rt.program.labels)
-    return lambda algos, ws: softmax_k.backward(x(), labels(), g.dx[0](),
-                                                accumulate=g.accumulate[0])
+def _softmax_backward(program, lp):
+    x, g = _act(program, lp.layer.inputs[0]), _grads(program, lp)
+    labels = _optional(program.labels)
+    return lambda rt, algos, ws: softmax_k.backward(x(rt), labels(rt), g.dx[0](rt),
+                                                    accumulate=g.accumulate[0])
 
 
 def _softmax_workspace(layer, phase) -> int:

@@ -27,6 +27,11 @@ which raises if a tensor is freed, dropped or still in flight (so a scheduling b
 silently compute wrong numbers).
 `rt.recorder = tinysn.trace.Recorder()` times every kernel and copy walked (a Chrome trace).
 
+Nothing a Runtime holds refers back to it (plan operations dispatch through the class table
+`_EXECUTE`; the kernel launchers and the graph replay are passed the runtime at each call),
+so the Runtime and its pool go as soon as its last reference does; `close()` gives the pool
+back while references remain.
+
 Beside it, each found by name: inputs.py (every argument check), graphs.py (`cuda_graph=True`:
 after `GRAPH_WARMUP` eager steps the step is captured once as a CUDA graph and replayed),
 evaluate.py (`predict`, `evaluate`), checkpoint.py (`params`, `state_dict` and their loads)
@@ -118,15 +123,11 @@ class Runtime:
         for op in self.plan.setup:
             self._alloc(op)
         self.grad_sync = None if process_group is None else distributed.GradientSync(
-            self.program, process_group, self.view)       # data parallel (distributed.py)
+            self.program, process_group, self.tensors)    # data parallel (distributed.py)
         self.images, self.predicting = None, False
-        self._launch = self._build_launchers()
-        self._execute = {Alloc: self._alloc, Free: self._free, Drop: self._drop,
-                         Offload: self._offload, Release: self._release, Evict: self._evict,
-                         Prefetch: self._prefetch, Wait: self._wait, Sync: self._sync,
-                         Mark: self._mark, Launch: self._run_kernel}
+        self._launch = _build_launchers(self.program, data_parallel=self.grad_sync is not None)
         self.cuda_graph = cuda_graph
-        self.replay = GraphReplay(self) if cuda_graph else None   # graphs.py
+        self.replay = GraphReplay() if cuda_graph else None   # graphs.py
         self.recorder = None                # a tinysn.trace.Recorder times each walked step
         if self._cuda and self.grad_sync is None:
             precompile.compile_step(self)                 # cold start: compile in parallel
@@ -164,16 +165,18 @@ class Runtime:
 
     # -- the public surface -----------------------------------------------------------
     def close(self) -> None:
-        """Give the pool and the pinned host arena back now. Without close they go when the
-        garbage collector finds the Runtime (its kernel launchers refer back to it), which
-        may be long after a loop has made the next Runtime. Afterwards every method raises;
-        closing twice does nothing. `with Runtime(...) as rt:` closes on leaving."""
+        """Give the pool and the pinned host arena back now, while something still refers to
+        the Runtime: a list of results, a traceback, or a name about to be rebound (`rt =
+        Runtime(...)` in a loop builds the next Runtime while `rt` still holds the last one,
+        so both pools would exist then). Nothing a Runtime holds refers back to it, so its
+        last reference going (`del rt`) frees them as well, without the garbage collector.
+        Afterwards every method raises; closing twice does nothing. `with Runtime(...) as
+        rt:` closes on leaving."""
         if self.arena is None:
             return
         if self._cuda:
             torch.cuda.synchronize(self.device)   # copies and kernels may still use the pool
         self.replay = self.grad_sync = self.recorder = None
-        self._launch, self._execute = {}, {}
         self.tensors, self._views, self._events = [], [], []
         self.arena = self.host = self.images = None
 
@@ -193,7 +196,7 @@ class Runtime:
         inputs.check_open(self)
         inputs.check_batch(self.net, images, labels)
         if self.replay is not None and self.stats.iterations >= GRAPH_WARMUP:
-            self.replay.step(images, labels)
+            self.replay.step(self, images, labels)
         else:
             self._walk(images, labels)
         return self._finish_step()
@@ -206,15 +209,16 @@ class Runtime:
             self.view(self.program.labels).copy_(labels)
         self.images, self._trace = images, []
         rec = self.recorder if self.recorder is not None and self.recorder.begin(self) else None
+        execute = self._EXECUTE
         try:
             for step in self.plan.steps[:until]:
                 self._step = step
                 for op in step.ops:
                     if rec is None:
-                        self._execute[type(op)](op)
+                        execute[type(op)](self, op)
                     else:
                         start = rec.before(op, self)
-                        self._execute[type(op)](op)
+                        execute[type(op)](self, op)
                         rec.after(start, op, step, self)
             if until is None:            # a training step: the masks' counter moves on
                 advance_iteration(self)
@@ -226,7 +230,8 @@ class Runtime:
 
     def _run_kernel(self, op):
         """A Launch: the layer's kernels (ops.py), on views of the arena; one trace record."""
-        self._launch[op.key](op.algos, None if op.workspace is None else self.view(op.workspace))
+        self._launch[op.key](self, op.algos,
+                             None if op.workspace is None else self.view(op.workspace))
         step = self._step
         self._trace.append({"step": step.index, "layer": step.layer, "phase": step.phase,
                             "bytes_in_use": self.arena.allocator.in_use,
@@ -342,48 +347,55 @@ class Runtime:
             stream.wait_stream(self.to_host_stream)
             stream.wait_stream(self.to_device_stream)
 
+    # plan operation type -> what executes it (unbound: the table refers to no Runtime)
+    _EXECUTE = {Alloc: _alloc, Free: _free, Drop: _drop, Offload: _offload, Release: _release,
+                Evict: _evict, Prefetch: _prefetch, Wait: _wait, Sync: _sync, Mark: _mark,
+                Launch: _run_kernel}
+
     # -- kernel launchers (ops.py builds them; these are what they read) ---------------
     def view(self, tid):
         """The torch view of tensor `tid` (raises unless it is on the device and ready)."""
         return self.tensors[tid].view()
 
-    def _build_launchers(self) -> dict:
-        """Launch key -> launch(algos, workspace): one per layer pass (a backward pass's
-        launch also applies the SGD updates the program places there) and one per layer for
-        its recomputation (which leaves batch-norm running statistics alone)."""
-        launch = {}
-        for lp in self.program.passes:
-            op = spec(lp.layer)
-            if lp.phase == "forward":
-                launch[lp.index] = op.forward(self, lp.layer, True)
-            else:
-                launch[lp.index] = self._then_update(op.backward(self, lp), lp)
-        for layer in self.program.order:
-            launch[("recompute", layer.index)] = spec(layer).forward(self, layer, False)
-        return launch
 
-    def _then_update(self, kernel, lp):
-        """`kernel`, then (data parallel) the start of the all-reduce of the gradient bucket
-        that ends at this pass, then the SGD updates of the buckets `program.updates` places
-        here, each bucket's after its all-reduce."""
-        p, sync = self.program, self.grad_sync
-        reduce = p.reduces.get(lp.index) if sync is not None else None
-        buckets = p.updates.get(lp.index, [])
-        if reduce is None and not buckets:
-            return kernel
-        updates = [[(p.param[n], p.pgrad[n], p.momentum.get(n))
-                    for layer in bucket for n in (f"{layer.name}.{s}" for s in layer.params)]
-                   for bucket in buckets]
+def _build_launchers(program, data_parallel: bool) -> dict:
+    """Launch key -> launch(rt, algos, workspace) (ops.py): one per layer pass (a backward
+    pass's launch also applies the SGD updates the program places there) and one per layer
+    for its recomputation (which leaves batch-norm running statistics alone)."""
+    launch = {}
+    for lp in program.passes:
+        op = spec(lp.layer)
+        if lp.phase == "forward":
+            launch[lp.index] = op.forward(program, lp.layer, True)
+        else:
+            launch[lp.index] = _then_update(op.backward(program, lp), lp, program, data_parallel)
+    for layer in program.order:
+        launch[("recompute", layer.index)] = spec(layer).forward(program, layer, False)
+    return launch
 
-        def launch(algos, ws):
-            kernel(algos, ws)
-            if reduce is not None:
-                sync.start(reduce)
-            for bucket, tensors in zip(buckets, updates):
-                if sync is not None:
-                    sync.finish(bucket)
-                for param, grad, mom in tensors:
-                    sgd_k.update(self.view(param), self.view(grad),
-                                 None if mom is None else self.view(mom), lr=self.lr,
-                                 momentum=self.momentum, weight_decay=self.weight_decay)
-        return launch
+
+def _then_update(kernel, lp, program, data_parallel: bool):
+    """`kernel`, then (data parallel) the start of the all-reduce of the gradient bucket
+    that ends at this pass, then the SGD updates of the buckets `program.updates` places
+    here, each bucket's after its all-reduce."""
+    p = program
+    reduce = p.reduces.get(lp.index) if data_parallel else None
+    buckets = p.updates.get(lp.index, [])
+    if reduce is None and not buckets:
+        return kernel
+    updates = [[(p.param[n], p.pgrad[n], p.momentum.get(n))
+                for layer in bucket for n in (f"{layer.name}.{s}" for s in layer.params)]
+               for bucket in buckets]
+
+    def launch(rt, algos, ws):
+        kernel(rt, algos, ws)
+        if reduce is not None:
+            rt.grad_sync.start(reduce)
+        for bucket, tensors in zip(buckets, updates):
+            if data_parallel:
+                rt.grad_sync.finish(bucket)
+            for param, grad, mom in tensors:
+                sgd_k.update(rt.view(param), rt.view(grad),
+                             None if mom is None else rt.view(mom), lr=rt.lr,
+                             momentum=rt.momentum, weight_decay=rt.weight_decay)
+    return launch

@@ -208,8 +208,7 @@ def test_double_free_and_foreign_block():
     f = other.alloc(100)                          # same id/offset/size, other allocator
     with pytest.raises(ValueError, match="does not belong"):
         a.free(f)
-    forged = Block(f.id, f.offset, 2048, a)
-    a.alloc(100)
+    forged = Block(f.id, f.offset, 2048, a.alloc(100).owner)   # a's, but never allocated
     with pytest.raises(ValueError, match="not allocated"):
         a.free(forged)
     assert other.in_use == 1024 and a.in_use == 1024

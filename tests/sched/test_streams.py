@@ -70,7 +70,7 @@ def test_tensor_evicted_after_a_rebuild_read_it_last_is_freed(monkeypatch):
     rt = sn.Runtime(net, cap, "all", device="cpu", momentum=0.9, conv_algos={})
     assert rt.plan.uses_recompute
     for key in list(rt._launch):                    # the schedule only: no kernels
-        rt._launch[key] = lambda algos, ws: None
+        rt._launch[key] = lambda rt, algos, ws: None
     images, labels = torch.randn(16, 3, 64, 64), torch.randint(0, 10, (16,))
     for _ in range(2):
         rt.step(images, labels)

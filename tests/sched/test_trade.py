@@ -125,8 +125,8 @@ def test_a_rebuilt_output_equals_the_forward_output_bitwise(starved):
     outputs = {}
 
     def recording(key, layer, launch):
-        def run(algos, ws):
-            launch(algos, ws)
+        def run(rt, algos, ws):
+            launch(rt, algos, ws)
             outputs.setdefault(layer.name, []).append((key, rt.view(rt.program.act[layer]).clone()))
         return run
 

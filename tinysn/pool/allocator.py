@@ -31,19 +31,22 @@ from ..units import format_bytes, parse_bytes
 __all__ = ["Block", "BlockAllocator"]
 
 _new_block = tuple.__new__      # Block(...) without namedtuple's Python-level __new__
+_serials = count()              # each BlockAllocator's serial number, a Block's `owner`
 
 
 class Block(NamedTuple):
     """One allocation: `nbytes` (rounded to whole blocks) at byte `offset` of its pool.
 
-    `owner` is the allocator that made it, so a block handed to another pool is caught.
-    Blocks are immutable and compare equal only to themselves (ids never repeat per pool).
+    `owner` is the serial number of the allocator that made it, so a block handed to another
+    pool is caught (a number, not the allocator: the allocator's table of live blocks then
+    forms no reference cycle, and it is freed with its last reference). Blocks are immutable
+    and compare equal only to themselves (ids never repeat per pool, serials never repeat).
     """
 
     id: int
     offset: int
     nbytes: int
-    owner: "BlockAllocator"
+    owner: int
 
     @property
     def end(self) -> int:
@@ -76,7 +79,7 @@ class BlockAllocator:
     """First-fit allocator over `capacity_bytes` (rounded down) in units of `block_bytes`."""
 
     __slots__ = ("_small", "_bb", "_nblocks", "_starts", "_lens", "_used", "_used_blocks", "_peak_blocks",
-                 "_next_id", "__weakref__")
+                 "_next_id", "_serial", "__weakref__")
 
     def __init__(self, capacity_bytes, block_bytes: int = 1024, small_bytes: int = 0):
         """`small_bytes` > 0 places requests of at most that many bytes by first fit from
@@ -109,6 +112,7 @@ class BlockAllocator:
         self._used_blocks = 0
         self._peak_blocks = 0
         self._next_id = 0
+        self._serial = next(_serials)
 
     # ------------------------------------------------------------------ alloc / free
     def alloc(self, nbytes, top: bool = False) -> Block:
@@ -183,7 +187,7 @@ class BlockAllocator:
             self._peak_blocks = used
         bid = self._next_id
         self._next_id = bid + 1
-        block = _new_block(Block, (bid, start * self._bb, need * self._bb, self))
+        block = _new_block(Block, (bid, start * self._bb, need * self._bb, self._serial))
         self._used[bid] = block
         return block
 
@@ -203,7 +207,7 @@ class BlockAllocator:
         self._release(block.id)
 
     def _check_live(self, block) -> int:
-        if not isinstance(block, Block) or block.owner is not self:
+        if not isinstance(block, Block) or block.owner != self._serial:
             raise ValueError(f"{block!r} does not belong to this allocator")
         bid = block.id
         if self._used.get(bid) != block:
@@ -281,7 +285,7 @@ class BlockAllocator:
 
     def owns(self, block) -> bool:
         """True if `block` is live in this allocator."""
-        return (isinstance(block, Block) and block.owner is self
+        return (isinstance(block, Block) and block.owner == self._serial
                 and self._used.get(block.id) == block)
 
     def _oom(self, nbytes: int, need: int) -> OutOfMemory:

@@ -5,7 +5,7 @@ freed, offloaded, prefetched or recomputed, which conv algorithm runs) is determ
 the planner makes them all up front, through the same BlockAllocator the runtime uses, and
 records them as steps of simple operations, the dataclasses below (Alloc, Free, Drop,
 Offload, Release, Evict, Prefetch, Wait, Sync, Mark, Launch), which the runtime executes
-one by one (`Runtime._execute` dispatches on the type).
+one by one (`Runtime._EXECUTE` dispatches on the type).
 
 Nothing waits on the host: a freed block can still be read by a queued kernel or a copy in
 flight, so the planner remembers that per freed byte range (offload.FreedRanges) and makes

@@ -222,9 +222,9 @@ class Runtime:
                         rec.after(start, op, step, self)
             if until is None:            # a training step: the masks' counter moves on
                 advance_iteration(self)
-        finally:
+        finally:                         # also after an error: no copy is left in flight
             self.images = None
-        self._join_copies()
+            self._join_copies()
         if until is None:
             self.stats.trace = self._trace
 

@@ -380,12 +380,3 @@ def test_layer_is_hashable_by_identity():
     a, b = net.relu(x), net.relu(x)
     assert len({a: 1, b: 2}) == 2 and isinstance(a, Layer)
 
-
-def test_bn_over_one_value_per_channel_is_refused_when_built():
-    """Training-mode batch norm of a single value has no variance (PyTorch refuses it at
-    run time); the builder says so at once instead of the first step failing."""
-    net = Net(input_shape=(2, 1, 1), classes=2, batch=1)
-    with pytest.raises(ValueError, match="more than one value per channel"):
-        net.bn(net.data())
-    wide = Net(input_shape=(2, 1, 1), classes=2, batch=2)
-    assert wide.bn(wide.data()).shape == (2, 2, 1, 1)

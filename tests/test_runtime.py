@@ -82,6 +82,19 @@ def test_bad_runtime_arguments():
         sn.Runtime(net, "64MiB", "liveness", device="tpu")
 
 
+def test_bn_over_one_value_per_channel_is_refused_when_built_but_plans():
+    """Training-mode batch norm of a single value has no variance (PyTorch refuses it at
+    run time); the Runtime says so when it is built, a dry run still plans the net."""
+    net = sn.Net(input_shape=(2, 1, 1), classes=2, batch=1)
+    net.softmax_loss(net.fc(net.bn(net.data()), 2))
+    assert sn.plan(net, "1MiB", "liveness").peak_bytes > 0
+    with pytest.raises(ValueError, match="more than one value per channel"):
+        sn.Runtime(net, "1MiB", "liveness", device="cpu")
+    wide = sn.Net(input_shape=(2, 1, 1), classes=2, batch=2)
+    wide.softmax_loss(wide.fc(wide.bn(wide.data()), 2))
+    sn.Runtime(wide, "1MiB", "liveness", device="cpu").close()
+
+
 def test_cap_too_small_fails_before_any_kernel_names_step():
     net = every_layer_net()
     need = sn.plan(net, "64MiB", "liveness").peak_bytes

@@ -250,10 +250,7 @@ class Net:
         """nn.BatchNorm2d(C) in training mode (eps 1e-5, momentum 0.1, affine)."""
         what = "bn" if name is None else f"bn {name!r}"
         x = self._input(x, what)
-        n, c, h, w = self._image(x, what)
-        if n * h * w < 2:
-            raise ValueError(f"{what}: batch norm in training mode needs more than one value "
-                             f"per channel, {x.name!r} has shape {x.shape}")
+        c = self._image(x, what)[1]
         name = self._name("bn", name)
         return self._add_layer("bn", name, (x,), x.shape,
                                {"eps": BN_EPS, "momentum": BN_MOMENTUM},

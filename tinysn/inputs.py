@@ -45,6 +45,20 @@ def check_options(policy, lr, momentum, weight_decay, seed, precision) -> None:
         raise ValueError(f"precision must be None, 'tf32' or 'ieee', got {precision!r}")
 
 
+def check_trainable(net) -> None:
+    """Every batch norm has more than one value per channel to normalise: training-mode
+    batch norm of one value has no variance (the kernel and PyTorch refuse it), so a net
+    that would fail at its first step is refused when the Runtime is built. Planning it
+    (sn.plan) is fine."""
+    for layer in net.layers:
+        if layer.op == "bn":
+            n, _, h, w = layer.shape
+            if n * h * w < 2:
+                raise ValueError(f"bn {layer.name!r}: batch norm in training mode needs more "
+                                 f"than one value per channel, its input has shape "
+                                 f"{layer.shape}")
+
+
 def check_graph_request(cuda_graph, device) -> None:
     """cuda_graph must be a bool; True needs a CUDA device (dropout is captured too: its
     kernels read the iteration from a counter in the pool, advanced by a captured kernel)."""

@@ -97,6 +97,7 @@ class Runtime:
         device = inputs.pick_device(device)
         inputs.check_graph_request(cuda_graph, device)
         inputs.check_options(policy, lr, momentum, weight_decay, seed, precision)
+        inputs.check_trainable(net)
         inputs.check_machine(memory, host_memory, device)
         bucket_bytes = liveness.parse_bucket_bytes(bucket_bytes)
         distributed.check_group(process_group, device, net, bucket_bytes)  # last: a collective

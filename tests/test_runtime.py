@@ -311,3 +311,22 @@ def test_a_graph_replaying_runtime_is_freed_with_its_last_reference():
     assert_freed_with_last_reference(
         lambda: sn.Runtime(net, "64MiB", "offload", device="cuda", momentum=0.9,
                            cuda_graph=True), replay)
+
+
+def test_each_step_records_its_wall_time():
+    """stats.step_seconds is the last step's time, measured inside the call (so no more
+    than the call took) and measured afresh each step."""
+    import time
+    net = block_net(batch=2)
+    rt = sn.Runtime(net, "64MiB", "liveness", device="cpu", conv_algos={})
+    images, labels = batch_for(net)
+    assert rt.stats.step_seconds == 0.0
+    seen = []
+    for _ in range(2):
+        started = time.perf_counter()
+        rt.step(images, labels)
+        took = time.perf_counter() - started
+        assert 0 < rt.stats.step_seconds <= took
+        seen.append(rt.stats.step_seconds)
+    assert seen[0] != seen[1]
+    rt.close()

@@ -41,6 +41,7 @@ few passes after its last layer).
 """
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass, field
 
 import torch
@@ -71,6 +72,8 @@ class Stats:
     recomputed_steps: int = 0
     conv_algos: dict = field(default_factory=dict)
     iterations: int = 0
+    step_seconds: float = 0.0   # wall time of the last step, to its loss read (which waits
+                                # for the device): what plan.predicted_step_s predicts
     device: object = field(default=None, repr=False)
 
     @property
@@ -196,11 +199,14 @@ class Runtime:
         """
         inputs.check_open(self)
         inputs.check_batch(self.net, images, labels)
+        started = time.perf_counter()
         if self.replay is not None and self.stats.iterations >= GRAPH_WARMUP:
             self.replay.step(self, images, labels)
         else:
             self._walk(images, labels)
-        return self._finish_step()
+        loss = self._finish_step()
+        self.stats.step_seconds = time.perf_counter() - started
+        return loss
 
     def _walk(self, images, labels, until=None):
         """Execute the plan's steps once from Python (an eager step, the captured pass, or a

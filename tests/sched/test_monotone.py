@@ -160,6 +160,24 @@ def test_no_run_fits_one_block_below_its_floor(net, policy, drops, two_ended, bl
 
 
 
+def test_the_floor_counts_blocks_kept_as_they_come_and_go(monkeypatch):
+    """`_track_floor` reads running totals (all device blocks, the cache's blocks) instead of
+    summing them each step (quadratic in a deep net): at every step they equal the sums."""
+    real, checked = _Planner._track_floor, []
+
+    def check(self, step):
+        assert self.dblock_bytes == sum(b.nbytes for b in self.dblock.values())
+        assert self.cache.nbytes == sum(self.dblock[t].nbytes for t in self.cache)
+        checked.append(step)
+        real(self, step)
+
+    monkeypatch.setattr(_Planner, "_track_floor", check)
+    net = sn.models.resnet(blocks=[1, 1], batch=4, classes=10, input_shape=(3, 32, 32))
+    cap = int(floor_of(net, "all", 0.9, 1024) * 1.05)
+    fits(net, cap, "all", momentum=0.9)
+    assert len(checked) > len(net.layers)
+
+
 def one_stage_resnet(batch):
     return sn.models.resnet(blocks=[1], bottleneck=False, batch=batch, classes=10,
                             input_shape=(3, 16, 16))

@@ -18,6 +18,24 @@ def test_lru_victims_oldest_first_skipping_locked():
     assert 2 not in c and len(c) == 2
 
 
+def test_lru_counts_its_members_bytes_as_they_come_and_go():
+    """nbytes: each member's block bytes when it joined; a hit adds nothing, a removal (of a
+    member or not) takes off what it added."""
+    class Block:
+        def __init__(self, nbytes):
+            self.nbytes = nbytes
+    blocks = {1: Block(1024), 2: Block(4096), 3: Block(2048)}
+    c = LRUCache(blocks)
+    for tid in (1, 2, 3, 1):
+        c.touch(tid)
+    assert c.nbytes == 1024 + 4096 + 2048
+    c.remove(2)
+    c.remove(7)
+    assert c.nbytes == 1024 + 2048
+    c.touch(2)
+    assert c.nbytes == 1024 + 4096 + 2048
+
+
 @settings(max_examples=200, deadline=None)
 @given(st.lists(st.tuples(st.booleans(), st.integers(0, SIZE - 1), st.integers(1, 16),
                           st.integers(0, 9), st.integers(0, 5)), max_size=40))

@@ -45,11 +45,15 @@ class LRUCache:
     """Device-resident activations in least-recently-used order (Alg. 2's tensor cache).
 
     `touch` marks a use; `victims(exclude)` yields eviction candidates oldest first, never a
-    tensor in `exclude` (the ones the running step has locked).
+    tensor in `exclude` (the ones the running step has locked). `nbytes` is the members'
+    device bytes (their blocks in `blocks`, tensor id -> block, when they joined), kept as
+    members come and go so the planner never sums over the cache.
     """
 
-    def __init__(self):
-        self._order = OrderedDict()
+    def __init__(self, blocks=None):
+        self._order = OrderedDict()    # tensor id -> its bytes
+        self._blocks = {} if blocks is None else blocks
+        self.nbytes = 0
 
     def __contains__(self, tid) -> bool:
         return tid in self._order
@@ -57,12 +61,19 @@ class LRUCache:
     def __len__(self) -> int:
         return len(self._order)
 
+    def __iter__(self):
+        return iter(self._order)
+
     def touch(self, tid: int) -> None:
-        self._order[tid] = None
-        self._order.move_to_end(tid)
+        if tid in self._order:
+            self._order.move_to_end(tid)
+            return
+        block = self._blocks.get(tid)
+        self._order[tid] = 0 if block is None else block.nbytes
+        self.nbytes += self._order[tid]
 
     def remove(self, tid: int) -> None:
-        self._order.pop(tid, None)
+        self.nbytes -= self._order.pop(tid, 0)
 
     def victims(self, exclude):
         for tid in list(self._order):

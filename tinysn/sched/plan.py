@@ -706,7 +706,9 @@ class _Planner:
         self.dev = BlockAllocator(capacity, block_bytes, small_bytes)
         self.host = BlockAllocator(host_capacity, block_bytes)
         self.n_forward = len(program.order)
-        self.cache = offload.LRUCache() if policy == "all" else None
+        self.loc, self.dblock, self.hblock = {}, {}, {}
+        self.dblock_bytes = 0     # the bytes of the blocks in `dblock`, kept as it changes
+        self.cache = offload.LRUCache(self.dblock) if policy == "all" else None
         self.evictions = offload.EvictionLog() if policy == "all" else None
         self.early = early
         self.always_offload = policy in ("offload", "recompute")
@@ -715,7 +717,6 @@ class _Planner:
         self.chooser = workspace.AlgoChooser(dynamic=policy == "all", pinned=conv_algos,
                                              rankings=rankings)
         self.producer = {program.act[layer]: layer for layer in program.order}
-        self.loc, self.dblock, self.hblock = {}, {}, {}
         self.locked = set()
         self.rebuilt = set()       # dropped tensors currently rebuilt on the device
         self.steps, self.conv_algos = [], {}
@@ -850,8 +851,10 @@ class _Planner:
         of the non-members alive here and of the tensors the step reads and writes (locked),
         plus a workspace no smaller than the smallest the step can choose (baseline's are
         allocated up front, already counted). No cap below the floor can be planned."""
-        cache = self.cache_members()
-        held = sum(b.nbytes for t, b in self.dblock.items() if t not in cache or t in self.locked)
+        held = self.dblock_bytes           # kept as blocks come and go: no sum over them
+        if self.cache is not None:
+            held -= self.cache.nbytes - sum(self.dblock[t].nbytes for t in self.locked
+                                            if t in self.cache)
         ws = 0 if self.policy == "baseline" else self._default_workspace(step)
         bb = self.dev.block_bytes
         self.floor = max(self.floor, held + -(-ws // bb) * bb)
@@ -997,6 +1000,7 @@ class _Planner:
         info = self.tensors[tid]
         block = self._dev_alloc(info.nbytes, info.name, ops)
         self.dblock[tid] = block
+        self.dblock_bytes += block.nbytes
         self.loc[tid] = "gpu"
         ops.append(Alloc(tid, block.offset))
         _, slots = self.dev_freed.take(block.offset, block.end)
@@ -1075,6 +1079,7 @@ class _Planner:
     def _free_device_block(self, tid):
         """Free tid's device block, remembering what may still read it."""
         block = self.dblock.pop(tid)
+        self.dblock_bytes -= block.nbytes
         assert self.loc.get(tid) != "prefetching", "planner bug: freeing a block still arriving"
         self.dev.free(block)
         copy = self.reading.pop(tid, None)
@@ -1090,6 +1095,7 @@ class _Planner:
         """Allocate `tid`'s block (from the pool's top with `top`) and copy it back."""
         block = self._dev_alloc(self.tensors[tid].nbytes, self.tensors[tid].name, ops, top)
         self.dblock[tid] = block
+        self.dblock_bytes += block.nbytes
         self.loc[tid] = "prefetching"
         pos, waits = self.dev_freed.take(block.offset, block.end)
         waits.add(self.d2h[tid])                  # the host copy must be complete

@@ -177,6 +177,12 @@ def test_plan_json_dash_is_stdout_only(capsys):
     figures = json.loads(out)                    # stdout is the JSON and nothing else
     assert set(figures) == set(sn.POLICIES) and all(f["fits"] for f in figures.values())
     assert "baseline" in err                     # the table went to stderr
+    # each policy's predicted H200 step, as the planner's model gives it, in JSON and table
+    net = sn.models.alexnet(batch=8)
+    for policy in ("baseline", "all"):
+        seconds = sn.plan(net, "12GiB", policy).predicted_step_s
+        assert figures[policy]["predicted_step_s"] == pytest.approx(seconds)
+    assert f"H200 step {figures['all']['predicted_step_s']:.3f} s" in err
 
 
 def test_plan_plot_draws_the_cap(tmp_path, capsys):

@@ -585,7 +585,7 @@ def _plan(args) -> int:
         print(f"{policy:>9}: peak {p.peak_bytes / 2**20:10.1f} MiB  to host "
               f"{p.bytes_to_host / 2**20:9.1f} MiB  to device {p.bytes_to_device / 2**20:9.1f} MiB"
               f"  host arena {p.host_bytes / 2**20:9.1f} MiB  recomputed {p.recomputed_steps:4d}"
-              f"  steps {len(p.steps)}", file=out)
+              f"  steps {len(p.steps)}  H200 step {p.predicted_step_s:.3f} s", file=out)
     _write_plan_outputs(args, fitted, figures, out)
     if not fitted:
         raise OutOfMemory(f"no policy fits {args.model} at batch {args.batch} under "
@@ -596,6 +596,7 @@ def _plan(args) -> int:
 def _figures(p) -> dict:
     return {"fits": True, "peak_bytes": p.peak_bytes, "bytes_to_host": p.bytes_to_host,
             "bytes_to_device": p.bytes_to_device, "recomputed_steps": p.recomputed_steps,
+            "predicted_step_s": p.predicted_step_s,
             "timeline": [[s.bytes_in_use, s.live_tensors] for s in p.steps]}
 
 

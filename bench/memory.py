@@ -21,7 +21,6 @@ Writes the results to --out after every model.
 """
 import argparse
 import contextlib
-import dataclasses
 import gc
 import json
 import os
@@ -231,7 +230,7 @@ def train_for_real(net, memory, host_memory=None, steps=2, cuda_graph=False):
            "predicted_seconds_per_step": rt.plan.predicted_step_s,
            "trade_budget": sn.plan.__kwdefaults__["trade_budget"],
            "lookahead": rt.plan.lookahead,
-           "device_model": dataclasses.asdict(rt.plan.device_model),
+           "device_model": rt.plan.device_model.record(),
            "seconds_per_step": s, "images_per_s": net.batch / s, "losses": losses,
            "bytes_moved_per_step": moved, "transfer_gb_per_s": moved / s / 1e9,
            "recomputed_steps": rt.plan.recomputed_steps, "conv_algos_chosen": algos}

@@ -11,8 +11,9 @@ counts. A run is planned again as it was planned when measured: with the `device
 its planner chose with, and a memory run with its `trade_budget` and prefetch `lookahead`.
 Runs that record none of these ran earlier planners: `PLANNED_BEFORE` holds the device
 figures those chose with, a missing budget is 0 (no trade search yet) and a missing
-lookahead 1. The prediction itself always uses today's model (DeviceModel.h200), so the
-table shows how well today's model explains every measured step.
+lookahead 1. The prediction itself always uses today's model (DeviceModel.h200, with the
+conv times the run measured, where it recorded them), so the table shows how well today's
+model explains every measured step.
 """
 import argparse
 import json
@@ -35,7 +36,7 @@ PLANNED_BEFORE = DeviceModel(flops_per_s=100e12, bytes_per_s=3.0e12, to_host_byt
 def planned_with(row: dict) -> DeviceModel:
     """The device model a measured run's planner chose with."""
     recorded = row.get("device_model")
-    return DeviceModel(**recorded) if recorded else PLANNED_BEFORE
+    return DeviceModel.from_record(recorded) if recorded else PLANNED_BEFORE
 
 
 def compare(net, memory, policy, measured: dict, graphed=False, host_memory=None,
@@ -44,7 +45,8 @@ def compare(net, memory, policy, measured: dict, graphed=False, host_memory=None
     seconds per step and the bytes it moved), and its error. Equal bytes moved say the plan
     made here is the one that ran."""
     plan = sn.plan(net, memory, policy, host_memory=host_memory, **plan_kw)
-    timeline = simulate(plan, DeviceModel.h200(graphed=graphed))
+    conv_times = plan_kw["device_model"].conv_times     # measured where the run had them
+    timeline = simulate(plan, DeviceModel.h200(graphed=graphed, conv_times=conv_times))
     return {"batch": net.batch, "memory": memory, "policy": policy, "cuda_graph": graphed,
             "measured_s": measured["s"], "predicted_s": timeline.step_s,
             "bytes_moved_per_step": plan.bytes_to_host + plan.bytes_to_device,

@@ -25,7 +25,6 @@ the same code runs on the CPU (Triton's interpreter) as a smoke test; torch.comp
 skipped there, and the JSON says so.
 """
 import argparse
-import dataclasses
 import os
 import sys
 import time
@@ -37,7 +36,7 @@ import torch.nn.functional as F  # noqa: E402
 
 from bench import common  # noqa: E402
 from tinysn.cli import MODELS  # noqa: E402
-from tinysn.sched.timing import DeviceModel, simulate  # noqa: E402
+from tinysn.sched.timing import simulate  # noqa: E402
 
 PYTORCH_CONFIGS = ("eager NCHW", "eager channels-last", "torch.compile")
 
@@ -128,14 +127,14 @@ def tinysn_row(net, policy, cuda_graph, device, args, host_memory=None) -> dict:
     setup_s = time.perf_counter() - t0
     images, labels = host_batch(net, device)
     row = timed(lambda: rt.step(images, labels), device, args.warmup, args.steps)
-    timeline = simulate(rt.plan, DeviceModel.h200(graphed=cuda_graph))
+    timeline = simulate(rt.plan, rt.plan.device_model)   # as the runtime planned with it
     row.update(setup_s=setup_s, peak_bytes=rt.stats.peak_bytes,
                planned_peak_bytes=rt.plan.peak_bytes,
                peak_equals_plan=rt.stats.peak_bytes == rt.plan.peak_bytes,
                bytes_moved_per_step=rt.plan.bytes_to_host + rt.plan.bytes_to_device,
                bytes_to_host=rt.plan.bytes_to_host, bytes_to_device=rt.plan.bytes_to_device,
                predicted_step_s=timeline.step_s, model_bound_by=timeline.bound_by,
-               device_model=dataclasses.asdict(rt.plan.device_model),
+               device_model=rt.plan.device_model.record(),
                conv_algos=sorted({f"{p}:{a}" for d in rt.plan.conv_algos.values()
                                   for p, a in d.items()}))
     return row

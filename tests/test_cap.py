@@ -78,8 +78,9 @@ def test_cache_dir_follows_the_environment_and_clear_removes_it(tmp_path, monkey
 
 def test_measure_rankings_times_inside_the_scratch_and_keeps_them(tmp_path, monkeypatch):
     """The timing loop on the CPU interpreter (the clock faked: im2col and splitk "win"):
-    every algorithm launches on views of the scratch, the order comes back fastest first and
-    a second call reads the file instead of timing."""
+    every algorithm launches on views of the scratch, the order comes back fastest first,
+    each algorithm's seconds per image are kept beside it (the step-time model's conv
+    times) and a second call reads the files instead of timing."""
     from tinysn.kernels import _common
 
     launched = []
@@ -89,7 +90,8 @@ def test_measure_rankings_times_inside_the_scratch_and_keeps_them(tmp_path, monk
         launched.append(1)
         return 1.0 if len(launched) % 2 == 0 else 2.0
     monkeypatch.setattr(_common, "bench_ms", fake_bench)
-    monkeypatch.setattr(workspace, "rankings_path", lambda device: tmp_path / "r.json")
+    monkeypatch.setattr(workspace, "rankings_path",
+                        lambda device, kind="conv-rankings": tmp_path / f"{kind}.json")
     net = sn.Net(input_shape=(2, 6, 6), classes=3, batch=2)
     net.softmax_loss(net.fc(net.conv(net.data(), 4, kernel=3, padding=1, name="c"), 3))
     scratch = Arena("1MiB")
@@ -101,6 +103,10 @@ def test_measure_rankings_times_inside_the_scratch_and_keeps_them(tmp_path, monk
     for ph in workspace.PHASES:
         assert sorted(rankings[(*g, ph)]) == sorted(conv.algos(*g, ph))
     assert rankings[(*g, "forward")] == ["im2col", "implicit"]       # the second timed won
+    times = workspace.load_rankings(tmp_path / "conv-times.json")
+    assert times[(*g, "forward")] == {"implicit": 2.0 / 1e3 / 2, "im2col": 1.0 / 1e3 / 2}
+    assert set(times) == set(rankings)
+    assert workspace.cached_rankings(net, "cpu", "conv-times") == times
     assert not bool((scratch.buffer == 7).all()), "nothing was written in the scratch"
     count = len(launched)
     assert workspace.measure_rankings(net, scratch.buffer, progress=False) == rankings

@@ -330,3 +330,20 @@ def test_each_step_records_its_wall_time():
         seen.append(rt.stats.step_seconds)
     assert seen[0] != seen[1]
     rt.close()
+
+
+def test_the_runtime_plans_with_the_h200_model_and_its_measured_conv_times(monkeypatch):
+    """The plan's step-time model is the H200's (eager here); where the conv rankings were
+    timed on the GPU (policy "all" there), their per-image times come with it."""
+    from tinysn.sched import timing, workspace
+    net = block_net(batch=2)
+    rt = sn.Runtime(net, "64MiB", "all", device="cpu", conv_algos={})
+    assert rt.plan.device_model == timing.DeviceModel.h200()
+    table = {("a key",): {"implicit": 1e-6}}
+    monkeypatch.setattr(workspace, "cached_rankings",
+                        lambda net, device, kind="conv-rankings":
+                        table if kind == "conv-times" else None)
+    graphed = rt._device_model(dynamic=True, cuda_graph=True)
+    assert graphed.conv_times is table and graphed == timing.DeviceModel.h200(graphed=True)
+    assert rt._device_model(dynamic=False, cuda_graph=False).conv_times is None
+    rt.close()

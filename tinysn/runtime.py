@@ -54,6 +54,7 @@ from .pool.arena import Arena
 from .sched import liveness
 from .sched import plan as plan_mod
 from .sched import workspace
+from .sched.timing import DeviceModel
 from .sched.plan import (Alloc, Drop, Evict, Free, Launch, Mark, Offload, Prefetch, Release,
                          Sync, Wait)
 from .tensor import Tensor
@@ -108,7 +109,7 @@ class Runtime:
             torch.cuda.reset_peak_memory_stats(device)
         self.net, self.policy, self.device = net, policy, device
         distributed.plan_everywhere(process_group, device, lambda: self._plan_in_pool(
-            memory, momentum=momentum, conv_algos=conv_algos, layout=layout,
+            memory, cuda_graph, momentum=momentum, conv_algos=conv_algos, layout=layout,
             host_memory=host_memory, data_parallel=process_group is not None,
             bucket_bytes=bucket_bytes))
         self.lr, self.momentum, self.weight_decay, self.seed = lr, momentum, weight_decay, seed
@@ -143,14 +144,15 @@ class Runtime:
             self.grad_sync.broadcast([*self.program.param.values(),
                                       *self.program.buffer.values()])
 
-    def _plan_in_pool(self, memory, **options):
+    def _plan_in_pool(self, memory, cuda_graph, **options):
         """Set self.plan, self.rankings and self.arena (exactly `memory` bytes, empty).
 
         Under policy "all" on a GPU the conv rankings come from the disk cache or, when a
         shape is missing there, are timed inside the new arena before anything is placed;
         the first plan (default rankings) has already shown that the cap is large enough,
         and is made without early write-back, the recompute trade or early prefetches,
-        which never change whether a plan fits.
+        which never change whether a plan fits. The plan chooses among fits with the H200's
+        step-time model (eager or replayed) and the convs' times measured with the rankings.
         """
         dynamic = self.device.type == "cuda" and self.policy == "all" \
             and options["conv_algos"] is None
@@ -158,14 +160,24 @@ class Runtime:
         timing = dynamic and self.rankings is None   # then this plan only checks the fit
         self.plan = plan_mod.plan(self.net, memory, self.policy, rankings=self.rankings,
                                   early_write_back=not timing, lookahead=1 if timing else None,
-                                  trade_budget=0 if timing else plan_mod.TRADE_BUDGET, **options)
+                                  trade_budget=0 if timing else plan_mod.TRADE_BUDGET,
+                                  device_model=self._device_model(dynamic, cuda_graph),
+                                  **options)
         self.arena = Arena(self.plan.capacity, self.device, small_bytes=self.plan.small_bytes)
         if timing:
             self.rankings = workspace.measure_rankings(self.net, self.arena.buffer)
             self.plan = plan_mod.plan(self.net, memory, self.policy, rankings=self.rankings,
+                                      device_model=self._device_model(dynamic, cuda_graph),
                                       **options)
             self.arena = Arena(self.plan.capacity, self.device, buffer=self.arena.buffer,
                                small_bytes=self.plan.small_bytes)
+
+    def _device_model(self, dynamic: bool, cuda_graph: bool) -> DeviceModel:
+        """The H200's step-time figures, replayed or eager, with the measured times of the
+        convs where the rankings were timed on this GPU (policy "all": `dynamic`)."""
+        times = workspace.cached_rankings(self.net, self.device, "conv-times") if dynamic \
+            else None
+        return DeviceModel.h200(graphed=cuda_graph, conv_times=times)
 
     # -- the public surface -----------------------------------------------------------
     def close(self) -> None:

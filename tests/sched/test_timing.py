@@ -82,3 +82,32 @@ def test_a_plan_is_chosen_and_predicted_with_the_model_it_is_given():
     assert sn.plan(net, "1GiB", "all").device_model == timing.DeviceModel.h200()
     with pytest.raises(ValueError, match="device_model must be a timing.DeviceModel"):
         sn.plan(net, "1GiB", "all", device_model="h200")
+
+
+def test_measured_conv_times_replace_the_formula_where_they_cover_the_plans_choice():
+    """A conv pass takes the measured seconds per image of each algorithm the plan chose,
+    times the batch (forward; backward data plus weight); a choice not measured falls back
+    to the fitted formula, as does every other layer. The record survives JSON."""
+    import json
+    from tinysn.sched import workspace
+    net = sn.models.resnet(blocks=[1, 1, 1, 1], **NET)
+    plan = sn.plan(net, "1GiB", "liveness")
+    times = {}
+    for g in workspace.net_geometries(net):
+        for phase in workspace.PHASES:
+            times[(*g, phase)] = {a: 1e-9 for a in workspace.conv_k.algos(*g, phase)}
+    measured = timing.DeviceModel.h200(conv_times=times)
+    launches = [(s, op) for s in plan.steps for op in s.ops if isinstance(op, timing.Launch)]
+    convs = [(s, op) for s, op in launches if op.algos]
+    assert convs
+    for step, op in convs:
+        layer = net[step.layer]
+        assert timing.measured_conv_seconds(layer, op.algos, measured) == \
+            pytest.approx(1e-9 * len(op.algos) * net.batch)
+    step, forward = next((s, op) for s, op in convs if s.phase == "forward")
+    stale = {k: {} for k in times}
+    assert timing.measured_conv_seconds(net[step.layer], forward.algos,
+                                        timing.DeviceModel.h200(conv_times=stale)) is None
+    assert timing.simulate(plan, measured).compute_s < timing.simulate(plan).compute_s
+    again = timing.DeviceModel.from_record(json.loads(json.dumps(measured.record())))
+    assert again == measured and again.conv_times == times

@@ -25,9 +25,10 @@ step in bench/results, so its error is visible (bench/README.md).
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 
 from ..ops import spec
+from .workspace import conv_geometry, key_from_text, key_text
 from .plan import Evict, Launch, Mark, Offload, Prefetch, Sync, Wait
 
 
@@ -43,9 +44,12 @@ class DeviceModel:
     # (conv_seconds); None: the conv takes the roofline like every other kernel.
     conv_flops_per_s: float | None = None
     conv_bytes_per_s: float | None = None
+    # Measured conv times, {(x_shape, w_shape, stride, padding, phase): {algorithm: seconds
+    # per image}} (workspace.measure_rankings keeps them): a conv they cover takes them.
+    conv_times: dict | None = field(default=None, compare=False, repr=False)
 
     @classmethod
-    def h200(cls, graphed: bool = False) -> "DeviceModel":
+    def h200(cls, graphed: bool = False, conv_times: dict | None = None) -> "DeviceModel":
         """An NVIDIA H200 with tinysn's kernels, from measurements on it (bench/calibrate.py
         derives the fitted figures from the tracked results and a test keeps them equal):
         convs at 91.9 TFLOP/s plus 2.28 TB/s, fitted over bench/kernels.py's conv rows
@@ -53,10 +57,26 @@ class DeviceModel:
         3 TB/s (69-102% of the copy bandwidth, bench/kernels.py) and fc arithmetic at
         100 TFLOP/s; pinned copies at 55 GB/s each way (bench/memory.py); 146 us of Python
         per layer step eager, the host-bound ResNet-50 batch-32 eager step over its
-        launches (bench/train.py), and 1 us per step replayed from a graph."""
+        launches (bench/train.py), and 1 us per step replayed from a graph. `conv_times`:
+        the convs' own measured times, where the runtime has them (it timed the rankings)."""
         return cls(flops_per_s=100e12, bytes_per_s=3.0e12, to_host_bytes_per_s=55e9,
                    to_device_bytes_per_s=55e9, launch_s=1e-6 if graphed else H200_LAUNCH_S,
-                   conv_flops_per_s=H200_CONV_FLOPS_PER_S, conv_bytes_per_s=H200_CONV_BYTES_PER_S)
+                   conv_flops_per_s=H200_CONV_FLOPS_PER_S, conv_bytes_per_s=H200_CONV_BYTES_PER_S,
+                   conv_times=conv_times)
+
+    def record(self) -> dict:
+        """The model as JSON-ready data (conv time keys as text); `from_record` reads it."""
+        data = {f.name: getattr(self, f.name) for f in fields(self)}
+        if self.conv_times is not None:
+            data["conv_times"] = {key_text(k): v for k, v in self.conv_times.items()}
+        return data
+
+    @classmethod
+    def from_record(cls, data: dict) -> "DeviceModel":
+        data = dict(data)
+        if data.get("conv_times") is not None:
+            data["conv_times"] = {key_from_text(k): v for k, v in data["conv_times"].items()}
+        return cls(**data)
 
 
 # The fitted figures of DeviceModel.h200 (bench/calibrate.py prints them from bench/results).
@@ -90,12 +110,30 @@ def kernel_seconds(plan, launch: Launch, model: DeviceModel) -> float:
     else:
         step = program.passes[launch.key]
         layer, phase = step.layer, step.phase
-    seconds = layer_seconds(layer, phase, model)
+    seconds = measured_conv_seconds(layer, launch.algos, model)
+    if seconds is None:
+        seconds = layer_seconds(layer, phase, model)
     if phase == "backward":
         momentum = 2 if program.momentum else 0
         params = sum(program.tensors[program.param[f"{layer.name}.{s}"]].nbytes
                      for s in layer.params)
         seconds += params * (3 + momentum) / model.bytes_per_s   # read w, dw (m); write w (m)
+    return seconds
+
+
+def measured_conv_seconds(layer, algos, model: DeviceModel) -> float | None:
+    """A conv pass's time from `model.conv_times`: the measured seconds per image of each
+    algorithm the plan chose for it (`algos`, phase -> algorithm), times the batch; None
+    when it is no conv or any of them was not measured."""
+    if not model.conv_times or not algos or not spec(layer).has_algorithms:
+        return None
+    geometry = conv_geometry(layer)
+    seconds = 0.0
+    for phase, algo in algos.items():
+        per_image = model.conv_times.get((*geometry, phase), {}).get(algo)
+        if per_image is None:
+            return None
+        seconds += per_image * layer.shape[0]
     return seconds
 
 

@@ -102,9 +102,10 @@ class AlgoChooser:
         return chosen, need
 
 
-def rankings_path(device):
-    """The file that keeps conv rankings measured on `device`'s GPU model with this triton,
-    torch and TINYSN_AUTOTUNE setting (rankings of other setups are not mixed in)."""
+def rankings_path(device, kind: str = "conv-rankings"):
+    """The file that keeps conv rankings (`kind` "conv-times": the times they come from)
+    measured on `device`'s GPU model with this triton, torch and TINYSN_AUTOTUNE setting
+    (measurements of other setups are not mixed in)."""
     import torch
     import triton
 
@@ -112,40 +113,44 @@ def rankings_path(device):
 
     gpu = "".join(c if c.isalnum() else "-" for c in torch.cuda.get_device_name(device))
     name = f"{gpu}-triton{triton.__version__}-torch{torch.__version__}-autotune{int(TUNE)}.json"
-    return cache.cache_dir() / "conv-rankings" / name
+    return cache.cache_dir() / kind / name
 
 
-def _key_text(key) -> str:
+def key_text(key) -> str:
+    """A rankings key (x_shape, w_shape, stride, padding, phase) as the text JSON files use."""
     return json.dumps([list(key[0]), list(key[1]), list(key[2]), list(key[3]), key[4]])
 
 
-def _key_from_text(text: str) -> tuple:
+def key_from_text(text: str) -> tuple:
+    """The rankings key `key_text` wrote."""
     x, w, stride, padding, phase = json.loads(text)
     return tuple(x), tuple(w), tuple(stride), tuple(padding), phase
 
 
 def load_rankings(path) -> dict:
-    """Rankings stored at `path` ({} when there is no file)."""
+    """Rankings (or conv times) stored at `path` ({} when there is no file)."""
     if not os.path.exists(path):
         return {}
     with open(path) as f:
-        return {_key_from_text(k): list(v) for k, v in json.load(f).items()}
+        return {key_from_text(k): v for k, v in json.load(f).items()}
 
 
 def save_rankings(path, rankings: dict) -> None:
-    """Merge `rankings` into the file at `path` (written whole, then renamed into place)."""
+    """Merge `rankings` (or conv times) into the file at `path` (written whole, then renamed
+    into place)."""
     merged = {**load_rankings(path), **rankings}
     os.makedirs(os.path.dirname(path), exist_ok=True)
     tmp = f"{path}.{os.getpid()}.tmp"
     with open(tmp, "w") as f:
-        json.dump({_key_text(k): v for k, v in sorted(merged.items(), key=str)}, f, indent=0)
+        json.dump({key_text(k): v for k, v in sorted(merged.items(), key=str)}, f, indent=0)
     os.replace(tmp, path)
 
 
-def cached_rankings(net, device):
-    """The rankings of every conv shape of `net` from the disk cache, or None when any is
-    missing (then `measure_rankings` must time them)."""
-    stored = load_rankings(rankings_path(device))
+def cached_rankings(net, device, kind: str = "conv-rankings"):
+    """The rankings of every conv shape of `net` from the disk cache (`kind` "conv-times":
+    each algorithm's measured seconds per image), or None when any is missing (then
+    `measure_rankings` must time them)."""
+    stored = load_rankings(rankings_path(device, kind))
     wanted = [(*g, phase) for g in net_geometries(net) for phase in PHASES]
     if any(key not in stored for key in wanted):
         return None
@@ -159,7 +164,8 @@ def measure_rankings(net, scratch, rep_ms: int = 8, progress: bool = True) -> di
     device pool), so timing allocates nothing outside the memory cap. Each shape is timed at
     its full batch when its buffers and largest workspace fit in `scratch`, else at the
     largest halved batch that fits (the order is what counts). New rankings are added to the
-    cache (`rankings_path`). Every algorithm's kernels are compiled first, in parallel
+    cache (`rankings_path`), and the times they come from, in seconds per image, beside
+    them (kind "conv-times": the step-time model's conv times, `cached_rankings`). Every algorithm's kernels are compiled first, in parallel
     (`compiling_in_parallel`), then timed one by one. A notice and progress bars go to stderr.
     """
     path = rankings_path(scratch.device)
@@ -171,10 +177,11 @@ def measure_rankings(net, scratch, rep_ms: int = 8, progress: bool = True) -> di
         started = time.perf_counter()
         _compile_all(todo, scratch, progress)
         compiled = time.perf_counter()
-        measured = _time_all(todo, scratch, rep_ms, progress)
+        measured, seconds = _time_all(todo, scratch, rep_ms, progress)
         print(f"tinysn: conv kernels compiled in {compiled - started:.1f} s, algorithms timed "
               f"in {time.perf_counter() - compiled:.1f} s", file=sys.stderr, flush=True)
         save_rankings(path, measured)
+        save_rankings(rankings_path(scratch.device, "conv-times"), seconds)
         stored.update(measured)
     return {(*g, ph): stored[(*g, ph)] for g in net_geometries(net) for ph in PHASES
             if (*g, ph) in stored}
@@ -193,16 +200,19 @@ def _compile_all(geometries, scratch, progress) -> None:
             _time_geometry(g, scratch, 0, compile_only=True)
 
 
-def _time_all(geometries, scratch, rep_ms, progress) -> dict:
-    """{(*geometry, phase): algorithms fastest first} for `geometries`, timed one by one."""
+def _time_all(geometries, scratch, rep_ms, progress) -> tuple:
+    """({(*geometry, phase): algorithms fastest first}, {(*geometry, phase): {algorithm:
+    seconds per image}}) for `geometries`, timed one by one (at the batch each fits)."""
     from tqdm import tqdm
 
-    measured = {}
+    measured, seconds = {}, {}
     for g in tqdm(geometries, desc="conv rankings", unit="shape", file=sys.stderr,
                   disable=not progress):
-        for phase, times in _time_geometry(g, scratch, rep_ms).items():
+        timed, batch = _time_geometry(g, scratch, rep_ms)
+        for phase, times in timed.items():
             measured[(*g, phase)] = sorted(times, key=times.get)
-    return measured
+            seconds[(*g, phase)] = {algo: ms / 1e3 / batch for algo, ms in times.items()}
+    return measured, seconds
 
 
 def _numel(shape) -> int:
@@ -234,8 +244,9 @@ def timing_geometry(geometry, capacity: int, block_bytes: int = 1024):
     return (n, *x[1:]), w, s, p
 
 
-def _time_geometry(geometry, scratch, rep_ms, compile_only=False) -> dict:
-    """{phase: {algo: ms}} for one conv geometry, timed on a sub-arena over `scratch`; with
+def _time_geometry(geometry, scratch, rep_ms, compile_only=False) -> tuple:
+    """({phase: {algo: ms}}, the batch timed) for one conv geometry, timed on a sub-arena
+    over `scratch` (at its full batch or the largest halved one that fits there); with
     `compile_only` each algorithm is launched once inside `compiling_in_parallel` (its
     kernels compile on the thread pool) and nothing is timed."""
     import torch
@@ -273,4 +284,4 @@ def _time_geometry(geometry, scratch, rep_ms, compile_only=False) -> dict:
             times[phase][algo] = run() if compile_only else bench_ms(run, rep_ms=rep_ms)
             if block is not None:
                 arena.free(block)
-    return times
+    return times, g[0][0]

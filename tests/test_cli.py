@@ -218,6 +218,7 @@ def test_train_writes_a_chrome_trace_and_progress_on_stderr(tmp_path, capsys):
     assert status == 0, err
     assert "img_s=warm-up" in err and "images/s after 1 warm-up step" in out
     assert "it/s" not in err and "%|" not in out             # progress stays on stderr
+    assert "100%" in err and "2/2" in err                    # the bar counted both steps
     events = json.loads(trace.read_text())["traceEvents"]
     plan = sn.plan(sn.models.lenet(batch=2), "8MiB", "offload", momentum=0.9)
     kernels = sum(isinstance(op, Launch) for s in plan.steps for op in s.ops)

@@ -510,7 +510,7 @@ def _run(rt, stream, steps, lr, args, warmup):
     bar = tqdm(steps, unit="step", file=sys.stderr,
                bar_format="{l_bar}{bar}| {n_fmt}/{total_fmt} [{elapsed}<{remaining}{postfix}]")
     rate, start, loss = None, None, float("nan")
-    for done, i in enumerate(steps, 1):
+    for done, i in enumerate(bar, 1):              # the bar counts each step as it ends
         if args.schedule == "linear":
             rt.lr = lr * (1 - i / steps.stop)
         loss = rt.step(*next(stream))

@@ -5,8 +5,8 @@ before anything runs. Three queues run concurrently, as in the runtime: the comp
 (kernels, in plan order), the device-to-host copy stream (Offload, Evict) and the
 host-to-device copy stream (Prefetch). Each kernel costs the larger of its arithmetic time
 and its memory time (a roofline: OpSpec.cost gives flops and bytes; a conv pays both, see
-conv_seconds), and cannot start before the host has issued it (Python's launch cost, or a
-graph replay's); each copy costs its bytes over the measured pinned bandwidth of its
+conv_seconds, or takes its measured time where the GPU timed it, `conv_times`), and cannot
+start before the host has issued it (Python's launch cost, or a graph replay's); each copy costs its bytes over the measured pinned bandwidth of its
 direction. Dependencies are exactly the plan's:
 
     Offload / Evict   after the compute queued so far and the events in `waits`
@@ -28,8 +28,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field, fields
 
 from ..ops import spec
-from .workspace import conv_geometry, key_from_text, key_text
 from .plan import Evict, Launch, Mark, Offload, Prefetch, Sync, Wait
+from .workspace import conv_geometry, key_from_text, key_text
 
 
 @dataclass(frozen=True)
@@ -46,7 +46,7 @@ class DeviceModel:
     conv_bytes_per_s: float | None = None
     # Measured conv times, {(x_shape, w_shape, stride, padding, phase): {algorithm: seconds
     # per image}} (workspace.measure_rankings keeps them): a conv they cover takes them.
-    conv_times: dict | None = field(default=None, compare=False, repr=False)
+    conv_times: dict | None = field(default=None, hash=False, repr=False)
 
     @classmethod
     def h200(cls, graphed: bool = False, conv_times: dict | None = None) -> "DeviceModel":

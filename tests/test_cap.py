@@ -111,6 +111,11 @@ def test_measure_rankings_times_inside_the_scratch_and_keeps_them(tmp_path, monk
     count = len(launched)
     assert workspace.measure_rankings(net, scratch.buffer, progress=False) == rankings
     assert len(launched) == count
+    (tmp_path / "conv-times.json").unlink()             # rankings kept without their times:
+    assert workspace.cached_rankings(net, "cpu") is None        # not cached, timed again
+    workspace.measure_rankings(net, scratch.buffer, progress=False)
+    assert len(launched) == 2 * count                  # (the fake clock's winners swap)
+    assert set(workspace.cached_rankings(net, "cpu", "conv-times")) == set(times)
 
 
 def test_timing_geometry_halves_the_batch_until_it_fits():

@@ -148,13 +148,13 @@ def save_rankings(path, rankings: dict) -> None:
 
 def cached_rankings(net, device, kind: str = "conv-rankings"):
     """The rankings of every conv shape of `net` from the disk cache (`kind` "conv-times":
-    each algorithm's measured seconds per image), or None when any is missing (then
-    `measure_rankings` must time them)."""
-    stored = load_rankings(rankings_path(device, kind))
+    each algorithm's measured seconds per image), or None when any is missing from either
+    file (then `measure_rankings` must time them: the two are kept together)."""
     wanted = [(*g, phase) for g in net_geometries(net) for phase in PHASES]
-    if any(key not in stored for key in wanted):
+    tables = {k: load_rankings(rankings_path(device, k)) for k in ("conv-rankings", "conv-times")}
+    if any(key not in table for table in tables.values() for key in wanted):
         return None
-    return {key: stored[key] for key in wanted}
+    return {key: tables[kind][key] for key in wanted}
 
 
 def measure_rankings(net, scratch, rep_ms: int = 8, progress: bool = True) -> dict:
@@ -165,12 +165,15 @@ def measure_rankings(net, scratch, rep_ms: int = 8, progress: bool = True) -> di
     its full batch when its buffers and largest workspace fit in `scratch`, else at the
     largest halved batch that fits (the order is what counts). New rankings are added to the
     cache (`rankings_path`), and the times they come from, in seconds per image, beside
-    them (kind "conv-times": the step-time model's conv times, `cached_rankings`). Every algorithm's kernels are compiled first, in parallel
-    (`compiling_in_parallel`), then timed one by one. A notice and progress bars go to stderr.
+    them (kind "conv-times": the step-time model's conv times, `cached_rankings`); a shape
+    missing from either is timed again. Every algorithm's kernels are compiled first, in
+    parallel (`compiling_in_parallel`), then timed one by one. A notice and progress bars go
+    to stderr.
     """
-    path = rankings_path(scratch.device)
-    stored = load_rankings(path)
-    todo = [g for g in net_geometries(net) if any((*g, ph) not in stored for ph in PHASES)]
+    path, times_path = rankings_path(scratch.device), rankings_path(scratch.device, "conv-times")
+    stored, times = load_rankings(path), load_rankings(times_path)
+    todo = [g for g in net_geometries(net)                 # rankings kept without their times
+            if any((*g, ph) not in stored or (*g, ph) not in times for ph in PHASES)]
     if todo:
         print(f"tinysn: timing conv algorithms for {len(todo)} conv shapes, once per GPU model "
               f"(kept in {path})", file=sys.stderr, flush=True)
@@ -181,7 +184,7 @@ def measure_rankings(net, scratch, rep_ms: int = 8, progress: bool = True) -> di
         print(f"tinysn: conv kernels compiled in {compiled - started:.1f} s, algorithms timed "
               f"in {time.perf_counter() - compiled:.1f} s", file=sys.stderr, flush=True)
         save_rankings(path, measured)
-        save_rankings(rankings_path(scratch.device, "conv-times"), seconds)
+        save_rankings(times_path, seconds)
         stored.update(measured)
     return {(*g, ph): stored[(*g, ph)] for g in net_geometries(net) for ph in PHASES
             if (*g, ph) in stored}

@@ -142,7 +142,8 @@ def test_console_script_is_declared():
 
 def test_plan_every_marks_what_does_not_fit_and_what_would(capsys):
     """AlexNet at batch 200 under 2 GiB: baseline (3.5 GiB) does not fit, the others do; its
-    row gives the smallest cap (which fits, while 1 MiB less does not) and the largest batch."""
+    row gives the smallest cap (which fits, while 1 MiB less does not) and a batch that plans
+    where one more does not (found by bisection in a few plans)."""
     status, out, _ = run_main(["plan", "--model", "alexnet", "--batch", "200",
                                "--memory", "2GiB"], capsys)
     assert status == 0
@@ -151,8 +152,10 @@ def test_plan_every_marks_what_does_not_fit_and_what_would(capsys):
     assert rows["baseline"].startswith(" does not fit. To fit, raise --memory to ")
     assert all("peak" in rows[p] for p in sn.POLICIES if p != "baseline")
     largest = int(rows["baseline"].split("--batch to ")[1].rstrip("."))
-    assert largest == sn.max_batch(sn.models.alexnet, "2GiB", "baseline")
-    assert 0 < largest < 200
+    assert 0 < largest < 200                      # it plans and one more does not
+    sn.plan(sn.models.alexnet(batch=largest), "2GiB", "baseline")
+    with pytest.raises(sn.OutOfMemory):
+        sn.plan(sn.models.alexnet(batch=largest + 1), "2GiB", "baseline")
 
 
 @pytest.mark.parametrize("model,batch", [(sn.models.alexnet, 16), (sn.models.lenet, 4)])

@@ -322,14 +322,12 @@ def smallest_cap(make_net, batch, policy, **kwargs):
     """The smallest device cap, to 0.1% (or 1 KiB), under which `make_net(batch=batch)`
     plans with `policy` (None when even 16 TiB does not). Assumes plans are monotone in the
     cap: a binary search between the last power of two that fails and the first that fits."""
-    from .sched.plan import plan
+    from .sched.plan import fits as plans
+
+    net = make_net(batch=batch)
 
     def fits(cap):
-        try:
-            plan(make_net(batch=batch), cap, policy, **kwargs)
-            return True
-        except OutOfMemory:
-            return False
+        return plans(net, cap, policy, **kwargs)
 
     hi = 2**20
     while not fits(hi):
@@ -347,12 +345,10 @@ def fit_advice(make_net, batch, memory, policy, **kwargs) -> str:
     """One sentence: the --memory and the --batch under which the plan would fit. (A dry
     run that plans under a cap below `memory` means the error came from elsewhere, or the
     plans are not monotone in the cap here: that smaller cap is the advice.)"""
-    from .sched.plan import max_batch
-
     cap = smallest_cap(make_net, batch, policy, **kwargs)
     if cap is not None and cap <= memory:
         return f"It plans under --memory {_flag_bytes(cap)}: try that."
-    largest = max_batch(make_net, memory, policy, **kwargs)
+    largest = batch_that_fits(make_net, batch, memory, policy, **kwargs)
     if cap is None and not largest:
         return (f"Nothing fits: no --memory up to {format_bytes(SEARCH_LIMIT)} and no --batch "
                 f"under {format_bytes(memory)}; raise --host-memory.")
@@ -363,6 +359,23 @@ def fit_advice(make_net, batch, memory, policy, **kwargs) -> str:
         return (f"To fit, raise --memory to {_flag_bytes(cap)} (no batch fits under "
                 f"{format_bytes(memory)}).")
     return f"To fit, raise --memory to {_flag_bytes(cap)} or lower --batch to {largest}."
+
+
+def batch_that_fits(make_net, batch, memory, policy, **kwargs) -> int:
+    """A batch below `batch` (which does not plan) that plans under `memory`, found by
+    bisection in a few plans: b plans and b + 1 does not; 0 when batch 1 does not plan.
+    Feasibility is not monotone in the batch, so a larger batch may plan as well, and a
+    smaller one may not (sn.max_batch, which tries every batch, says which: it takes a
+    plan per batch, too long for an error message)."""
+    from .sched.plan import fits
+
+    if not fits(make_net(batch=1), memory, policy, **kwargs):
+        return 0
+    lo, hi = 1, batch                         # lo plans, hi does not
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        lo, hi = (mid, hi) if fits(make_net(batch=mid), memory, policy, **kwargs) else (lo, mid)
+    return lo
 
 
 def _explained(err, advice) -> OutOfMemory:

@@ -53,13 +53,12 @@ import torch
 from hypothesis import HealthCheck, settings as _settings, strategies as st
 
 from . import graph
-from .errors import OutOfMemory
 from .ops import spec
 from .pool.allocator import block_rounded
 from .runtime import Runtime
 from .sched import recompute as recompute_mod
 from .sched.plan import (POLICIES, Alloc, Drop, Evict, Free, Launch, Mark, Offload, Prefetch,
-                         Release, Sync, Wait, plan)
+                         Release, Sync, Wait, fits, plan)
 from .units import parse_bytes
 
 __all__ = ["nets", "policies", "caps", "host_caps", "smallest_cap", "smallest_host_cap",
@@ -278,14 +277,6 @@ def _smallest(fits, hi: int) -> int:
     return hi * BLOCK_BYTES
 
 
-def _plans(net, memory, policy, **plan_kwargs) -> bool:
-    try:
-        plan(net, memory, policy, **plan_kwargs)
-        return True
-    except OutOfMemory:
-        return False
-
-
 def _roomy(net, policy, **plan_kwargs):
     """A plan with room for everything: eight times the layer outputs, plus 64 MiB."""
     everything = sum(layer.nbytes for layer in net) * 8 + (64 << 20)
@@ -296,12 +287,12 @@ def smallest_cap(net, policy: str, **plan_kwargs) -> int:
     """The smallest device cap (a whole number of pool blocks) at which `net` plans under
     `policy` with `plan_kwargs` (sn.plan's momentum=, conv_algos=, host_memory=, ...)."""
     hi = _roomy(net, policy, **plan_kwargs).required_bytes
-    return _smallest(lambda cap: _plans(net, cap, policy, **plan_kwargs), hi)
+    return _smallest(lambda cap: fits(net, cap, policy, **plan_kwargs), hi)
 
 
 def caps(net, policy: str, **plan_kwargs):
     """Device caps for `net` under `policy`, from the smallest feasible one (found by
-    bisection with sn.plan) up to one where nothing has to move; shrinks toward the
+    bisection with the planner's fit test, plan.fits) up to one where nothing has to move; shrinks toward the
     smallest, where the scheduler works hardest. Pass the plan_kwargs you plan with."""
     lo = smallest_cap(net, policy, **plan_kwargs)
     hi = max(lo, _roomy(net, policy, **plan_kwargs).required_bytes)
@@ -312,7 +303,7 @@ def smallest_host_cap(net, policy: str, memory, **plan_kwargs) -> int:
     """The smallest pinned host cap (whole blocks) at which `net` plans under `policy` and
     device cap `memory`; raises OutOfMemory when it does not plan even with unbounded host."""
     hi = plan(net, memory, policy, **plan_kwargs).host_bytes
-    return _smallest(lambda host: _plans(net, memory, policy, host_memory=host,
+    return _smallest(lambda host: fits(net, memory, policy, host_memory=host,
                                          **plan_kwargs), max(hi, BLOCK_BYTES))
 
 

@@ -292,8 +292,9 @@ def smallest_cap(net, policy: str, **plan_kwargs) -> int:
 
 def caps(net, policy: str, **plan_kwargs):
     """Device caps for `net` under `policy`, from the smallest feasible one (found by
-    bisection with the planner's fit test, plan.fits) up to one where nothing has to move; shrinks toward the
-    smallest, where the scheduler works hardest. Pass the plan_kwargs you plan with."""
+    bisection with the planner's fit test, plan.fits) up to one where nothing has to move;
+    shrinks toward the smallest, where the scheduler works hardest. Pass the plan_kwargs
+    you plan with."""
     lo = smallest_cap(net, policy, **plan_kwargs)
     hi = max(lo, _roomy(net, policy, **plan_kwargs).required_bytes)
     return st.integers(lo, hi)
@@ -303,8 +304,8 @@ def smallest_host_cap(net, policy: str, memory, **plan_kwargs) -> int:
     """The smallest pinned host cap (whole blocks) at which `net` plans under `policy` and
     device cap `memory`; raises OutOfMemory when it does not plan even with unbounded host."""
     hi = plan(net, memory, policy, **plan_kwargs).host_bytes
-    return _smallest(lambda host: fits(net, memory, policy, host_memory=host,
-                                         **plan_kwargs), max(hi, BLOCK_BYTES))
+    return _smallest(lambda host: fits(net, memory, policy, host_memory=host, **plan_kwargs),
+                     max(hi, BLOCK_BYTES))
 
 
 def host_caps(net, policy: str, memory, **plan_kwargs):

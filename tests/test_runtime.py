@@ -304,7 +304,7 @@ def test_a_graph_replaying_runtime_is_freed_with_its_last_reference():
 
     def replay(rt):
         images, labels = batch_for(rt.net)
-        for _ in range(sn.GRAPH_WARMUP + 2):
+        for _ in range(sn.runtime.GRAPH_WARMUP + 2):
             rt.step(images, labels)
         assert rt.replay.graph is not None
         rt.predict(images)

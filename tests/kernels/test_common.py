@@ -87,3 +87,19 @@ def test_compiling_in_parallel_compiles_without_running():
     assert [len(k.device_caches[0][0]) for k in (act._relu_fwd_kernel,)] == compiled
     lrn.forward(xs, ys, size=3, alpha=1e-4, beta=0.75, k=2.0)
     assert not bool((ys == 7).all())
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_bench_ms_times_the_gpu_not_a_slow_host():
+    """A call that costs the host 300 us and the GPU a few: bench_ms reports the GPU's time
+    (timed naively, every pair of events would bracket the host's 300 us)."""
+    import time
+
+    x = torch.randn(1024, device="cuda")
+
+    def slow_launch():
+        time.sleep(3e-4)
+        x.mul_(1.0)
+
+    assert _common.bench_ms(slow_launch, rep_ms=2) < 0.1

@@ -8,6 +8,7 @@ import contextlib
 import hashlib
 import inspect
 import os
+import time
 
 import torch
 import triton
@@ -114,20 +115,29 @@ class HostRestore:
 def bench_ms(fn, quantiles=None, warmup_ms: float = 5, rep_ms: float = 20):
     """Milliseconds per call of `fn` on the GPU from CUDA events: the median, or a list of
     `quantiles` (triton's do_bench interface). Allocates no device memory: there is no L2
-    flush between calls, so small kernels time as they run inside a training step, warm."""
+    flush between calls, so small kernels time as they run inside a training step, warm.
+
+    The GPU time alone, not the host's: a call whose launch costs the host more than its
+    kernels cost the GPU (tinysn's launchers on a small conv: ~100 us against ~10) would
+    otherwise time the host, as the GPU idles between the events until the launch arrives.
+    The timed calls are queued behind a GPU-side wait (`_hold_queue`) long enough for the
+    host to enqueue all of them, so each pair of events brackets kernels back to back."""
     fn()
     torch.cuda.synchronize()
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    host = time.perf_counter()
     start.record()
     for _ in range(3):
         fn()
     end.record()
+    host = (time.perf_counter() - host) / 3
     end.synchronize()
     estimate = max(start.elapsed_time(end) / 3, 1e-3)
     for _ in range(max(1, int(warmup_ms / estimate))):
         fn()
     events = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
               for _ in range(min(1000, max(1, int(rep_ms / estimate))))]
+    _hold_queue(2 * host * len(events))
     for a, b in events:
         a.record()
         fn()
@@ -136,6 +146,22 @@ def bench_ms(fn, quantiles=None, warmup_ms: float = 5, rep_ms: float = 20):
     times = sorted(a.elapsed_time(b) for a, b in events)
     pick = lambda q: times[min(len(times) - 1, round(q * (len(times) - 1)))]  # noqa: E731
     return pick(0.5) if quantiles is None else [pick(q) for q in quantiles]
+
+
+# Cached measurements of an older timer are not reused (kernels' tuning picks, conv rankings
+# and their times): version 2 times the GPU alone; version 1 timed the host's launch cost
+# wherever it exceeded the kernels' (small convs, small batches).
+TIMER_VERSION = 2
+
+# GPU clock cycles per second assumed by `_hold_queue` (the H200's boost clock is 1.98 GHz; a
+# slower clock only makes the wait longer, which is harmless)
+_SPIN_HZ = 2.0e9
+
+
+def _hold_queue(seconds: float) -> None:
+    """Keep the current stream busy for about `seconds` (at most half a second) with one
+    spinning kernel, so that work queued behind it starts back to back."""
+    torch.cuda._sleep(int(min(seconds, 0.5) * _SPIN_HZ))
 
 
 def tuning_bench_ms(fn, quantiles=None):
@@ -323,9 +349,10 @@ def _tuning_key(tuner, args, kwargs) -> tuple:
 
 def _disk_key(tuner, tuning_key) -> list:
     """The disk cache's key for one tuning: GPU, triton and torch (cache.device_key), the
-    kernel's name and source hash, the configs tuned over, and the tuning key (the shape)."""
-    return [list(cache.device_key()), tuner.base_fn.__name__, _source_key(tuner),
-            [str(c) for c in tuner.configs], [str(v) for v in tuning_key]]
+    timer's version, the kernel's name and source hash, the configs tuned over, and the
+    tuning key (the shape)."""
+    return [list(cache.device_key()), TIMER_VERSION, tuner.base_fn.__name__,
+            _source_key(tuner), [str(c) for c in tuner.configs], [str(v) for v in tuning_key]]
 
 
 def _source_key(tuner) -> str:

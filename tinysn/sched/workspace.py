@@ -105,14 +105,16 @@ class AlgoChooser:
 def rankings_path(device, kind: str = "conv-rankings"):
     """The file that keeps conv rankings (`kind` "conv-times": the times they come from)
     measured on `device`'s GPU model with this triton, torch and TINYSN_AUTOTUNE setting
-    (measurements of other setups are not mixed in)."""
+    (measurements of other setups are not mixed in), timed by today's timer
+    (kernels/_common.TIMER_VERSION)."""
     import torch
     import triton
 
-    from ..kernels._common import TUNE
+    from ..kernels._common import TIMER_VERSION, TUNE
 
     gpu = "".join(c if c.isalnum() else "-" for c in torch.cuda.get_device_name(device))
-    name = f"{gpu}-triton{triton.__version__}-torch{torch.__version__}-autotune{int(TUNE)}.json"
+    name = (f"{gpu}-triton{triton.__version__}-torch{torch.__version__}-autotune{int(TUNE)}"
+            f"-timer{TIMER_VERSION}.json")
     return cache.cache_dir() / kind / name
 
 

@@ -5,9 +5,10 @@ rows), plan the same configuration again (on any machine: planning needs no GPU)
 
     PYTHONPATH=. python3 bench/predict.py [--results bench/results] [--out PATH]
 
-The plan made here uses the default conv rankings (the GPU run used measured ones), so its
-kernels may differ in workspace, not in the bytes it moves or the kernels' costs the model
-counts. A run is planned again as it was planned when measured: with the `device_model`
+A run that recorded its measured conv times is planned with the rankings they give
+(workspace.rankings_of), so the plan made here takes the algorithms the run took; an older
+run is planned with the default rankings (least workspace first), whose kernels may differ
+from the run's in workspace, not in the bytes moved. A run is planned again as it was planned when measured: with the `device_model`
 its planner chose with, and a memory run with its `trade_budget` and prefetch `lookahead`.
 Runs that record none of these ran earlier planners: `PLANNED_BEFORE` holds the device
 figures those chose with, a missing budget is 0 (no trade search yet) and a missing
@@ -24,6 +25,7 @@ from pathlib import Path
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import tinysn as sn  # noqa: E402
 from bench.common import add_out_argument, write  # noqa: E402
+from tinysn.sched import workspace  # noqa: E402
 from tinysn.sched.timing import DeviceModel, simulate  # noqa: E402
 from tinysn.units import format_bytes  # noqa: E402
 
@@ -44,8 +46,9 @@ def compare(net, memory, policy, measured: dict, graphed=False, host_memory=None
     """One row: the prediction for `net` planned as it was measured (`measured`: the run's
     seconds per step and the bytes it moved), and its error. Equal bytes moved say the plan
     made here is the one that ran."""
-    plan = sn.plan(net, memory, policy, host_memory=host_memory, **plan_kw)
     conv_times = plan_kw["device_model"].conv_times     # measured where the run had them
+    plan = sn.plan(net, memory, policy, host_memory=host_memory,
+                   rankings=conv_times and workspace.rankings_of(conv_times), **plan_kw)
     timeline = simulate(plan, DeviceModel.h200(graphed=graphed, conv_times=conv_times))
     return {"batch": net.batch, "memory": memory, "policy": policy, "cuda_graph": graphed,
             "measured_s": measured["s"], "predicted_s": timeline.step_s,

@@ -124,6 +124,9 @@ def test_deep_resnet_graph_run_as_quoted():
     assert run["conv_fc_layers"] == 6201
     assert f"{real['seconds_per_step']:.2f} s per step, {real['images_per_s']:.1f}" in BENCH_README
     assert f"{real['transfer_gb_per_s']:.1f} GB/s moved" in BENCH_README
+    assert real["process_peak_within_cap"]
+    assert f"whole run\n(rankings, graph capture, steps) is {real['process_peak_bytes']:,} B" \
+        in BENCH_README
 
 
 def test_step_time_table_is_what_predict_prints():
@@ -136,3 +139,12 @@ def test_step_time_table_is_what_predict_prints():
     lines = set(BENCH_README.splitlines())
     for line in predict.table(rows):
         assert line in lines, line
+
+
+def test_oversubscription_table_quotes_the_json():
+    from bench import oversub
+    rows = oversub.table_rows(load("oversub-NVIDIA-H200.json"))
+    assert rows
+    lines = set(BENCH_README.splitlines())
+    for row in rows:
+        assert row in lines, row

@@ -50,3 +50,18 @@ def test_pinned_algorithms_hold_under_every_policy():
 def test_unknown_phase_in_pinned_algorithms_is_an_error():
     with pytest.raises(ValueError, match="phases"):
         sn.plan(conv_net(), "64MiB", "all", conv_algos={"sideways": "im2col"})
+
+
+def test_rankings_from_recorded_times_order_each_phase_fastest_first():
+    """A run's recorded conv times give back its rankings, so a plan made again from them
+    takes the algorithms the run took (bench/predict.py)."""
+    net = conv_net()
+    geometry = workspace.conv_geometry(net["c2"])
+    times = {(*geometry, "forward"): {"implicit": 3e-6, "im2col": 1e-6},
+             (*geometry, "backward_data"): {"implicit": 1e-6, "transposed": 2e-6,
+                                            "zero_insert": 5e-6}}
+    rankings = workspace.rankings_of(times)
+    assert rankings == {(*geometry, "forward"): ["im2col", "implicit"],
+                        (*geometry, "backward_data"): ["implicit", "transposed", "zero_insert"]}
+    roomy = sn.plan(net, "64MiB", "all", rankings=rankings)
+    assert roomy.conv_algos["c2"]["forward"] == "im2col"

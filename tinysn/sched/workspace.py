@@ -210,14 +210,20 @@ def _time_all(geometries, scratch, rep_ms, progress) -> tuple:
     seconds per image}}) for `geometries`, timed one by one (at the batch each fits)."""
     from tqdm import tqdm
 
-    measured, seconds = {}, {}
+    seconds = {}
     for g in tqdm(geometries, desc="conv rankings", unit="shape", file=sys.stderr,
                   disable=not progress):
         timed, batch = _time_geometry(g, scratch, rep_ms)
         for phase, times in timed.items():
-            measured[(*g, phase)] = sorted(times, key=times.get)
             seconds[(*g, phase)] = {algo: ms / 1e3 / batch for algo, ms in times.items()}
-    return measured, seconds
+    return rankings_of(seconds), seconds
+
+
+def rankings_of(times: dict) -> dict:
+    """Rankings ({(*geometry, phase): algorithms fastest first}) from measured times
+    ({(*geometry, phase): {algorithm: seconds}}, the "conv-times" a run records): a plan
+    made again from a run's recorded times chooses the algorithms the run chose."""
+    return {key: sorted(algos, key=algos.get) for key, algos in times.items()}
 
 
 def _numel(shape) -> int:

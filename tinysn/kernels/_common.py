@@ -120,8 +120,10 @@ def bench_ms(fn, quantiles=None, warmup_ms: float = 5, rep_ms: float = 20):
     The GPU time alone, not the host's: a call whose launch costs the host more than its
     kernels cost the GPU (tinysn's launchers on a small conv: ~100 us against ~10) would
     otherwise time the host, as the GPU idles between the events until the launch arrives.
-    The timed calls are queued behind a GPU-side wait (`_hold_queue`) long enough for the
-    host to enqueue all of them, so each pair of events brackets kernels back to back."""
+    Where the first calls show the host pacing the GPU, the timed calls are queued behind a
+    GPU-side wait (`_hold_queue`) long enough for the host to enqueue all of them, so each
+    pair of events brackets kernels back to back; where the GPU is the slower side, the
+    queue stays full by itself and nothing waits."""
     fn()
     torch.cuda.synchronize()
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
@@ -137,7 +139,8 @@ def bench_ms(fn, quantiles=None, warmup_ms: float = 5, rep_ms: float = 20):
         fn()
     events = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
               for _ in range(min(1000, max(1, int(rep_ms / estimate))))]
-    _hold_queue(2 * host * len(events))
+    if estimate < 1.5 * host * 1e3:    # the host, not the GPU, paced those calls
+        _hold_queue(1.5 * (host + 1e-5) * len(events))
     for a, b in events:
         a.record()
         fn()

@@ -2,14 +2,16 @@
 
     PYTHONPATH=. python bench/conv_configs.py --out conv-configs.json     # on a GPU
 
-For 17 conv shapes at batch 32 (every VGG16 3x3 size, ResNet-50's 3x3 and 1x1 sizes), times
-the forward kernel (also the "flipped" data gradient of a stride-1 conv) and the split-K
-weight-gradient kernel under every candidate config (today's lists plus wider and deeper
-tiles), median of triton's do_bench, beside cuDNN's time for the same direction. Then picks
-greedily the 8 forward / 4 weight-gradient configs whose best-per-shape total time is
-smallest, first the best single config (what TINYSN_AUTOTUNE=0 runs). `_FWD_CONFIGS` and
-`_WGT_CONFIGS` in tinysn/kernels/conv.py are that pick. Every candidate is compiled first in
-parallel (about 30 s for 680 variants on 16 cores), then timed (about 30 s).
+For 17 conv shapes at batch 32 (every VGG16 3x3 size, ResNet-50's 3x3 and 1x1 sizes, all
+stride 1), times each autotuned conv kernel under every candidate config (today's list plus
+wider and deeper tiles), median of triton's do_bench, beside cuDNN's time for the same
+direction: the forward kernel (also the "flipped" data gradient), the implicit and the
+"transposed" data-gradient kernels, and the weight-gradient kernel as "splitk" and as
+"onepass" (one tuner, one list for both). Then picks, per tuner, greedily the configs whose
+best-per-shape total time is smallest, first the best single config (what
+TINYSN_AUTOTUNE=0 runs), as many as today's list holds. The forward and weight-gradient lists
+in tinysn/kernels/conv.py are such a pick (the data-gradient lists are hand-picked). Every
+candidate is compiled first, in parallel, then timed.
 """
 import argparse
 import os
@@ -26,6 +28,7 @@ from tinysn.kernels import _common, conv  # noqa: E402
 
 cfg = conv._cfg
 BATCH = 32
+DEVICE = "cuda"
 # (C, K, H=W, R=S), stride 1, padding R // 2
 SHAPES = [
     (64, 64, 224, 3), (128, 128, 112, 3), (256, 256, 56, 3), (512, 512, 28, 3), (512, 512, 14, 3),
@@ -47,6 +50,11 @@ EXTRA_WGT = [
     cfg(128, 128, 32, 4, 4), cfg(64, 128, 32, 4, 4), cfg(128, 128, 32, 8, 4), cfg(64, 64, 64, 4, 4),
     cfg(128, 64, 32, 4, 3), cfg(128, 256, 32, 8, 3), cfg(64, 64, 64, 4, 3), cfg(128, 64, 32, 4, 4),
     cfg(128, 128, 32, 8, 3),
+]
+EXTRA_DATA = [
+    cfg(128, 128, 16, 8, 5), cfg(128, 256, 32, 8, 4, False), cfg(128, 64, 32, 4, 3),
+    cfg(64, 256, 32, 8, 4), cfg(128, 128, 32, 8, 4), cfg(128, 128, 64, 8, 3), cfg(64, 128, 64, 4, 4),
+    cfg(256, 128, 32, 8, 3), cfg(128, 64, 64, 4, 4),
 ]
 SMEM_BYTES = 200 * 1024   # what a config's pipeline stages may hold (H200: 227 KiB per SM)
 
@@ -83,24 +91,53 @@ class ForcedConfig:
         tuner.fn[grid(self.config.kwargs)](*args, **kwargs, **self.config.all_kwargs())
 
 
-def problem(c, k, hw, r):
-    """(tinysn forward, tinysn split-K weight gradient, cuDNN forward, cuDNN weight
-    gradient) for one shape, on random inputs."""
+def problem(c, k, hw, r) -> dict:
+    """{phase: (tinysn call, cuDNN call)} for one shape, on random inputs. Phases:
+    "forward", "data_implicit", "data_transposed", "weight_splitk", "weight_onepass"."""
     pad = r // 2
-    x = torch.randn(BATCH, c, hw, hw, device="cuda")
-    w = torch.randn(k, c, r, r, device="cuda") * 0.05
-    y = torch.empty(BATCH, k, hw, hw, device="cuda")
+    x = torch.randn(BATCH, c, hw, hw, device=DEVICE)
+    w = torch.randn(k, c, r, r, device=DEVICE) * 0.05
+    y = torch.empty(BATCH, k, hw, hw, device=DEVICE)
     dy = torch.randn_like(y)
-    dw = torch.empty_like(w)
-    ws = torch.empty(conv.workspace_bytes(x.shape, w.shape, 1, pad, "backward_weight", "splitk")
-                     // 4 + 1, device="cuda")
-    return (lambda: conv.forward(x, w, None, y, stride=1, padding=pad),
-            lambda: conv.backward_weight(x, dy, dw, None, stride=1, padding=pad, algo="splitk",
-                                         workspace=ws),
-            lambda: torch.nn.functional.conv2d(x, w, None, 1, pad),
-            lambda: torch.ops.aten.convolution_backward(
-                dy, x, w, None, (1, 1), (pad, pad), (1, 1), False, (0, 0), 1,
-                (False, True, False)))
+    dx, dw = torch.empty_like(x), torch.empty_like(w)
+    ws = torch.empty(max(conv.workspace_bytes(x.shape, w.shape, 1, pad, phase, algo)
+                         for phase, algo in (("backward_weight", "splitk"),
+                                             ("backward_data", "transposed"))) // 4 + 1,
+                     device=DEVICE)
+
+    def cudnn(mask):
+        return lambda: torch.ops.aten.convolution_backward(
+            dy, x, w, None, (1, 1), (pad, pad), (1, 1), False, (0, 0), 1, mask)
+
+    data = cudnn((True, False, False))
+    weight = cudnn((False, True, False))
+    return {
+        "forward": (lambda: conv.forward(x, w, None, y, stride=1, padding=pad),
+                    lambda: torch.nn.functional.conv2d(x, w, None, 1, pad)),
+        "data_implicit": (lambda: conv.backward_data(dy, w, dx, stride=1, padding=pad), data),
+        "data_transposed": (lambda: conv.backward_data(dy, w, dx, stride=1, padding=pad,
+                                                       algo="transposed", workspace=ws), data),
+        "weight_splitk": (lambda: conv.backward_weight(x, dy, dw, None, stride=1, padding=pad,
+                                                       algo="splitk", workspace=ws), weight),
+        "weight_onepass": (lambda: conv.backward_weight(x, dy, dw, None, stride=1, padding=pad),
+                           weight),
+    }
+
+
+def tuners() -> dict:
+    """{tuner name: (the autotuner, today's configs, candidates, the phases it serves)}."""
+    data = candidates(conv._DATA_CONFIGS, EXTRA_DATA)
+    return {
+        "forward": (conv._conv_fwd, conv._FWD_CONFIGS,
+                    candidates(conv._FWD_CONFIGS, EXTRA_FWD), ("forward",)),
+        "data_implicit": (conv._conv_bwd_data, conv._DATA_CONFIGS, data, ("data_implicit",)),
+        "data_transposed": (conv._conv_bwd_data_t, conv._T_CONFIGS,
+                            candidates(conv._T_CONFIGS,
+                                       [conv._flat(c, f) for c in data for f in (False, True)]),
+                            ("data_transposed",)),
+        "weight": (conv._conv_bwd_weight, conv._WGT_CONFIGS,
+                   candidates(conv._WGT_CONFIGS, EXTRA_WGT), ("weight_splitk", "weight_onepass")),
+    }
 
 
 def greedy(rows, count) -> list:
@@ -113,16 +150,72 @@ def greedy(rows, count) -> list:
     return chosen
 
 
-def time_phase(forced, fn, cands) -> list:
+def median_ms(fn) -> float:
+    return do_bench(fn, warmup=5, rep=25, return_mode="median")
+
+
+def time_configs(forced, fn, configs) -> list:
+    """Median ms of `fn` under each config (inf where it fails to launch: never picked)."""
     out = []
-    for c in cands:
+    for c in configs:
         forced.config = c
         try:
-            out.append(do_bench(fn, warmup=5, rep=25, return_mode="median"))
-        except Exception as err:   # a config that fails to launch is never picked
+            out.append(median_ms(fn))
+        except Exception as err:
             print(f"  {c}: {type(err).__name__}: {str(err)[:80]}")
             out.append(float("inf"))
     return out
+
+
+def sweep(problems, tuned) -> list:
+    """One row per (shape, phase): every candidate's ms, today's best, cuDNN's ms. conv's
+    launches run the forced config meanwhile."""
+    forced = ForcedConfig({id(t): cands for t, _, cands, _ in tuned.values()})
+    launch, conv._launch = conv._launch, forced
+    try:
+        return _sweep(problems, tuned, forced)
+    finally:
+        conv._launch = launch
+
+
+def _sweep(problems, tuned, forced) -> list:
+    started = time.perf_counter()
+    if not _common.INTERPRET:       # the interpreter compiles nothing
+        with _common.compiling_in_parallel():
+            for calls in problems:
+                for fn, _ in calls.values():
+                    fn()
+    print(f"compiled in {time.perf_counter() - started:.0f} s", flush=True)
+    rows = []
+    for shape, calls in zip(SHAPES, problems):
+        for name, (_, today, cands, phases) in tuned.items():
+            for phase in phases:
+                fn, ref = calls[phase]
+                ms = time_configs(forced, fn, cands)
+                r = {"shape": list(shape), "tuner": name, "phase": phase, "ms": ms,
+                     "today_ms": min(ms[:len(today)]),
+                     "cudnn_ms": median_ms(ref)}
+                rows.append(r)
+                print(f"{str(shape):<20} {phase:<16} cuDNN {r['cudnn_ms']:.4f} ms, today's "
+                      f"best {r['today_ms']:.4f} ({r['cudnn_ms'] / r['today_ms']:.2f}x), best "
+                      f"{min(ms):.4f} ({r['cudnn_ms'] / min(ms):.2f}x)", flush=True)
+    return rows
+
+
+def pick_all(rows, tuned) -> dict:
+    """{tuner name: its greedy pick, as many configs as today's list}, each printed with
+    the pick's, today's and cuDNN's total time over the shapes."""
+    picks = {}
+    for name, (_, today, cands, _) in tuned.items():
+        mine = [r for r in rows if r["tuner"] == name]
+        pick = greedy(mine, len(today))
+        picks[name] = [str(cands[i]) for i in pick]
+        print(f"{name}: pick {sum(min(r['ms'][i] for i in pick) for r in mine):.3f} ms, today's "
+              f"{sum(r['today_ms'] for r in mine):.3f} ms, cuDNN "
+              f"{sum(r['cudnn_ms'] for r in mine):.3f} ms")
+        for c in picks[name]:
+            print(f"  {c}")
+    return picks
 
 
 def main():
@@ -133,41 +226,11 @@ def main():
         print("bench/conv_configs.py needs a CUDA GPU")
         return 1
     torch.backends.cudnn.allow_tf32 = True
-    phases = {"forward": candidates(conv._FWD_CONFIGS, EXTRA_FWD),
-              "backward_weight": candidates(conv._WGT_CONFIGS, EXTRA_WGT)}
-    forced = ForcedConfig({id(conv._conv_fwd): phases["forward"],
-                           id(conv._conv_bwd_weight): phases["backward_weight"]})
-    conv._launch = forced
-    problems = [problem(*s) for s in SHAPES]
-    started = time.perf_counter()
-    with _common.compiling_in_parallel():
-        for fwd, wgt, _, _ in problems:
-            fwd()
-            wgt()
-    print(f"compiled in {time.perf_counter() - started:.0f} s", flush=True)
-    rows = []
-    for shape, (fwd, wgt, cudnn_fwd, cudnn_wgt) in zip(SHAPES, problems):
-        for phase, fn, ref in (("forward", fwd, cudnn_fwd), ("backward_weight", wgt, cudnn_wgt)):
-            ms = time_phase(forced, fn, phases[phase])
-            today = len(conv._FWD_CONFIGS if phase == "forward" else conv._WGT_CONFIGS)
-            rows.append({"shape": list(shape), "phase": phase, "ms": ms, "today_ms": min(ms[:today]),
-                         "cudnn_ms": do_bench(ref, warmup=5, rep=25, return_mode="median")})
-            r = rows[-1]
-            print(f"{str(shape):<20} {phase:<16} cuDNN {r['cudnn_ms']:.4f} ms, today's best "
-                  f"{r['today_ms']:.4f} ({r['cudnn_ms'] / r['today_ms']:.2f}x), best "
-                  f"{min(ms):.4f} ({r['cudnn_ms'] / min(ms):.2f}x)", flush=True)
-    picks = {}
-    for phase, count in (("forward", 8), ("backward_weight", 4)):
-        of_phase = [r for r in rows if r["phase"] == phase]
-        pick = greedy(of_phase, count)
-        picks[phase] = [str(phases[phase][i]) for i in pick]
-        print(f"{phase}: pick total {sum(min(r['ms'][i] for i in pick) for r in of_phase):.3f} ms, "
-              f"today's {sum(r['today_ms'] for r in of_phase):.3f} ms, cuDNN "
-              f"{sum(r['cudnn_ms'] for r in of_phase):.3f} ms")
-        for c in picks[phase]:
-            print(f"  {c}")
-    common.write(args.out, {"batch": BATCH, "candidates": {p: [str(c) for c in cs]
-                                                           for p, cs in phases.items()},
+    tuned = tuners()
+    rows = sweep([problem(*s) for s in SHAPES], tuned)
+    picks = pick_all(rows, tuned)
+    common.write(args.out, {"batch": BATCH, "shapes": [list(s) for s in SHAPES],
+                            "candidates": {n: [str(c) for c in t[2]] for n, t in tuned.items()},
                             "rows": rows, "picks": picks})
     return 0
 

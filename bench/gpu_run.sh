@@ -34,8 +34,8 @@ for stage in "$@"; do
     # the process-wide cap (tests/test_cap.py) with autotuning ON: tuning must stay in the cap
     cap)      timeout -k 30 ${CAP_S:-300} python3 bench/gpu_tests.py --out "$OUT/gpu-tests-cap-$GPU.json" -- -q -s -rfE -p no:benchmark -m gpu -p no:cacheprovider tests/test_cap.py 2>&1 | tail -30 ;;
     kernels)  timeout ${KERNELS_S:-330} python3 bench/kernels.py ${KERNELS_ONLY:+--only $KERNELS_ONLY} --out "$OUT/kernels-$GPU.json" 2>&1 | tail -70 ;;
-    # the conv autotuners' config lists: a wider sweep on VGG16 / ResNet-50 shapes, greedy pick
-    conv-configs) timeout ${CONFIGS_S:-200} python3 bench/conv_configs.py --out "$OUT/conv-configs-$GPU.json" 2>&1 | tail -34 ;;
+    # the conv autotuners' config lists: every tuner under a wider sweep on VGG16 / ResNet-50 shapes, greedy pick
+    conv-configs) timeout ${CONFIGS_S:-300} python3 bench/conv_configs.py --out "$OUT/conv-configs-$GPU.json" 2>&1 | tail -34 ;;
     pool)     timeout 120 python3 bench/pool.py --out "$OUT/pool-$GPU.json" 2>&1 | tail -12 ;;
     # batch 32, each model in its own process and time limit (default kernels, autotuned):
     # PyTorch eager NCHW / channels-last / torch.compile, tinysn eager / graphed

@@ -19,3 +19,38 @@ def test_candidates_keep_todays_configs_first_and_drop_repeats_and_oversized_til
     assert [str(c) for c in out[len(today):]] == [str(conv._cfg(32, 32, 32, 4, 2))]
     assert not conv_configs.fits(big)
     assert all(conv_configs.fits(c) for c in conv._FWD_CONFIGS + conv._WGT_CONFIGS)
+
+
+def test_every_conv_autotuner_is_swept_from_its_own_list():
+    tuned = conv_configs.tuners()
+    assert set(tuned) == {"forward", "data_implicit", "data_transposed", "weight"}
+    phases = [p for _, _, _, served in tuned.values() for p in served]
+    assert sorted(phases) == sorted(["forward", "data_implicit", "data_transposed",
+                                     "weight_splitk", "weight_onepass"])
+    for tuner, today, cands, _ in tuned.values():
+        assert [str(c) for c in tuner.all_configs] == [str(c) for c in today]
+        assert cands[:len(today)] == list(today) and len(cands) > len(today)
+        assert len({str(c) for c in cands}) == len(cands)
+
+
+def test_a_sweep_on_the_cpu_times_every_phase_under_every_candidate(monkeypatch):
+    """The sweep's plumbing on one tiny shape under the interpreter: each phase runs under
+    each of its tuner's configs (counted by a stand-in timer), the rows and picks follow,
+    and conv's launcher is restored afterwards."""
+    calls = []
+    monkeypatch.setattr(conv_configs, "DEVICE", "cpu")
+    monkeypatch.setattr(conv_configs, "BATCH", 1)
+    monkeypatch.setattr(conv_configs, "SHAPES", [(3, 4, 5, 3)])
+    monkeypatch.setattr(conv_configs, "median_ms",
+                        lambda fn: (fn(), calls.append(1), float(len(calls)))[2])
+    tuned = {name: (t, list(today)[:1], list(today)[:2], phases)
+             for name, (t, today, _, phases) in conv_configs.tuners().items()}
+    launch = conv._launch
+    rows = conv_configs.sweep([conv_configs.problem(*s) for s in conv_configs.SHAPES], tuned)
+    assert conv._launch is launch
+    assert [r["phase"] for r in rows] == ["forward", "data_implicit", "data_transposed",
+                                          "weight_splitk", "weight_onepass"]
+    assert all(len(r["ms"]) == 2 and r["today_ms"] == r["ms"][0] for r in rows)
+    assert len(calls) == 5 * 3                      # two configs and cuDNN per phase
+    picks = conv_configs.pick_all(rows, tuned)      # the stand-in timer: earlier is faster
+    assert picks == {name: [str(cands[0])] for name, (_, _, cands, _) in tuned.items()}

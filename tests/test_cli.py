@@ -147,8 +147,13 @@ def test_plan_every_marks_what_does_not_fit_and_what_would(capsys):
     status, out, _ = run_main(["plan", "--model", "alexnet", "--batch", "200",
                                "--memory", "2GiB"], capsys)
     assert status == 0
-    rows = dict(line.strip().split(":", 1) for line in out.splitlines())
+    lines = out.splitlines()
+    rows = dict(line.strip().split(":", 1) for line in lines if not line.startswith(" " * 10))
     assert set(rows) == set(sn.POLICIES)
+    # a policy that moves bytes is followed by where its predicted step idles
+    after_offload = lines[[i for i, line in enumerate(lines) if line.strip().startswith(
+        "offload:")][0] + 1]
+    assert after_offload.strip().startswith("compute stream idle (waiting for copies or")
     assert rows["baseline"].startswith(" does not fit. To fit, raise --memory to ")
     assert all("peak" in rows[p] for p in sn.POLICIES if p != "baseline")
     largest = int(rows["baseline"].split("--batch to ")[1].rstrip("."))
@@ -186,6 +191,8 @@ def test_plan_json_dash_is_stdout_only(capsys):
         seconds = sn.plan(net, "12GiB", policy).predicted_step_s
         assert figures[policy]["predicted_step_s"] == pytest.approx(seconds)
     assert f"H200 step {figures['all']['predicted_step_s']:.3f} s" in err
+    assert set(figures["all"]["predicted_compute_waits_s"]) <= {"forward", "recompute",
+                                                                "backward"}
 
 
 def test_plan_plot_draws_the_cap(tmp_path, capsys):

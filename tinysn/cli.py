@@ -599,6 +599,10 @@ def _plan(args) -> int:
               f"{p.bytes_to_host / 2**20:9.1f} MiB  to device {p.bytes_to_device / 2**20:9.1f} MiB"
               f"  host arena {p.host_bytes / 2**20:9.1f} MiB  recomputed {p.recomputed_steps:4d}"
               f"  steps {len(p.steps)}  H200 step {p.predicted_step_s:.3f} s", file=out)
+        waits = figures[policy]["predicted_compute_waits_s"]
+        if p.bytes_to_host and sum(waits.values()) > 0:
+            print(f"{'':>9}  compute stream idle (waiting for copies or launches): "
+                  + ", ".join(f"{s:.3f} s {phase}" for phase, s in waits.items()), file=out)
     _write_plan_outputs(args, fitted, figures, out)
     if not fitted:
         raise OutOfMemory(f"no policy fits {args.model} at batch {args.batch} under "
@@ -607,9 +611,11 @@ def _plan(args) -> int:
 
 
 def _figures(p) -> dict:
+    from .sched.timing import simulate
     return {"fits": True, "peak_bytes": p.peak_bytes, "bytes_to_host": p.bytes_to_host,
             "bytes_to_device": p.bytes_to_device, "recomputed_steps": p.recomputed_steps,
             "predicted_step_s": p.predicted_step_s,
+            "predicted_compute_waits_s": simulate(p, p.device_model).compute_waits(),
             "timeline": [[s.bytes_in_use, s.live_tensors] for s in p.steps]}
 
 

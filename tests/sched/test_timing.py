@@ -111,3 +111,16 @@ def test_measured_conv_times_replace_the_formula_where_they_cover_the_plans_choi
     assert timing.simulate(plan, measured).compute_s < timing.simulate(plan).compute_s
     again = timing.DeviceModel.from_record(json.loads(json.dumps(measured.record())))
     assert again == measured and again.conv_times == times
+
+
+def test_compute_waits_add_up_to_the_idle_time_and_land_in_the_phase_that_waited():
+    """The idle time per phase sums to the step minus the kernels (launch cost 0); a slow
+    host-to-device link puts it in the backward pass, a slow link out in the forward pass."""
+    plan = sn.plan(sn.models.resnet(blocks=[1, 1, 1, 1], **NET), "1GiB", "offload")
+    for slow, phase in (("to_device_bytes_per_s", "backward"), ("to_host_bytes_per_s", "forward")):
+        tl = timing.simulate(plan, model(launch_s=0.0, **{slow: 1e6}))
+        waits = tl.compute_waits()
+        last_kernel = max(e[3] for e in tl.events if e[0] == "compute")
+        assert sum(waits.values()) == pytest.approx(last_kernel - tl.compute_s)
+        assert max(waits, key=waits.get) == phase, waits
+    assert list(timing.simulate(plan, model()).compute_waits()) == ["forward", "backward"]

@@ -85,6 +85,9 @@ H200_CONV_BYTES_PER_S = 2.28e12
 H200_LAUNCH_S = 144e-6
 
 
+_PHASE_ORDER = ["forward", "recompute", "backward"]
+
+
 @dataclass
 class Timeline:
     """One iteration as the model predicts it."""
@@ -93,6 +96,19 @@ class Timeline:
     to_host_s: float          # busy time of each copy stream
     to_device_s: float
     events: list = field(default_factory=list)   # (stream, name, start_s, end_s)
+
+    def compute_waits(self) -> dict:
+        """Seconds the compute stream stands idle before the launches of each phase
+        ("forward", "recompute", "backward"): waiting for a copy out to free its block or
+        for a prefetch to arrive (or, eager, for the host's launches)."""
+        waits, free_at = {}, 0.0
+        for stream, name, start, end in sorted(self.events, key=lambda e: e[2]):
+            if stream != "compute":
+                continue
+            phase = name.split(" ", 1)[0]
+            waits[phase] = waits.get(phase, 0.0) + max(0.0, start - free_at)
+            free_at = max(free_at, end)
+        return {phase: waits[phase] for phase in sorted(waits, key=_PHASE_ORDER.index)}
 
     @property
     def bound_by(self) -> str:

@@ -184,20 +184,23 @@ def simulate(plan, model: DeviceModel | None = None) -> Timeline:
         for op in step.ops:
             if isinstance(op, Launch):
                 host += model.launch_s
-                start = max(compute, host)
-                compute = start + kernel_seconds(plan, op, model)
-                busy["compute"] += compute - start
+                start, seconds = max(compute, host), kernel_seconds(plan, op, model)
+                compute = start + seconds
+                busy["compute"] += seconds      # durations, not end - start: the same sum
+                                                # whatever the start times' rounding
                 events.append(("compute", f"{step.phase} {step.layer}", start, compute))
             elif isinstance(op, (Offload, Evict)) and op.host_offset is not None:
                 start = max([to_host, compute] + [slots[w] for w in op.waits])
-                to_host = start + plan.tensors[op.tensor].nbytes / model.to_host_bytes_per_s
-                busy["to_host"] += to_host - start
+                seconds = plan.tensors[op.tensor].nbytes / model.to_host_bytes_per_s
+                to_host = start + seconds
+                busy["to_host"] += seconds
                 slots[op.slot] = to_host
                 events.append(("to_host", plan.tensors[op.tensor].name, start, to_host))
             elif isinstance(op, Prefetch):
                 start = max([to_device] + [slots[w] for w in op.waits])
-                to_device = start + plan.tensors[op.tensor].nbytes / model.to_device_bytes_per_s
-                busy["to_device"] += to_device - start
+                seconds = plan.tensors[op.tensor].nbytes / model.to_device_bytes_per_s
+                to_device = start + seconds
+                busy["to_device"] += seconds
                 slots[op.slot] = arrived[op.tensor] = to_device
                 events.append(("to_device", plan.tensors[op.tensor].name, start, to_device))
             elif isinstance(op, Wait):

@@ -184,10 +184,10 @@ def simulate(plan, model: DeviceModel | None = None) -> Timeline:
         for op in step.ops:
             if isinstance(op, Launch):
                 host += model.launch_s
+                # busy time sums durations, not end - start: equal work, equal sums
                 start, seconds = max(compute, host), kernel_seconds(plan, op, model)
                 compute = start + seconds
-                busy["compute"] += seconds      # durations, not end - start: the same sum
-                                                # whatever the start times' rounding
+                busy["compute"] += seconds
                 events.append(("compute", f"{step.phase} {step.layer}", start, compute))
             elif isinstance(op, (Offload, Evict)) and op.host_offset is not None:
                 start = max([to_host, compute] + [slots[w] for w in op.waits])

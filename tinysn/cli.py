@@ -600,7 +600,7 @@ def _plan(args) -> int:
               f"  host arena {p.host_bytes / 2**20:9.1f} MiB  recomputed {p.recomputed_steps:4d}"
               f"  steps {len(p.steps)}  H200 step {p.predicted_step_s:.3f} s", file=out)
         waits = figures[policy]["predicted_compute_waits_s"]
-        if p.bytes_to_host and sum(waits.values()) > 0:
+        if p.bytes_to_host and sum(waits.values()) >= 0.001:
             print(f"{'':>9}  compute stream idle (waiting for copies or launches): "
                   + ", ".join(f"{s:.3f} s {phase}" for phase, s in waits.items()), file=out)
     _write_plan_outputs(args, fitted, figures, out)

@@ -27,9 +27,11 @@ Policies (a ladder, each including the ones before it where it makes sense):
                conv, add and concat outputs recomputed too where the step-time model
                predicts a faster step (`_trade`), and prefetches issued up to a few layer
                passes ahead of need where memory allows and the model predicts that pays
-               (`_ahead`); the chosen run is planned again with the cache's victims
-               written back to the host right after their last use
-               (`_Search.write_back_early`)
+               (`_ahead`); all of that again with every recompute segment rebuilt once
+               and kept (speed-centric) instead of the paper's per-segment rule, and the
+               faster of the two by the model (`_speed_everywhere`); the chosen run is
+               planned again with the cache's victims written back to the host right
+               after their last use (`_Search.write_back_early`)
 """
 from __future__ import annotations
 
@@ -373,9 +375,35 @@ def _choose(search, policy, any_fit: bool = False) -> Plan:
         except OutOfMemory:
             pass
         fewest = _pick(search, VARIANTS, _moved_then_peak, any_fit)
-        return fewest if any_fit else _ahead(search, _trade(search, fewest))
+        if any_fit:
+            return fewest
+        best = _ahead(search, _trade(search, fewest))
+        if TRADE_STEPS // (2 * len(fewest.steps)) == 0:      # a net too deep to search
+            return best
+        return _faster(search, [best, _speed_everywhere(search)])
     # "recompute": cost-aware, recomputation only where it lowers the peak
     return _pick(search, VARIANTS, _peak, any_fit)
+
+
+def _speed_everywhere(search) -> Plan | None:
+    """The "all" pipeline (fewest bytes moved, `_trade`, `_ahead`) again with every
+    recompute segment speed-centric (recompute.strategies), or None when none of its
+    variants fits. Its plans hold more at once and may move more; the step-time model
+    decides (ResNet-50 under 12 GiB: predicted 14% faster at batch 256 and 24% at 512,
+    slower at 897, where the paper's rule stays)."""
+    variants = [recompute.Traded(v, frozenset(), True) for v in VARIANTS if v is not None]
+    try:
+        fewest = _pick(search, variants, _moved_then_peak, False)
+    except OutOfMemory:
+        return None
+    return _ahead(search, _trade(search, fewest))
+
+
+def _faster(search, plans) -> Plan:
+    """The plan of `plans` (None: did not fit) the model predicts fastest as it will run,
+    the earlier one on a tie."""
+    fitted = [p for p in plans if p is not None]
+    return min(fitted, key=search.step_seconds)
 
 
 def _trade(search, base: Plan) -> Plan:
@@ -383,9 +411,10 @@ def _trade(search, base: Plan) -> Plan:
     layers (conv, add, concat) and recomputes them: when PCIe bounds the step and compute
     has slack, a conv rebuilt from its input costs less time than its copy out and back.
     At most `search.trade_budget` plans (`_Trade` says how they are chosen), and at most
-    TRADE_STEPS plan steps in all: planning time grows with the step count, so a net of
-    thousands of layers (50,000 steps a plan) trades few layers or none, and its planning
-    stays within the time of a few plans."""
+    TRADE_STEPS plan steps in all, per search (policy "all" runs two: the paper's recompute
+    rule and speed-centric everywhere): planning time grows with the step count, so a net
+    of thousands of layers (50,000 steps a plan) trades few layers or none, and its
+    planning stays within the time of a few plans."""
     if not base.bytes_to_host:
         return base
     trade = _Trade(search, base)
@@ -413,12 +442,14 @@ class _Trade:
         self.search, self.refused = search, set()
         self.best, self.best_s = base, search.step_seconds(base)
         self.variant, self.chosen = recompute.split(base.drops)
+        self.speed_everywhere = recompute.speed_everywhere(base.drops)
 
     def attempt(self, variant, layers) -> bool:
         """Plan `variant` with `layers` dropped; keep it if it fits and is faster."""
         self.left -= 1
         try:
-            first = self.search.first(recompute.Traded(variant, frozenset(layers)))
+            first = self.search.first(recompute.Traded(variant, frozenset(layers),
+                                                       self.speed_everywhere))
         except OutOfMemory:
             return False
         seconds = self.search.step_seconds(first)
@@ -744,7 +775,8 @@ class _Planner:
         if self.recompute:
             l_peak = recompute.layer_peak(p, self._default_workspace)
             self.schedule = recompute.RecomputeSchedule(
-                p, self.dropped, recompute.strategies(p, l_peak, extra))
+                p, self.dropped, recompute.strategies(
+                    p, l_peak, extra, recompute.speed_everywhere(self.drops)))
             self.uses = self.schedule.uses
             keep = ckpt | recompute.extra_checkpoints(p, self.dropped, extra)
         else:

@@ -34,9 +34,12 @@ from ..ops import spec
 class Traded:
     """A drop choice of policy "all": the cheap layers' variant (None: no cheap layer is
     dropped; "from_checkpoints" or "strict" as in `dropped_tensors`) plus `layers`, the
-    indices of rebuildable layers whose outputs are dropped and recomputed as well."""
+    indices of rebuildable layers whose outputs are dropped and recomputed as well.
+    `speed_everywhere`: every segment is recomputed speed-centric (`strategies`), not only
+    those within l_peak."""
     variant: str | None
     layers: frozenset
+    speed_everywhere: bool = False
 
 
 def split(drops):
@@ -44,6 +47,11 @@ def split(drops):
     if isinstance(drops, Traded):
         return drops.variant, drops.layers
     return drops, frozenset()
+
+
+def speed_everywhere(drops) -> bool:
+    """Whether `drops` recomputes every segment speed-centric (Traded.speed_everywhere)."""
+    return isinstance(drops, Traded) and drops.speed_everywhere
 
 
 def _cheap(layer, extra=frozenset()) -> bool:
@@ -121,12 +129,17 @@ def layer_peak(program, workspace_of) -> int:
     return best
 
 
-def strategies(program, l_peak: int, extra=frozenset()) -> dict:
-    """tensor id -> "speed" | "memory" for every dropped tensor, by its segment's cost."""
+def strategies(program, l_peak: int, extra=frozenset(), everywhere: bool = False) -> dict:
+    """tensor id -> "speed" | "memory" for every dropped tensor, by its segment's cost (the
+    paper's rule), or "speed" for all with `everywhere`. A memory-centric segment rebuilds
+    its chain from the checkpoint for every backward step that reads it: where a traded
+    conv joins a stem or a block into one large segment, that is ten rebuilds of the same
+    convolutions, so under policy "all" the planner also tries speed-centric everywhere and
+    keeps the faster plan that fits (`plan._choose`)."""
     chosen = {}
     for seg in segments(program, extra):
         cost = sum(program.tensors[program.act[layer]].nbytes for layer in seg)
-        kind = "speed" if cost <= l_peak else "memory"
+        kind = "speed" if everywhere or cost <= l_peak else "memory"
         for layer in seg:
             chosen[program.act[layer]] = kind
     return chosen

@@ -261,3 +261,14 @@ def test_speed_centric_everywhere_marks_every_dropped_tensor_speed():
     rule = recompute.strategies(program, l_peak=0)             # every segment over l_peak
     assert set(rule.values()) == {"memory"}
     assert set(recompute.strategies(program, 0, everywhere=True).values()) == {"speed"}
+
+
+def test_a_speed_centric_everywhere_plan_trains_bitwise_equal(starved, monkeypatch):
+    """The Runtime runs a plan whose every recompute segment is speed-centric (forced
+    here: at this size the model prefers the paper's rule) to the same bits as baseline."""
+    monkeypatch.setattr(plan_mod, "_faster", lambda search, plans: [
+        p for p in plans if p is not None][-1])
+    net = snt.block_net(batch=2)
+    rts = snt.check_equivalent(net, ["baseline", "all"], steps=2, conv_algos={})
+    plan = rts["all"].plan
+    assert recompute.speed_everywhere(plan.drops) and plan.recomputed_steps > 0

@@ -36,6 +36,7 @@ import torch.nn.functional as F  # noqa: E402
 
 from bench import common  # noqa: E402
 from tinysn.cli import MODELS  # noqa: E402
+from tinysn.sched import recompute  # noqa: E402
 from tinysn.sched.timing import simulate  # noqa: E402
 
 PYTORCH_CONFIGS = ("eager NCHW", "eager channels-last", "torch.compile")
@@ -134,6 +135,9 @@ def tinysn_row(net, policy, cuda_graph, device, args, host_memory=None) -> dict:
                bytes_moved_per_step=rt.plan.bytes_to_host + rt.plan.bytes_to_device,
                bytes_to_host=rt.plan.bytes_to_host, bytes_to_device=rt.plan.bytes_to_device,
                predicted_step_s=timeline.step_s, model_bound_by=timeline.bound_by,
+               predicted_compute_waits_s=timeline.compute_waits(),
+               recomputed_steps=rt.plan.recomputed_steps,
+               speed_centric_everywhere=recompute.speed_everywhere(rt.plan.drops),
                device_model=rt.plan.device_model.record(),
                conv_algos=sorted({f"{p}:{a}" for d in rt.plan.conv_algos.values()
                                   for p, a in d.items()}))

@@ -13,7 +13,8 @@ from bench import oversub
 ROW_KEYS = {"model", "batch", "images_per_s", "no_move_images_per_s", "fraction",
             "pcie_floor_s", "bound_by", "bytes_moved_per_step", "process_peak_bytes",
             "peak_equals_plan", "bytes_to_host", "bytes_to_device", "predicted_step_s",
-            "model_bound_by", "seconds_per_step"}
+            "model_bound_by", "seconds_per_step", "predicted_compute_waits_s",
+            "recomputed_steps", "speed_centric_everywhere"}
 # LeNet's largest batch under 172,032 B is 8, and that plan copies 36,864 B each step
 SMOKE = ["--models", "lenet", "--memory", "172032", "--reference", "64MiB", "--first", "4",
          "--steps", "1", "--batches", "lenet=8"]
@@ -118,7 +119,8 @@ def test_a_failed_run_is_recorded_in_its_row():
     capped = {"ms_per_step": 500.0, "bytes_to_host": 2e9, "bytes_to_device": 1e9,
               "bytes_moved_per_step": 3e9, "predicted_step_s": 3.1, "model_bound_by": "pcie",
               "process_peak_bytes": 7, "peak_bytes": 5, "peak_equals_plan": True,
-              "setup_s": 1.0, "losses": [2.3]}
+              "setup_s": 1.0, "losses": [2.3], "predicted_compute_waits_s": {"forward": 0.5},
+              "recomputed_steps": 0, "speed_centric_everywhere": False}
     row = oversub.curve_row("m", 4, capped, {"error": "OutOfMemory: no"}, bandwidth)
     assert row["images_per_s"] == 8.0 and row["pcie_floor_s"] == 3.0
     assert row["bound_by"] == "pcie" and row["fraction"] is None
@@ -175,6 +177,7 @@ def test_cpu_smoke_rows_have_every_key_and_sane_values(smoke):
         assert r["bound_by"] in ("pcie", "compute") and r["peak_equals_plan"]
         assert r["bytes_moved_per_step"] == r["bytes_to_host"] + r["bytes_to_device"]
         assert r["no_move_bytes_moved"] == 0
+        assert set(r["predicted_compute_waits_s"]) <= {"forward", "recompute", "backward"}
     assert rows[-1]["bytes_moved_per_step"] > 0 and rows[-1]["pcie_floor_s"] > 0
     configs = [(r["model"], r["config"]) for r in data["pytorch"]]
     assert configs == [("lenet", c) for c in oversub.PYTORCH_CONFIGS]

@@ -35,6 +35,7 @@ from bench import common  # noqa: E402
 from tinysn.cli import MODELS  # noqa: E402
 from tinysn.sched import liveness, recompute  # noqa: E402
 from tinysn.sched import plan as plan_mod  # noqa: E402
+from tinysn.sched.timing import simulate  # noqa: E402
 
 # PyTorch 2.11 eager in the same 12 GiB cap, as measured by the team that filed the issue
 # (plain SGD); context only, not reproduced here.
@@ -228,6 +229,8 @@ def train_for_real(net, memory, host_memory=None, steps=2, cuda_graph=False):
                process_peak <= sn.parse_bytes(memory) + sn.runtime.PROCESS_SLACK_BYTES,
            "setup_seconds_incl_rankings": setup_s,
            "predicted_seconds_per_step": rt.plan.predicted_step_s,
+           "predicted_compute_waits_s": simulate(rt.plan, rt.plan.device_model).compute_waits(),
+           "speed_centric_everywhere": recompute.speed_everywhere(rt.plan.drops),
            "trade_budget": sn.plan.__kwdefaults__["trade_budget"],
            "lookahead": rt.plan.lookahead,
            "device_model": rt.plan.device_model.record(),

@@ -216,6 +216,7 @@ def train_for_real(net, memory, host_memory=None, steps=2, cuda_graph=False):
     s = min(times)
     process_peak = torch.cuda.max_memory_allocated()   # the whole process, since the reset
     moved = rt.plan.bytes_to_host + rt.plan.bytes_to_device
+    timeline = simulate(rt.plan, rt.plan.device_model)    # rt.plan.predicted_step_s's walk
     algos = {}
     for phases in rt.plan.conv_algos.values():
         for phase, algo in phases.items():
@@ -228,8 +229,8 @@ def train_for_real(net, memory, host_memory=None, steps=2, cuda_graph=False):
            "process_peak_within_cap":
                process_peak <= sn.parse_bytes(memory) + sn.runtime.PROCESS_SLACK_BYTES,
            "setup_seconds_incl_rankings": setup_s,
-           "predicted_seconds_per_step": rt.plan.predicted_step_s,
-           "predicted_compute_waits_s": simulate(rt.plan, rt.plan.device_model).compute_waits(),
+           "predicted_seconds_per_step": timeline.step_s,
+           "predicted_compute_waits_s": timeline.compute_waits(),
            "speed_centric_everywhere": recompute.speed_everywhere(rt.plan.drops),
            "trade_budget": sn.plan.__kwdefaults__["trade_budget"],
            "lookahead": rt.plan.lookahead,

@@ -598,7 +598,8 @@ def _plan(args) -> int:
         print(f"{policy:>9}: peak {p.peak_bytes / 2**20:10.1f} MiB  to host "
               f"{p.bytes_to_host / 2**20:9.1f} MiB  to device {p.bytes_to_device / 2**20:9.1f} MiB"
               f"  host arena {p.host_bytes / 2**20:9.1f} MiB  recomputed {p.recomputed_steps:4d}"
-              f"  steps {len(p.steps)}  H200 step {p.predicted_step_s:.3f} s", file=out)
+              f"  steps {len(p.steps)}  H200 step {figures[policy]['predicted_step_s']:.3f} s",
+              file=out)
         waits = figures[policy]["predicted_compute_waits_s"]
         if p.bytes_to_host and sum(waits.values()) >= 0.001:
             print(f"{'':>9}  compute stream idle (waiting for copies or launches): "
@@ -612,10 +613,11 @@ def _plan(args) -> int:
 
 def _figures(p) -> dict:
     from .sched.timing import simulate
+    timeline = simulate(p, p.device_model)           # what p.predicted_step_s walks, once
     return {"fits": True, "peak_bytes": p.peak_bytes, "bytes_to_host": p.bytes_to_host,
             "bytes_to_device": p.bytes_to_device, "recomputed_steps": p.recomputed_steps,
-            "predicted_step_s": p.predicted_step_s,
-            "predicted_compute_waits_s": simulate(p, p.device_model).compute_waits(),
+            "predicted_step_s": timeline.step_s,
+            "predicted_compute_waits_s": timeline.compute_waits(),
             "timeline": [[s.bytes_in_use, s.live_tensors] for s in p.steps]}
 
 

@@ -378,7 +378,7 @@ def _choose(search, policy, any_fit: bool = False) -> Plan:
         if any_fit:
             return fewest
         best = _ahead(search, _trade(search, fewest))
-        if TRADE_STEPS // (2 * len(fewest.steps)) == 0:      # a net too deep to search
+        if _trades_for(fewest) == 0:                    # a net too deep to search
             return best
         return _faster(search, [best, _speed_everywhere(search)])
     # "recompute": cost-aware, recomputation only where it lowers the peak
@@ -425,6 +425,12 @@ def _trade(search, base: Plan) -> Plan:
     return trade.best
 
 
+def _trades_for(plan) -> int:
+    """How many plans of `plan`'s length one trade search may make within TRADE_STEPS
+    (each counts twice: the plan and its early write-back)."""
+    return TRADE_STEPS // (2 * max(1, len(plan.steps)))
+
+
 class _Trade:
     """The state of `_trade`'s greedy search: the best plan so far, its predicted step (as
     it will run: written back early), its drop choice and the plans left to make.
@@ -438,7 +444,7 @@ class _Trade:
     layers have made room for one that did not fit before."""
 
     def __init__(self, search, base: Plan):
-        self.left = min(search.trade_budget, TRADE_STEPS // (2 * max(1, len(base.steps))))
+        self.left = min(search.trade_budget, _trades_for(base))
         self.search, self.refused = search, set()
         self.best, self.best_s = base, search.step_seconds(base)
         self.variant, self.chosen = recompute.split(base.drops)

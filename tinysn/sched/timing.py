@@ -6,8 +6,9 @@ before anything runs. Three queues run concurrently, as in the runtime: the comp
 host-to-device copy stream (Prefetch). Each kernel costs the larger of its arithmetic time
 and its memory time (a roofline: OpSpec.cost gives flops and bytes; a conv pays both, see
 conv_seconds, or takes its measured time where the GPU timed it, `conv_times`), and cannot
-start before the host has issued it (Python's launch cost, or a graph replay's); each copy costs its bytes over the measured pinned bandwidth of its
-direction. Dependencies are exactly the plan's:
+start before the host has issued it (Python's launch cost, or a graph replay's); each copy
+costs its bytes over the measured pinned bandwidth of its direction. Dependencies are
+exactly the plan's:
 
     Offload / Evict   after the compute queued so far and the events in `waits`
     Prefetch          after the events in `waits` (not after compute: it overlaps it)

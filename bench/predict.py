@@ -8,8 +8,9 @@ rows), plan the same configuration again (on any machine: planning needs no GPU)
 A run that recorded its measured conv times is planned with the rankings they give
 (workspace.rankings_of), so the plan made here takes the algorithms the run took; an older
 run is planned with the default rankings (least workspace first), whose kernels may differ
-from the run's in workspace, not in the bytes moved. A run is planned again as it was planned when measured: with the `device_model`
-its planner chose with, and a memory run with its `trade_budget` and prefetch `lookahead`.
+from the run's in workspace, not in the bytes moved. A run is planned again as it was
+planned when measured: with the `device_model` its planner chose with, and a memory run
+with its `trade_budget` and prefetch `lookahead`.
 Runs that record none of these ran earlier planners: `PLANNED_BEFORE` holds the device
 figures those chose with, a missing budget is 0 (no trade search yet) and a missing
 lookahead 1. The prediction itself always uses today's model (DeviceModel.h200, with the

@@ -167,18 +167,19 @@ def time_configs(forced, fn, configs) -> list:
     return out
 
 
-def sweep(problems, tuned) -> list:
+def sweep(problems, tuned, shape_done=lambda rows: None) -> list:
     """One row per (shape, phase): every candidate's ms, today's best, cuDNN's ms. conv's
-    launches run the forced config meanwhile."""
+    launches run the forced config meanwhile; `shape_done(rows)` runs after each shape, so
+    a run cut short by its time limit still leaves the rows it timed."""
     forced = ForcedConfig({id(t): cands for t, _, cands, _ in tuned.values()})
     launch, conv._launch = conv._launch, forced
     try:
-        return _sweep(problems, tuned, forced)
+        return _sweep(problems, tuned, forced, shape_done)
     finally:
         conv._launch = launch
 
 
-def _sweep(problems, tuned, forced) -> list:
+def _sweep(problems, tuned, forced, shape_done) -> list:
     started = time.perf_counter()
     if not _common.INTERPRET:       # the interpreter compiles nothing
         with _common.compiling_in_parallel():
@@ -199,6 +200,7 @@ def _sweep(problems, tuned, forced) -> list:
                 print(f"{str(shape):<20} {phase:<16} cuDNN {r['cudnn_ms']:.4f} ms, today's "
                       f"best {r['today_ms']:.4f} ({r['cudnn_ms'] / r['today_ms']:.2f}x), best "
                       f"{min(ms):.4f} ({r['cudnn_ms'] / min(ms):.2f}x)", flush=True)
+        shape_done(rows)
     return rows
 
 
@@ -227,11 +229,11 @@ def main():
         return 1
     torch.backends.cudnn.allow_tf32 = True
     tuned = tuners()
-    rows = sweep([problem(*s) for s in SHAPES], tuned)
-    picks = pick_all(rows, tuned)
-    common.write(args.out, {"batch": BATCH, "shapes": [list(s) for s in SHAPES],
-                            "candidates": {n: [str(c) for c in t[2]] for n, t in tuned.items()},
-                            "rows": rows, "picks": picks})
+    result = {"batch": BATCH, "shapes": [list(s) for s in SHAPES],
+              "candidates": {n: [str(c) for c in t[2]] for n, t in tuned.items()}}
+    rows = sweep([problem(*s) for s in SHAPES], tuned,
+                 lambda rows: common.write(args.out, {**result, "rows": rows}))
+    common.write(args.out, {**result, "rows": rows, "picks": pick_all(rows, tuned)})
     return 0
 
 

@@ -2,14 +2,14 @@
 # Every GPU figure in few calls on the device machine; each stage has its own time limit and
 # writes its results straight into $OUT (never into the tracked bench/results/).
 #   PYTHONPATH=. OUT=/some/dir bash bench/gpu_run.sh STAGE...
-# stages: first-run streams tests runtime cap kernels conv-configs pool train memory-a memory-b deep-graph trace oversub ddp-b32 ddp-largest
+# stages: first-run streams tests runtime cap kernels conv-configs profile pool train memory-a memory-b deep-graph trace oversub ddp-b32 ddp-largest
 # (the ddp stages need two GPUs: bench/ddp.py, one file with both stages' configurations)
 # Copy a result into bench/results/ by hand once it is checked, one file per configuration.
 set -u
 export PYTHONPATH=${PYTHONPATH:-.}
 export PYTHONUNBUFFERED=1
 OUT=${OUT:-/tmp/tinysn-gpu}
-STAGES="first-run streams tests runtime cap kernels conv-configs pool train memory-a memory-b deep-graph trace oversub ddp-b32 ddp-largest"
+STAGES="first-run streams tests runtime cap kernels conv-configs profile pool train memory-a memory-b deep-graph trace oversub ddp-b32 ddp-largest"
 for stage in "$@"; do
   case " $STAGES " in *" $stage "*) ;; *) echo "unknown stage '$stage' (stages: $STAGES)"; exit 2 ;; esac
 done
@@ -36,6 +36,10 @@ for stage in "$@"; do
     kernels)  timeout ${KERNELS_S:-330} python3 bench/kernels.py ${KERNELS_ONLY:+--only $KERNELS_ONLY} --out "$OUT/kernels-$GPU.json" 2>&1 | tail -70 ;;
     # the conv autotuners' config lists: every tuner under a wider sweep on VGG16 / ResNet-50 shapes, greedy pick
     conv-configs) timeout ${CONFIGS_S:-300} python3 bench/conv_configs.py --out "$OUT/conv-configs-$GPU.json" 2>&1 | tail -34 ;;
+    # device time per kernel of an eager step at batch 32 (PROFILE_MODELS picks models)
+    profile)  for model in ${PROFILE_MODELS:-alexnet vgg16 resnet50}; do
+                timeout ${PROFILE_S:-120} python3 bench/profile.py --model "$model" --out "$OUT/profile-$model-b32-$GPU.json" 2>&1 | tail -22
+              done ;;
     pool)     timeout 120 python3 bench/pool.py --out "$OUT/pool-$GPU.json" 2>&1 | tail -12 ;;
     # batch 32, each model in its own process and time limit (default kernels, autotuned; a
     # cold ResNet-50 took 149 s: torch.compile, tuning, rankings; TRAIN_MODELS picks models):

@@ -1,0 +1,95 @@
+"""Where a tinysn training step's GPU time goes: device time per Triton kernel, from the
+CUDA profiler, beside the step-time model's prediction.
+
+    PYTHONPATH=. python3 bench/profile.py --model alexnet --batch 32 [--out PATH]   # on a GPU
+
+Builds the Runtime as bench/train.py does (policy "all", default autotuned kernels), runs
+warm-up steps, then profiles `--steps` eager steps with torch.profiler (CUDA activity only)
+and sums each kernel's device time per step. The sum is the GPU's busy time: a step
+replayed from a CUDA graph runs the same kernels, so where the graphed step takes longer
+than the model predicts, this table says which kernels the model underrates. Each kernel
+is listed with its calls per step, ms per step and share of the busy time; the JSON keeps
+every kernel.
+"""
+import argparse
+import os
+import sys
+import time
+from collections import defaultdict
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+import tinysn as sn  # noqa: E402
+import torch  # noqa: E402
+
+from bench import common  # noqa: E402
+from tinysn.cli import MODELS  # noqa: E402
+from tinysn.sched.timing import simulate  # noqa: E402
+
+
+def kernel_times(events, steps: int) -> list:
+    """[{"kernel", "calls_per_step", "ms_per_step"}] from profiler events (each with `name`
+    and `device_time` in us, or None for host-only events), largest first."""
+    total, calls = defaultdict(float), defaultdict(int)
+    for e in events:
+        if e["device_time"]:
+            total[e["name"]] += e["device_time"]
+            calls[e["name"]] += 1
+    rows = [{"kernel": name, "calls_per_step": calls[name] / steps,
+             "ms_per_step": total[name] / 1e3 / steps} for name in total]
+    return sorted(rows, key=lambda r: -r["ms_per_step"])
+
+
+def device_events(prof) -> list:
+    """The profiler's kernel and memcpy/memset events as plain dicts."""
+    out = []
+    for e in prof.events():
+        kind = getattr(e, "device_type", None)
+        if kind == torch.autograd.DeviceType.CUDA:
+            out.append({"name": e.name, "device_time": e.device_time})
+    return out
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--model", default="alexnet", choices=sorted(MODELS))
+    ap.add_argument("--batch", type=int, default=32)
+    ap.add_argument("--memory", default="40GiB")
+    ap.add_argument("--steps", type=int, default=5, help="profiled steps")
+    ap.add_argument("--top", type=int, default=25, help="kernels printed")
+    common.add_out_argument(ap)
+    args = ap.parse_args(argv)
+    if not torch.cuda.is_available():
+        print("bench/profile.py needs a CUDA GPU")
+        return 1
+    net = MODELS[args.model](batch=args.batch)
+    rt = sn.Runtime(net, args.memory, "all", device="cuda", lr=0.01, momentum=0.9,
+                    weight_decay=5e-4)
+    images, labels = (t.pin_memory() for t in sn.data.synthetic(net, seed=0))
+    for _ in range(3):
+        rt.step(images, labels)
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        for _ in range(args.steps):
+            rt.step(images, labels)
+        torch.cuda.synchronize()
+    eager_ms = (time.perf_counter() - t0) / args.steps * 1e3
+    rows = kernel_times(device_events(prof), args.steps)
+    busy = sum(r["ms_per_step"] for r in rows)
+    predicted = simulate(rt.plan, rt.plan.device_model.__class__.h200(
+        graphed=True, conv_times=rt.plan.device_model.conv_times))
+    print(f"{args.model} b{args.batch}: GPU busy {busy:.3f} ms/step (profiled eager step "
+          f"{eager_ms:.3f} ms); the model predicts {predicted.compute_s * 1e3:.3f} ms of kernels")
+    print(f"{'kernel':<48}{'calls':>7}{'ms/step':>10}{'share':>8}")
+    for r in rows[:args.top]:
+        print(f"{r['kernel'][:47]:<48}{r['calls_per_step']:>7.1f}{r['ms_per_step']:>10.3f}"
+              f"{r['ms_per_step'] / busy:>8.1%}")
+    common.write(args.out, {"model": args.model, "batch": args.batch, "steps": args.steps,
+                            "busy_ms_per_step": busy, "profiled_eager_ms_per_step": eager_ms,
+                            "predicted_kernel_ms_per_step": predicted.compute_s * 1e3,
+                            "kernels": rows})
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

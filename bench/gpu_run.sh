@@ -38,7 +38,7 @@ for stage in "$@"; do
     conv-configs) timeout ${CONFIGS_S:-300} python3 bench/conv_configs.py --out "$OUT/conv-configs-$GPU.json" 2>&1 | tail -34 ;;
     # device time per kernel of an eager step at batch 32 (PROFILE_MODELS picks models)
     profile)  for model in ${PROFILE_MODELS:-alexnet vgg16 resnet50}; do
-                timeout ${PROFILE_S:-120} python3 bench/profile.py --model "$model" --out "$OUT/profile-$model-b32-$GPU.json" 2>&1 | tail -22
+                timeout ${PROFILE_S:-120} python3 bench/step_profile.py --model "$model" --out "$OUT/profile-$model-b32-$GPU.json" 2>&1 | tail -22
               done ;;
     pool)     timeout 120 python3 bench/pool.py --out "$OUT/pool-$GPU.json" 2>&1 | tail -12 ;;
     # batch 32, each model in its own process and time limit (default kernels, autotuned; a

@@ -6,8 +6,8 @@ algorithm of a step is the same every iteration. The Runtime runs its first `GRA
 steps eagerly (they compile and tune every kernel; a capture must not), then hands each step
 to its `GraphReplay`: the first one captures the plan's walk (the allocator and every check
 run in Python as always, so the captured pass verifies peak == plan) and replays it; later
-ones copy the batch into the pool's data and labels tensors at their planned offsets (the
-graph reads fixed addresses inside the pool) and replay. Changing lr, momentum or
+ones replay on the batch the Runtime copied into the pool's data and labels tensors at
+their planned offsets (the graph reads fixed addresses inside the pool). Changing lr, momentum or
 weight_decay (or the seed, which load_state_dict may set) triggers a new capture (they are
 launch arguments). Dropout replays too: its kernels read the iteration from a counter in the
 pool, and the kernel that advances it at the end of the step is part of the graph, so each
@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import torch
 
-from .sched.plan import Alloc
 
 GRAPH_WARMUP = 2   # eager steps before a capture (compiles, autotuning, first-call caches)
 
@@ -31,33 +30,15 @@ class GraphReplay:
         self.graph = self.key = self._batch = None
         self.moved = (0, 0)              # bytes one captured step copies (to host, to device)
 
-    def step(self, rt, images, labels) -> None:
-        """(Re)capture runtime `rt`'s step when needed, then copy the batch into the pool and
-        replay the step."""
+    def step(self, rt) -> None:
+        """(Re)capture runtime `rt`'s step when needed, then replay it on the batch the
+        Runtime copied into the pool (Runtime.batch_in_pool)."""
         key = (rt.lr, rt.momentum, rt.weight_decay, rt.seed)
         if self.graph is None or self.key != key:
             self._capture(rt, key)
-        pool_images, pool_labels = self.batch_in_pool(rt)
-        pool_images.copy_(images, non_blocking=images.is_pinned())
-        pool_labels.copy_(labels, non_blocking=labels.is_pinned())
         self.graph.replay()
         rt.stats.bytes_to_host += self.moved[0]
         rt.stats.bytes_to_device += self.moved[1]
-
-    def batch_in_pool(self, rt):
-        """Views of `rt`'s data tensor's planned block and of its labels tensor, where a replay
-        reads its batch (found once). The data tensor's view is the one its launches use (a
-        copy of a tensor onto itself is no operation, so the captured walk copies nothing)."""
-        if self._batch is None:
-            data = rt.program.act[rt.net.data_layer]
-            ops = [*rt.plan.setup, *(op for step in rt.plan.steps for op in step.ops)]
-            offset = next(op.offset for op in ops if isinstance(op, Alloc) and op.tensor == data)
-            t, views = rt.tensors[data], rt._views[data]
-            if offset not in views:
-                raw = rt.arena.buffer[offset:offset + t.nbytes]
-                views[offset] = raw.view(t.dtype).view(t.shape)
-            self._batch = views[offset], rt.tensors[rt.program.labels].view()
-        return self._batch
 
     def _capture(self, rt, key) -> None:
         """Record one walk of `rt`'s plan as a CUDA graph (nothing runs while it records); the
@@ -71,7 +52,7 @@ class GraphReplay:
             stream = torch.cuda.current_stream(rt.device)
             rt.to_host_stream.wait_stream(stream)        # the copy streams join the capture
             rt.to_device_stream.wait_stream(stream)
-            rt._walk(*self.batch_in_pool(rt))
+            rt._walk(rt.batch_in_pool()[0], None)
         self.moved = (stats.bytes_to_host - before[0], stats.bytes_to_device - before[1])
         stats.bytes_to_host, stats.bytes_to_device = before
         self.graph, self.key = graph, key

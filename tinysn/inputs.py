@@ -79,9 +79,10 @@ def check_machine(memory, host_memory, device) -> None:
                         pinned=device.type == "cuda")
 
 
-def check_batch(net, images, labels) -> None:
-    """A training batch: net.batch images and as many labels."""
-    check_images(net, images)
+def check_batch(net, images, labels, finite: bool = True) -> None:
+    """A training batch: net.batch images and as many labels; `finite=False` leaves the
+    images' values to `check_finite` (the Runtime checks them once they are on its device)."""
+    check_images(net, images, finite=finite)
     check_labels(net, labels, net.batch)
 
 
@@ -97,9 +98,9 @@ def check_labels(net, labels, n) -> None:
         raise ValueError(f"labels must lie in [0, {net.classes}), got values in [{low}, {high}]")
 
 
-def check_images(net, images, up_to=False) -> int:
-    """float32, finite, shape (net.batch, *input_shape); with up_to, any batch from 1 to
-    net.batch. Returns the batch."""
+def check_images(net, images, up_to=False, finite=True) -> int:
+    """float32, finite (unless `finite` is False), shape (net.batch, *input_shape); with
+    up_to, any batch from 1 to net.batch. Returns the batch."""
     if not isinstance(images, torch.Tensor) or images.dtype != torch.float32:
         raise ValueError(f"images must be a float32 torch tensor, got "
                          f"{getattr(images, 'dtype', type(images).__name__)}")
@@ -109,11 +110,17 @@ def check_images(net, images, up_to=False) -> int:
         sizes = f"(1..{net.batch}, " if up_to else f"({net.batch}, "
         raise ValueError(f"images must have shape {sizes}"
                          f"{', '.join(map(str, net.input_shape))}), got {tuple(images.shape)}")
-    # a float64 sum of float32 values overflows only if one is inf or NaN; on a GPU
-    # tensor it allocates one scalar, where isfinite() would allocate the batch's size
+    if finite:
+        check_finite(images)
+    return n
+
+
+def check_finite(images) -> None:
+    """No NaN or infinity among the images. A float64 sum of float32 values overflows only if
+    one is inf or NaN; on a GPU tensor it allocates one scalar, where isfinite() would
+    allocate the batch's size."""
     if not math.isfinite(images.sum(dtype=torch.float64)):
         raise ValueError("images contain NaN or infinite values")
-    return n
 
 
 def check_open(rt) -> None:

@@ -129,7 +129,7 @@ class Runtime:
             self._alloc(op)
         self.grad_sync = None if process_group is None else distributed.GradientSync(
             self.program, process_group, self.tensors)    # data parallel (distributed.py)
-        self.images, self.predicting = None, False
+        self.images, self.predicting, self._batch = None, False, None
         self._launch = _build_launchers(self.program, data_parallel=self.grad_sync is not None)
         self.cuda_graph = cuda_graph
         self.replay = GraphReplay() if cuda_graph else None   # graphs.py
@@ -194,7 +194,7 @@ class Runtime:
             torch.cuda.synchronize(self.device)   # copies and kernels may still use the pool
         self.replay = self.grad_sync = self.recorder = None
         self.tensors, self._views, self._events = [], [], []
-        self.arena = self.host = self.images = None
+        self.arena = self.host = self.images = self._batch = None
 
     def __enter__(self):
         return self
@@ -210,15 +210,44 @@ class Runtime:
         the cap. A GPU tensor passed in stays the caller's memory, outside the pool.
         """
         inputs.check_open(self)
-        inputs.check_batch(self.net, images, labels)
+        inputs.check_batch(self.net, images, labels, finite=False)
         started = time.perf_counter()
+        images = self._batch_into_pool(images, labels)
         if self.replay is not None and self.stats.iterations >= GRAPH_WARMUP:
-            self.replay.step(self, images, labels)
+            self.replay.step(self)
         else:
-            self._walk(images, labels)
+            self._walk(images, None)
         loss = self._finish_step()
         self.stats.step_seconds = time.perf_counter() - started
         return loss
+
+    def _batch_into_pool(self, images, labels):
+        """Copy the batch into the pool, the images into the data tensor's block (the view
+        its launches read: the data layer's copy of it onto itself is no operation) and the
+        labels into theirs, and check the images there; return that view. Before a step
+        changes any state: the data block is free at a step's start and refilled by every
+        step. On a GPU the check is one reduction on the device instead of a pass over the
+        host batch, which ran serially with the GPU: every step waits for its loss."""
+        pool_images, pool_labels = self.batch_in_pool()
+        pool_images.copy_(images, non_blocking=images.is_pinned())
+        pool_labels.copy_(labels, non_blocking=labels.is_pinned())
+        inputs.check_finite(pool_images)
+        return pool_images
+
+    def batch_in_pool(self):
+        """Views of the data tensor's planned block and of the labels tensor, where a step
+        (and a graph replay, which reads fixed addresses) finds its batch; found once. The
+        data tensor sits at the same offset every step (the plan allocates it first)."""
+        if self._batch is None:
+            data = self.program.act[self.net.data_layer]
+            ops = [*self.plan.setup, *(op for step in self.plan.steps for op in step.ops)]
+            offset = next(op.offset for op in ops if isinstance(op, Alloc) and op.tensor == data)
+            t, views = self.tensors[data], self._views[data]
+            if offset not in views:
+                raw = self.arena.buffer[offset:offset + t.nbytes]
+                views[offset] = raw.view(t.dtype).view(t.shape)
+            self._batch = views[offset], self.tensors[self.program.labels].view()
+        return self._batch
 
     def _walk(self, images, labels, until=None):
         """Execute the plan's steps once from Python (an eager step, the captured pass, or a

@@ -1,5 +1,5 @@
-"""bench/profile.py's summing of profiler events (the profiling itself needs a GPU)."""
-from bench import profile
+"""bench/step_profile.py's summing of profiler events (the profiling itself needs a GPU)."""
+from bench import step_profile as profile
 
 
 def test_kernel_times_sum_device_time_per_kernel_and_step_largest_first():

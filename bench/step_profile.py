@@ -1,7 +1,7 @@
 """Where a tinysn training step's GPU time goes: device time per Triton kernel, from the
 CUDA profiler, beside the step-time model's prediction.
 
-    PYTHONPATH=. python3 bench/profile.py --model alexnet --batch 32 [--out PATH]   # on a GPU
+    PYTHONPATH=. python3 bench/step_profile.py --model alexnet --batch 32 [--out PATH]   # on a GPU
 
 Builds the Runtime as bench/train.py does (policy "all", default autotuned kernels), runs
 warm-up steps, then profiles `--steps` eager steps with torch.profiler (CUDA activity only)
@@ -59,7 +59,7 @@ def main(argv=None) -> int:
     common.add_out_argument(ap)
     args = ap.parse_args(argv)
     if not torch.cuda.is_available():
-        print("bench/profile.py needs a CUDA GPU")
+        print("bench/step_profile.py needs a CUDA GPU")
         return 1
     net = MODELS[args.model](batch=args.batch)
     rt = sn.Runtime(net, args.memory, "all", device="cuda", lr=0.01, momentum=0.9,

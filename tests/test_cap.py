@@ -212,11 +212,28 @@ def test_batch_checks_catch_every_non_finite_value_and_accept_huge_finite_ones()
             rt.step(broken, labels)
     assert all(torch.equal(v, rt.params()[k]) for k, v in before.items())
     assert rt.stats.iterations == 0
-    huge = torch.full_like(images, 3e38)       # a float32 sum would overflow to inf
+    huge = torch.full_like(images, 3e38)       # finite, though a float32 sum would overflow
     inputs.check_batch(net, huge, labels)
     with pytest.raises(ValueError, match=rf"\[0, {net.classes}\), got values in \[-1, "):
         rt.step(images, labels - labels.min() - 1)
     assert rt.stats.process_peak_bytes is None         # no device memory on the CPU
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not GPU, reason="needs a CUDA GPU")
+def test_checking_a_batch_on_the_device_allocates_no_copy_of_it():
+    """Runtime.step checks the batch's values where it copied it, in the pool: the check may
+    allocate scalars, not a batch-sized temporary (a float64 sum allocated a float64 copy,
+    40 MB over the cap for AlexNet's batch of 32)."""
+    images = torch.randn(32, 3, 227, 227, device="cuda")
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    before = torch.cuda.memory_allocated()
+    inputs.check_finite(images)
+    assert torch.cuda.max_memory_allocated() - before < 1 << 20
+    images[0, 0, 0, 0] = float("nan")
+    with pytest.raises(ValueError, match="NaN or infinite"):
+        inputs.check_finite(images)
 
 
 # -- autotuning keeps in-place arguments through tuning, from host memory -------------------

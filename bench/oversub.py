@@ -284,11 +284,12 @@ def run_model(name, largest, args, device, bandwidth, result, save) -> None:
     print(f"{name}: largest batch {largest} under {args.memory}", flush=True)
     fn = MODELS[name]
     if "tinysn" in args.parts:
-        for batch in ladder(args.first, largest):
+        for batch in args.only or ladder(args.first, largest):
             capped = tinysn_point(fn(batch=batch), cap, device, args)
             row = curve_row(name, batch, capped, tinysn_point(fn(batch=batch), reference,
                                                               device, args), bandwidth)
             result["rows"].append(row)
+            result["rows"].sort(key=lambda r: (r["model"], r["batch"]))
             print(describe(row), flush=True)
             save()
     if "pytorch" in args.parts:
@@ -394,6 +395,9 @@ def parse_args(argv=None):
     ap.add_argument("--batches", default="", help="name=N,...: a model's largest batch "
                     "(checked: N plans and N+1 does not), else sn.max_batch")
     ap.add_argument("--first", type=int, default=32, help="the curve's first batch")
+    ap.add_argument("--only", default="", metavar="B,...",
+                    help="run just these batches of the curve (e.g. twice PyTorch's largest); "
+                         "with --merge the model's rows at other batches stay")
     ap.add_argument("--steps", type=int, default=2, help="timed steps per configuration")
     ap.add_argument("--warmup", type=int, default=1, help="untimed steps first")
     ap.add_argument("--parts", default=",".join(PARTS), help="tinysn, pytorch or both")
@@ -428,6 +432,12 @@ def check_args(ap, args) -> None:
             ap.error(f"--{opt.replace('_', '-')}: {err}")
     if caps["reference"] <= caps["memory"]:
         ap.error(f"--reference ({args.reference}) must be above --memory ({args.memory})")
+    try:
+        args.only = sorted({int(b) for b in args.only.split(",") if b})
+    except ValueError:
+        ap.error(f"--only: comma-separated batches, got {args.only!r}")
+    if args.only and args.only[0] < 1:
+        ap.error(f"--only: batches must be at least 1, got {args.only[0]}")
     if min(args.first, args.steps, args.warmup) < 1:
         ap.error(f"--first, --steps and --warmup must be at least 1, got "
                  f"{args.first}, {args.steps}, {args.warmup}")
@@ -457,11 +467,15 @@ def copy_rates(device) -> dict:
 
 
 def kept(args) -> dict:
-    """With --merge, the rows of the --out file that this run does not redo."""
+    """With --merge, the rows of the --out file that this run does not redo: other models'
+    and parts' rows, and with --only the model's curve rows at other batches. ("rows" are
+    the tinysn part's, "pytorch" the pytorch part's.)"""
     old = common.read(args.out) if args.merge else {}
-    redo = {("rows", m) for m in args.models if "tinysn" in args.parts}
-    redo |= {("pytorch", m) for m in args.models if "pytorch" in args.parts}
-    return {key: [r for r in old.get(key, []) if (key, r["model"]) not in redo]
+    def redone(key, row):
+        part = "tinysn" if key == "rows" else "pytorch"
+        return (row["model"] in args.models and part in args.parts
+                and (part == "pytorch" or not args.only or row["batch"] in args.only))
+    return {key: [r for r in old.get(key, []) if not redone(key, r)]
             for key in ("rows", "pytorch")}
 
 

@@ -114,6 +114,23 @@ def test_merge_keeps_other_models_and_parts(tmp_path):
                                   "pytorch": [{"model": "vgg16"}]}
 
 
+def test_merge_with_only_redoes_just_those_batches_of_the_curve(tmp_path):
+    path = tmp_path / "o.json"
+    rows = [{"model": "lenet", "batch": b} for b in (32, 64, 128)] + [{"model": "vgg16",
+                                                                      "batch": 64}]
+    path.write_text(json.dumps({"rows": rows, "pytorch": [{"model": "lenet"}]}))
+    args = oversub.parse_args(["--models", "lenet", "--parts", "tinysn", "--only", "64,32",
+                               "--merge", "--out", str(path)])
+    assert args.only == [32, 64]
+    assert oversub.kept(args) == {"rows": [rows[2], rows[3]], "pytorch": [{"model": "lenet"}]}
+    args = oversub.parse_args(["--models", "lenet", "--parts", "tinysn", "--merge",
+                               "--out", str(path)])
+    assert oversub.kept(args)["rows"] == [rows[3]]          # the whole curve is redone
+    for bad in ("0", "x"):
+        with pytest.raises(SystemExit):
+            oversub.parse_args(["--only", bad])
+
+
 def test_a_failed_run_is_recorded_in_its_row():
     bandwidth = {"to_host_gb_per_s": 1.0, "to_device_gb_per_s": 1.0}
     capped = {"ms_per_step": 500.0, "bytes_to_host": 2e9, "bytes_to_device": 1e9,

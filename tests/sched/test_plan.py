@@ -66,13 +66,14 @@ def test_recompute_drops_and_rebuilds_in_resnet():
     assert p.recomputed_steps > 0 and p.peak_bytes < 0.7 * off.peak_bytes
 
 
-def test_resnet152_batch256_plans_in_under_10_seconds():
-    """About 58 planner runs (the trade search's 24 plans, each written back early, and the
-    prefetch distances): 4-5 s on one free CI core, so 10 s leaves room for a loaded one
-    and still catches a planner run that grows faster than its steps."""
+def test_resnet152_batch256_plans_in_under_30_seconds():
+    """About 115 planner runs: two pipelines (the paper's recompute rule, and every segment
+    speed-centric), each with a trade search of 24 plans written back early and the prefetch
+    distances; 22 s on one core of this project's 2-core machines, so 30 s still catches a
+    planner run that grows faster than its steps."""
     start = time.perf_counter()
     p = sn.plan(sn.models.resnet152(batch=256), "12GiB", "all")
-    assert time.perf_counter() - start < 10.0
+    assert time.perf_counter() - start < 30.0
     assert p.peak_bytes <= 12 * 2**30
 
 

@@ -1,4 +1,6 @@
 """The step-time model: its queues follow the plan's dependencies and its figures add up."""
+import math
+
 import pytest
 
 import tinysn as sn
@@ -14,18 +16,23 @@ def model(**changes):
     return timing.DeviceModel(**{**base, **changes})
 
 
-def test_nothing_moved_is_the_sum_of_kernels():
+def test_nothing_moved_is_the_batch_copy_then_the_sum_of_kernels():
     plan = sn.plan(sn.models.resnet(blocks=[1, 1, 1, 1], **NET), "1GiB", "liveness")
     tl = timing.simulate(plan, model(launch_s=0.0))
     kernels = [e for e in tl.events if e[0] == "compute"]
     assert len(kernels) == sum(1 for s in plan.steps)
-    assert tl.step_s == pytest.approx(sum(e[3] - e[2] for e in kernels))
-    assert tl.to_host_s == tl.to_device_s == 0 and tl.bound_by == "compute"
+    batch = timing.batch_bytes(plan) / model().to_device_bytes_per_s
+    images = plan.net.batch * 4 * math.prod(plan.net.input_shape)
+    assert timing.batch_bytes(plan) == images + plan.net.batch * 8    # float32, int64 labels
+    assert tl.step_s == pytest.approx(batch + sum(e[3] - e[2] for e in kernels))
+    assert min(e[2] for e in kernels) == batch                  # no kernel before the batch
+    assert tl.to_host_s == 0 and tl.to_device_s == batch and tl.bound_by == "compute"
 
 
 def test_launch_cost_bounds_tiny_kernels():
     plan = sn.plan(sn.models.resnet(blocks=[1, 1, 1, 1], **NET), "1GiB", "liveness")
-    tl = timing.simulate(plan, model(flops_per_s=1e30, bytes_per_s=1e30, launch_s=1e-3))
+    tl = timing.simulate(plan, model(flops_per_s=1e30, bytes_per_s=1e30, launch_s=1e-3,
+                                     to_device_bytes_per_s=1e30))
     assert tl.step_s == pytest.approx(1e-3 * len(plan.steps))
 
 
@@ -41,7 +48,7 @@ def test_copies_overlap_compute_and_slow_links_bind():
     slow = timing.simulate(plan, model(to_host_bytes_per_s=1e6, to_device_bytes_per_s=1e6))
     assert slow.bound_by == "pcie" and slow.step_s >= plan.bytes_to_host / 1e6
     prefetches = [op for s in plan.steps for op in s.ops if isinstance(op, Prefetch)]
-    assert len([e for e in slow.events if e[0] == "to_device"]) == len(prefetches)
+    assert len([e for e in slow.events if e[0] == "to_device"]) == len(prefetches) + 1  # batch
 
 
 def test_plan_predicts_its_step_time():

@@ -16,7 +16,9 @@ exactly the plan's:
     Sync              compute waits for those copy events
     Mark              records the compute stream's time in an event slot
 
-The iteration ends when all three queues are drained (the runtime joins them). The result is
+Before them the step's batch crosses to the device (the runtime copies it into the pool and
+checks it there before the first launch). The iteration ends when all three queues are
+drained (the runtime joins them). The result is
 a `Timeline`: the predicted step time, what bound it, and every kernel and copy with its
 start and end (what a stream timeline of the plan draws).
 
@@ -101,7 +103,8 @@ class Timeline:
     def compute_waits(self) -> dict:
         """Seconds the compute stream stands idle before the launches of each phase
         ("forward", "recompute", "backward"): waiting for a copy out to free its block or
-        for a prefetch to arrive (or, eager, for the host's launches)."""
+        for a prefetch to arrive, for the batch at the start, or, eager, for the host's
+        launches)."""
         waits, free_at = {}, 0.0
         for stream, name, start, end in sorted(self.events, key=lambda e: e[2]):
             if stream != "compute":
@@ -175,12 +178,23 @@ def conv_seconds(flops: float, nbytes: float, model: DeviceModel) -> float:
     return flops / model.conv_flops_per_s + nbytes / model.conv_bytes_per_s
 
 
+def batch_bytes(plan) -> int:
+    """Bytes of the images and labels each step copies from the host into the pool
+    (Runtime._batch_into_pool) before its first launch."""
+    program = plan.program
+    return sum(plan.tensors[t].nbytes
+               for t in (program.act[program.net.data_layer], program.labels))
+
+
 def simulate(plan, model: DeviceModel | None = None) -> Timeline:
     """Walk the plan's operations on three simulated queues (module docstring)."""
     model = model or DeviceModel.h200()
-    host = compute = to_host = to_device = 0.0
-    busy = {"compute": 0.0, "to_host": 0.0, "to_device": 0.0}
-    slots, arrived, events = {}, {}, []
+    # the batch is copied into the pool and checked there before the first launch
+    batch = batch_bytes(plan) / model.to_device_bytes_per_s
+    host = compute = to_device = batch
+    to_host = 0.0
+    busy = {"compute": 0.0, "to_host": 0.0, "to_device": batch}
+    slots, arrived, events = {}, {}, [("to_device", "batch", 0.0, batch)]
     for step in plan.steps:
         for op in step.ops:
             if isinstance(op, Launch):

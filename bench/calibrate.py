@@ -8,9 +8,10 @@ the tracked GPU results, so the model's numbers come from measurements and not f
   `kernels-<gpu>.json`'s conv rows: for each direction and shape the fastest algorithm (the
   one the planner's rankings pick), leaving out the first conv's data gradient, which
   training never computes.
-- **Launch cost.** ResNet-50 at batch 32 eager is bound by the host (its CUDA-graph replay
-  runs twice as fast), so its measured step (`train-resnet50-b32-<gpu>.json`) over the
-  plan's layer steps is the Python cost of one step.
+- **Launch cost.** AlexNet at batch 32 eager is bound by the host (its CUDA-graph replay
+  runs 1.7x as fast, and its kernels keep the GPU busy for under two thirds of the eager
+  step), so its measured step (`train-alexnet-b32-<gpu>.json`) over the plan's layer steps
+  is the Python cost of one step.
 
 The model's error against every measured run is bench/predict.py's table.
 """
@@ -84,7 +85,7 @@ def launch_seconds(train: dict) -> float:
 def calibrate(folder: Path, gpu: str = "NVIDIA-H200") -> dict:
     """The fitted figures from `folder`'s results of `gpu`."""
     kernels = json.loads((folder / f"kernels-{gpu}.json").read_text())
-    train = json.loads((folder / f"train-resnet50-b32-{gpu}.json").read_text())
+    train = json.loads((folder / f"train-alexnet-b32-{gpu}.json").read_text())
     samples = conv_samples(kernels)
     flops, nbytes = fit_conv(samples)
     errors = [(f / flops + b / nbytes) / t - 1 for _, _, f, b, t in samples]

@@ -10,7 +10,7 @@ direction: the forward kernel (also the "flipped" data gradient), the implicit a
 "onepass" (one tuner, one list for both). Then picks, per tuner, greedily the configs whose
 best-per-shape total time is smallest, first the best single config (what
 TINYSN_AUTOTUNE=0 runs), as many as today's list holds. The forward and weight-gradient lists
-in tinysn/kernels/conv.py are such a pick (the data-gradient lists are hand-picked). Every
+in tinysn/kernels/conv.py are such a pick, and so are the two data-gradient lists. Every
 candidate is compiled first, in parallel, then timed.
 """
 import argparse

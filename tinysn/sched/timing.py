@@ -58,8 +58,8 @@ class DeviceModel:
         convs at 91.9 TFLOP/s plus 2.28 TB/s, fitted over bench/kernels.py's conv rows
         (the fastest algorithm of each direction and shape); other memory-bound kernels at
         3 TB/s (69-102% of the copy bandwidth, bench/kernels.py) and fc arithmetic at
-        100 TFLOP/s; pinned copies at 55 GB/s each way (bench/memory.py); 144 us of Python
-        per layer step eager, the host-bound ResNet-50 batch-32 eager step over its
+        100 TFLOP/s; pinned copies at 55 GB/s each way (bench/memory.py); 142 us of Python
+        per layer step eager, the host-bound AlexNet batch-32 eager step over its
         launches (bench/train.py), and 1 us per step replayed from a graph. `conv_times`:
         the convs' own measured times, where the runtime has them (it timed the rankings)."""
         return cls(flops_per_s=100e12, bytes_per_s=3.0e12, to_host_bytes_per_s=55e9,
@@ -85,7 +85,7 @@ class DeviceModel:
 # The fitted figures of DeviceModel.h200 (bench/calibrate.py prints them from bench/results).
 H200_CONV_FLOPS_PER_S = 91.9e12
 H200_CONV_BYTES_PER_S = 2.28e12
-H200_LAUNCH_S = 144e-6
+H200_LAUNCH_S = 142e-6
 
 
 _PHASE_ORDER = ["forward", "recompute", "backward"]

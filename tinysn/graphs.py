@@ -32,7 +32,7 @@ class GraphReplay:
 
     def step(self, rt) -> None:
         """(Re)capture runtime `rt`'s step when needed, then replay it on the batch the
-        Runtime copied into the pool (Runtime.batch_in_pool)."""
+        Runtime copied into the pool (Runtime._batch_in_pool)."""
         key = (rt.lr, rt.momentum, rt.weight_decay, rt.seed)
         if self.graph is None or self.key != key:
             self._capture(rt, key)
@@ -52,7 +52,7 @@ class GraphReplay:
             stream = torch.cuda.current_stream(rt.device)
             rt.to_host_stream.wait_stream(stream)        # the copy streams join the capture
             rt.to_device_stream.wait_stream(stream)
-            rt._walk(rt.batch_in_pool()[0], None)
+            rt._walk(rt._batch_in_pool()[0], None)
         self.moved = (stats.bytes_to_host - before[0], stats.bytes_to_device - before[1])
         stats.bytes_to_host, stats.bytes_to_device = before
         self.graph, self.key = graph, key

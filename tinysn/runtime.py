@@ -228,13 +228,13 @@ class Runtime:
         changes any state: the data block is free at a step's start and refilled by every
         step. On a GPU the check is one reduction on the device instead of a pass over the
         host batch, which ran serially with the GPU: every step waits for its loss."""
-        pool_images, pool_labels = self.batch_in_pool()
+        pool_images, pool_labels = self._batch_in_pool()
         pool_images.copy_(images, non_blocking=images.is_pinned())
         pool_labels.copy_(labels, non_blocking=labels.is_pinned())
         inputs.check_finite(pool_images)
         return pool_images
 
-    def batch_in_pool(self):
+    def _batch_in_pool(self):
         """Views of the data tensor's planned block and of the labels tensor, where a step
         (and a graph replay, which reads fixed addresses) finds its batch; found once. The
         data tensor sits at the same offset every step (the plan allocates it first)."""

@@ -25,6 +25,7 @@ the same code runs on the CPU (Triton's interpreter) as a smoke test; torch.comp
 skipped there, and the JSON says so.
 """
 import argparse
+import gc
 import os
 import sys
 import time
@@ -53,20 +54,48 @@ def sync(device) -> None:
 
 def timed(step, device, warmup: int, steps: int) -> dict:
     """Run `step` warmup + steps times; time the last `steps` as one wall-clock span between
-    synchronizations. Returns the span, ms per step, every loss and the process's device
-    memory peak since the caller reset it (before building the model or the Runtime)."""
+    synchronizations. Returns the span, ms per step, every loss, the seconds Python's garbage
+    collector ran inside the span (`gc_s`) and the process's device memory peak since the
+    caller reset it (before building the model or the Runtime).
+
+    Before the timed steps every object alive is moved out of the collector's reach
+    (`gc.freeze`): a configuration that follows torch.compile in the same process would
+    otherwise pay for full collections over compile's millions of objects, in whichever
+    configuration's steps they happen to fall."""
     t0 = time.perf_counter()
     losses = [step() for _ in range(warmup)]
     sync(device)
     warmup_s = time.perf_counter() - t0
-    t0 = time.perf_counter()
-    losses += [step() for _ in range(steps)]
-    sync(device)
-    span = time.perf_counter() - t0
+    gc.collect()
+    gc.freeze()
+    with GcClock() as collector:
+        t0 = time.perf_counter()
+        losses += [step() for _ in range(steps)]
+        sync(device)
+        span = time.perf_counter() - t0
+    gc.unfreeze()
     return {"warmup_s": warmup_s, "seconds": span, "ms_per_step": span / steps * 1e3,
-            "losses": [float(x) for x in losses],
+            "gc_s": collector.seconds, "losses": [float(x) for x in losses],
             "process_peak_bytes": (torch.cuda.max_memory_allocated()
                                    if device.type == "cuda" else None)}
+
+
+class GcClock:
+    """Seconds the garbage collector runs while the block runs (gc.callbacks)."""
+
+    def __enter__(self):
+        self.seconds, self._start = 0.0, None
+        gc.callbacks.append(self._on_gc)
+        return self
+
+    def __exit__(self, *exc):
+        gc.callbacks.remove(self._on_gc)
+
+    def _on_gc(self, phase, info):
+        if phase == "start":
+            self._start = time.perf_counter()
+        elif self._start is not None:
+            self.seconds += time.perf_counter() - self._start
 
 
 def host_batch(net, device):

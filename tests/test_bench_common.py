@@ -103,3 +103,23 @@ def test_train_bench_smoke_on_the_cpu(tmp_path):
     for row in run["pytorch"]:
         assert torch.allclose(torch.tensor(eager["losses"]), torch.tensor(row["losses"]),
                               rtol=1e-4)
+
+
+def test_timed_steps_run_with_older_objects_frozen_and_count_collections():
+    """train.timed freezes what was alive before the timed steps (a full collection then
+    does not walk torch.compile's heap) and reports the seconds collections took."""
+    import gc
+
+    from bench import train
+    seen, junk = [], [[] for _ in range(1000)]
+
+    def step():
+        seen.append(gc.get_freeze_count())
+        cycle = []
+        cycle.append(cycle)          # garbage only a collection frees
+        gc.collect()
+        return 0.0
+    row = train.timed(step, torch.device("cpu"), warmup=1, steps=2)
+    assert seen[0] == 0 and min(seen[1:]) >= len(junk)      # frozen for the timed steps only
+    assert gc.get_freeze_count() == 0
+    assert 0 < row["gc_s"] <= row["seconds"]

@@ -1,6 +1,7 @@
 """Every device byte inside the cap: explicit conv rankings, the batch from the host, tuning
 that allocates nothing, impossible caps refused in one line, and (on the GPU) the whole
 process's peak measured against `memory`."""
+import math
 import os
 
 import pytest
@@ -217,6 +218,29 @@ def test_batch_checks_catch_every_non_finite_value_and_accept_huge_finite_ones()
     with pytest.raises(ValueError, match=rf"\[0, {net.classes}\), got values in \[-1, "):
         rt.step(images, labels - labels.min() - 1)
     assert rt.stats.process_peak_bytes is None         # no device memory on the CPU
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not GPU, reason="needs a CUDA GPU")
+def test_a_plan_from_measured_rankings_may_take_a_larger_grid_cap(tmp_path, monkeypatch):
+    """With no cached rankings the Runtime plans once to check the fit, times the rankings
+    inside its buffer and plans again into it: the second plan may take a larger pool than
+    the first (here the first is made for half the cap), never more than `memory`."""
+    monkeypatch.setenv("TINYSN_CACHE_DIR", str(tmp_path))
+    net = small_resnet()
+    memory = 2 * tight_cap(net)
+    real, calls = sn.runtime.plan_mod.plan, []
+
+    def plan(net, memory, *args, **kwargs):
+        calls.append(memory)
+        return real(net, memory // 2 if len(calls) == 1 else memory, *args, **kwargs)
+    monkeypatch.setattr(sn.runtime.plan_mod, "plan", plan)
+    rt = sn.Runtime(net, memory, "all", device="cuda", momentum=0.9)
+    assert len(calls) == 2 and rt.plan.capacity > memory // 2
+    images, labels = batch_for(net)
+    assert math.isfinite(rt.step(images, labels))
+    assert rt.stats.peak_bytes == rt.plan.peak_bytes
+    rt.close()
 
 
 @pytest.mark.gpu

@@ -58,6 +58,7 @@ from .sched.timing import DeviceModel
 from .sched.plan import (Alloc, Drop, Evict, Free, Launch, Mark, Offload, Prefetch, Release,
                          Sync, Wait)
 from .tensor import Tensor
+from .units import parse_bytes
 
 __all__ = ["GRAPH_WARMUP", "PROCESS_SLACK_BYTES", "Runtime", "Stats"]
 
@@ -163,7 +164,10 @@ class Runtime:
                                   trade_budget=0 if timing else plan_mod.TRADE_BUDGET,
                                   device_model=self._device_model(dynamic, cuda_graph),
                                   **options)
-        self.arena = Arena(self.plan.capacity, self.device, small_bytes=self.plan.small_bytes)
+        # the timing path plans again into this buffer, and the plan the measured rankings
+        # give may take a larger grid cap than this one, never more than `memory`
+        size = parse_bytes(memory) if timing else self.plan.capacity
+        self.arena = Arena(size, self.device, small_bytes=self.plan.small_bytes)
         if timing:
             self.rankings = workspace.measure_rankings(self.net, self.arena.buffer)
             self.plan = plan_mod.plan(self.net, memory, self.policy, rankings=self.rankings,

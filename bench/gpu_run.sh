@@ -57,7 +57,8 @@ for stage in "$@"; do
               TINYSN_AUTOTUNE=0 timeout ${TRACE_S:-420} python3 -m tinysn train --model resnet50 --batch "$B" --memory 12GiB --host-memory 60GiB --momentum 0 --steps 3 --schedule constant --device cuda --trace "$OUT/trace-resnet50-b$B-$GPU.json" 2>&1 | tail -6 ;;
     # images/s against batch beyond the cap: each model's ladder under 12 GiB and 120 GiB,
     # then PyTorch eager / checkpoint / save_on_cpu at their largest batches; one model and
-    # part per call (OVERSUB_MODELS, OVERSUB_PARTS; OVERSUB_FIRST starts the ladder later, OVERSUB_ONLY runs just those batches) keeps each call under 10 minutes
+    # part per call (OVERSUB_MODELS, OVERSUB_PARTS) keeps each call under 10 minutes;
+    # OVERSUB_FIRST starts the ladder later, OVERSUB_ONLY runs just those batches
     oversub)  seed "oversub-$GPU.json"; TINYSN_AUTOTUNE=0 timeout ${OVERSUB_S:-540} python3 bench/oversub.py --models ${OVERSUB_MODELS:-resnet50} --parts ${OVERSUB_PARTS:-tinysn,pytorch} --memory 12GiB --reference 120GiB --host-memory 60GiB --batches resnet50=897,vgg16=320,inception_v4=713 ${OVERSUB_FIRST:+--first $OVERSUB_FIRST} ${OVERSUB_ONLY:+--only $OVERSUB_ONLY} --merge --out "$OUT/oversub-$GPU.json" 2>&1 | tail -30 ;;
     ddp-b32)  NCCL_NVLS_ENABLE=0 timeout ${DDP_S:-540} python3 bench/ddp.py --gpus 2 --configs b32-graph,b32 --merge --out "$OUT/ddp-$GPU.json" 2>&1 | tail -6 ;;
     ddp-largest) NCCL_NVLS_ENABLE=0 timeout ${DDP_S:-540} python3 bench/ddp.py --gpus 2 --configs largest --merge --out "$OUT/ddp-$GPU.json" 2>&1 | tail -6 ;;

@@ -7,11 +7,11 @@ steps eagerly (they compile and tune every kernel; a capture must not), then han
 to its `GraphReplay`: the first one captures the plan's walk (the allocator and every check
 run in Python as always, so the captured pass verifies peak == plan) and replays it; later
 ones replay on the batch the Runtime copied into the pool's data and labels tensors at
-their planned offsets (the graph reads fixed addresses inside the pool). Changing lr, momentum or
-weight_decay (or the seed, which load_state_dict may set) triggers a new capture (they are
-launch arguments). Dropout replays too: its kernels read the iteration from a counter in the
-pool, and the kernel that advances it at the end of the step is part of the graph, so each
-replay draws the masks an eager step would.
+their planned offsets (the graph reads fixed addresses inside the pool). Changing lr,
+momentum or weight_decay (or the seed, which load_state_dict may set) triggers a new
+capture (they are launch arguments). Dropout replays too: its kernels read the iteration
+from a counter in the pool, and the kernel that advances it at the end of the step is part
+of the graph, so each replay draws the masks an eager step would.
 """
 from __future__ import annotations
 
@@ -27,7 +27,7 @@ class GraphReplay:
     The Runtime owns it and passes itself to each call (so nothing refers back to it)."""
 
     def __init__(self):
-        self.graph = self.key = self._batch = None
+        self.graph = self.key = None
         self.moved = (0, 0)              # bytes one captured step copies (to host, to device)
 
     def step(self, rt) -> None:

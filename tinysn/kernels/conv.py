@@ -252,8 +252,8 @@ def _cfg(bm, bn, bk, warps, stages, pix=True, group_m=8):
 # lists are the eight (four) configs that together come closest to the best of a wider sweep
 # on 17 VGG16 / ResNet-50 shapes at batch 32 on the H200 (bench/conv_configs.py: greedy,
 # by total time; 14% less forward time than the earlier hand-picked list, 4% less split-K
-# weight-gradient time); so are the two data-gradient lists. The first config of each list is the one an untuned run
-# (TINYSN_AUTOTUNE=0) takes: the best single config of the sweep.
+# weight-gradient time); so are the two data-gradient lists. The first config of each list
+# is the one an untuned run (TINYSN_AUTOTUNE=0) takes: the best single config of the sweep.
 # forward: M = output pixels (large), N = output channels (64..512); also the "flipped" data
 # gradient
 _FWD_CONFIGS = [

@@ -18,9 +18,9 @@ exactly the plan's:
 
 Before them the step's batch crosses to the device (the runtime copies it into the pool and
 checks it there before the first launch). The iteration ends when all three queues are
-drained (the runtime joins them). The result is
-a `Timeline`: the predicted step time, what bound it, and every kernel and copy with its
-start and end (what a stream timeline of the plan draws).
+drained (the runtime joins them). The result is a `Timeline`: the predicted step time, what
+bound it, and every kernel and copy with its start and end (what a stream timeline of the
+plan draws).
 
 The device figures are a model, not a measurement: `DeviceModel.h200()` states the numbers it
 assumes and where they come from; bench/predict.py sets the prediction beside every measured

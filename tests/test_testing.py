@@ -13,7 +13,8 @@ from hypothesis import Phase, find, given, strategies as st
 
 import tinysn as sn
 import tinysn.testing as snt
-from tinysn.sched.plan import Alloc, Drop, Evict, Free, Launch, Offload, Prefetch, Release, Step, Sync, Wait
+from tinysn.sched.plan import (Alloc, Drop, Evict, Free, Hand, Launch, Offload, Prefetch, Release,
+                               Step, Sync, Wait)
 
 
 @st.composite
@@ -114,6 +115,25 @@ def overlap(plan):
         yield with_ops(plan, si, ops[:j] + [Alloc(op.tensor, first)] + ops[j + 1:])
 
 
+def hand_elsewhere(plan):
+    """Give a gradient the block of a tensor its kernel reads but does not write it over
+    (the input, not dy), as if that read were the last."""
+    for si, j, op in sites(plan, Hand):
+        lp = plan.program.passes[next(o.key for o in plan.steps[si].ops if isinstance(o, Launch))]
+        others = [t for t in lp.reads if t != op.source and not plan.tensors[t].persistent]
+        if others:
+            ops = plan.steps[si].ops
+            yield with_ops(plan, si, ops[:j] + [Hand(op.tensor, others[0])] + ops[j + 1:])
+
+
+def keep_handed(plan):
+    """Hand dy's block over and never free dy (the planner forgot it holds no block)."""
+    for si, j, op in sites(plan, Free):
+        if any(isinstance(o, Hand) and o.source == op.tensor for o in plan.steps[si].ops):
+            ops = plan.steps[si].ops
+            yield with_ops(plan, si, ops[:j] + ops[j + 1:])
+
+
 def leak(plan):
     """Never free the tensor freed last in the iteration."""
     frees = sites(plan, Free)
@@ -141,6 +161,9 @@ MUTATIONS = {                # name: (planted bug, the rules that may catch it)
     "recompute_with_forward": (recompute_with_forward, {"recompute"}),
     "rebuild_before_forward": (rebuild_before_forward, {"recompute"}),
     "overlap": (overlap, {"overlap"}),
+    # the other tensor may still be moving, or not on the device at all
+    "hand_elsewhere": (hand_elsewhere, {"in place", "state"}),
+    "keep_handed": (keep_handed, {"leak"}),
     # a leaked block is either handed to another tensor later (overlap) or still held
     "leak": (leak, {"leak", "overlap"}),
     "shrink_cap": (shrink_cap, {"cap"}),

@@ -70,6 +70,10 @@ class OpSpec:
                            device iteration counter, layer index): its passes read the counter
     in_place_in_caffe      Caffe (the paper's base) runs it in place on its input, so the
                            tensor the paper offloads after a checkpoint conv is its output
+    backward_in_place      its backward kernel writes each element of dx from the same
+                           element of dy (and of what it saved), so dx may take over dy's block
+                           when the pass reads dy for the last time (liveness.LayerPass's
+                           `in_place`): ReLU, batch norm, dropout and add
     workspace              (layer, "forward" | "backward") -> bytes of scratch its kernels
                            need (conv's depend on the algorithm: sched/workspace.py)
     cost                   (layer, "forward" | "backward") -> (flops, bytes moved to and
@@ -89,6 +93,7 @@ class OpSpec:
     has_algorithms: bool = False
     draws_mask: bool = False
     in_place_in_caffe: bool = False
+    backward_in_place: bool = False
     workspace: Callable = _no_workspace
     cost: Callable = _streamed
 
@@ -357,17 +362,18 @@ SPECS = {
     "conv": OpSpec(_conv_forward, _conv_backward, backward_reads_input=True, has_algorithms=True,
                    rebuildable=True, cost=_conv_cost),
     "bn": OpSpec(_bn_forward, _bn_backward, backward_reads_input=True, recomputable=True,
-                 saves_statistics=True, counts_batches=True, workspace=_bn_workspace),
+                 saves_statistics=True, counts_batches=True, workspace=_bn_workspace,
+                 backward_in_place=True),
     "relu": OpSpec(_relu_forward, _relu_backward, backward_reads_output=True, recomputable=True,
-                   in_place_in_caffe=True),
+                   in_place_in_caffe=True, backward_in_place=True),
     "pool": OpSpec(_pool_forward, _pool_backward, backward_reads_input=_pool_reads_input,
                    recomputable=True),
     "lrn": OpSpec(_lrn_forward, _lrn_backward, backward_reads_input=True, recomputable=True),
     "fc": OpSpec(_fc_forward, _fc_backward, backward_reads_input=True, workspace=_fc_workspace,
                  cost=_fc_cost),
     "dropout": OpSpec(_dropout_forward, _dropout_backward, recomputable=True,
-                      draws_mask=True),
-    "add": OpSpec(_add_forward, _add_backward, rebuildable=True),
+                      draws_mask=True, backward_in_place=True),
+    "add": OpSpec(_add_forward, _add_backward, rebuildable=True, backward_in_place=True),
     "concat": OpSpec(_concat_forward, _concat_backward, rebuildable=True),
     "softmax_loss": OpSpec(_softmax_forward, _softmax_backward, backward_reads_input=True,
                            is_loss=True, workspace=_softmax_workspace),

@@ -55,7 +55,7 @@ from .sched import liveness
 from .sched import plan as plan_mod
 from .sched import workspace
 from .sched.timing import DeviceModel
-from .sched.plan import (Alloc, Drop, Evict, Free, Launch, Mark, Offload, Prefetch, Release,
+from .sched.plan import (Alloc, Drop, Evict, Free, Hand, Launch, Mark, Offload, Prefetch, Release,
                          Sync, Wait)
 from .tensor import Tensor
 from .units import parse_bytes
@@ -335,6 +335,9 @@ class Runtime:
             raise RuntimeError(f"allocator diverged from the plan: {t.name} at {t.block.offset}, "
                                f"planned {op.offset}")
 
+    def _hand(self, op: Hand):
+        self.tensors[op.source].hand_block(self.tensors[op.tensor], views=self._views[op.tensor])
+
     def _free(self, op: Free):
         self.tensors[op.tensor].free(sync=False)
 
@@ -400,7 +403,7 @@ class Runtime:
             stream.wait_stream(self.to_device_stream)
 
     # plan operation type -> what executes it (unbound: the table refers to no Runtime)
-    _EXECUTE = {Alloc: _alloc, Free: _free, Drop: _drop, Offload: _offload, Release: _release,
+    _EXECUTE = {Alloc: _alloc, Hand: _hand, Free: _free, Drop: _drop, Offload: _offload, Release: _release,
                 Evict: _evict, Prefetch: _prefetch, Wait: _wait, Sync: _sync, Mark: _mark,
                 Launch: _run_kernel}
 

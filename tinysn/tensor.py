@@ -77,6 +77,16 @@ class Tensor:
         self._view = _cached_view(arena, self.block, self.shape, self.dtype, views)
         self.state = "gpu"
 
+    def hand_block(self, other: "Tensor", views=None) -> None:
+        """Give this tensor's device block to `other` (allocate's `views`), for a kernel
+        that reads this tensor for the last time and writes `other` over it in place. This
+        one stays readable until it is freed, which then returns no block."""
+        if self.state != "gpu" or self.host_block is not None:
+            raise RuntimeError(f"cannot hand the block of {self.name} over: it is {self.state}"
+                               f"{' with a host copy' if self.host_block is not None else ''}")
+        other.allocate(self._device_arena, block=self.block, views=views)
+        self.block = None
+
     def view(self) -> torch.Tensor:
         """The torch view a kernel reads and writes; raises unless the data is on the device."""
         if self.state not in READABLE:

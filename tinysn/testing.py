@@ -30,6 +30,8 @@ The rules `check_plan` enforces (each ScheduleError carries one of these as `.ru
                 plan is replayed on three vector-clocked streams (compute, to host, to
                 device) joined only where the plan waits (Wait, Sync, `waits`)
     overlap     two live tensors overlap in the device or host arena
+    in place    a block handed over (Hand) other than to the gradient the next kernel writes
+                over dy (liveness.LayerPass.in_place), or its old owner read after that
     cap         a block beyond the device cap, or beyond the host arena (the plan's
                 host_bytes, or `host_memory`)
     leak        a tensor still holds device or host bytes when the iteration ends
@@ -57,8 +59,8 @@ from .ops import spec
 from .pool.allocator import block_rounded
 from .runtime import Runtime
 from .sched import recompute as recompute_mod
-from .sched.plan import (POLICIES, Alloc, Drop, Evict, Free, Launch, Mark, Offload, Prefetch,
-                         Release, Sync, Wait, fits, plan)
+from .sched.plan import (POLICIES, Alloc, Drop, Evict, Free, Hand, Launch, Mark, Offload,
+                         Prefetch, Release, Sync, Wait, fits, plan)
 from .units import parse_bytes
 
 __all__ = ["nets", "policies", "caps", "host_caps", "smallest_cap", "smallest_host_cap",
@@ -396,6 +398,7 @@ class _Replay:
         self.clocks = _Clocks(self.fail)
         self.state = {t.id: "unallocated" for t in p.tensors}
         self.dev, self.host = {}, {}          # tid -> (start, end) of its block
+        self.lent = {}                        # Hand source -> the tensor its block went to
         self.prefetch_slot = {}
         self.peak = self.extent = 0
         self.where = "setup"
@@ -403,7 +406,7 @@ class _Replay:
         self.by_index = {layer.index: layer for layer in self.program.order}
         self.traded = recompute_mod.split(p.drops)[1]
         self.forward_algos = {}               # layer pass index -> algos its Launch ran
-        self.handlers = {Alloc: self.alloc, Free: self.free, Drop: self.drop,
+        self.handlers = {Alloc: self.alloc, Hand: self.hand, Free: self.free, Drop: self.drop,
                          Offload: self.offload, Release: self.release, Evict: self.evict,
                          Prefetch: self.prefetch, Wait: self.wait, Sync: self.sync,
                          Mark: self.mark, Launch: self.launch}
@@ -466,9 +469,23 @@ class _Replay:
         self.place(self.dev, "device", op.tensor, op.offset, self.plan.capacity)
         self.state[op.tensor] = "gpu"
 
+    def hand(self, op):
+        """The source lends its block to the tensor; the next kernel, the layer pass that
+        writes it in place, is the source's last reader."""
+        self.expect(op.source, ("gpu",), "handed over")
+        self.expect(op.tensor, ("unallocated", "dropped", "freed"), "given a block")
+        passes, done = self.program.passes, len(self.launched)
+        if (self.step.phase != "backward" or done >= len(passes)
+                or passes[done].in_place != (op.tensor, op.source)):
+            self.fail("in place", op.tensor, f"given the block of {self.name(op.source)}, "
+                                             f"which the next kernel does not write it over")
+        self.dev[op.tensor] = self.dev.pop(op.source)
+        self.lent[op.source] = op.tensor
+        self.state[op.tensor] = "gpu"
+
     def free(self, op):
-        self.expect(op.tensor, ("gpu", "offloading", "host", "prefetching", "dropped"),
-                    "freed")
+        self.expect(op.tensor, ("gpu", "offloading", "host", "prefetching", "dropped",
+                                "handed"), "freed")
         self.unplace(op.tensor)
         self.host.pop(op.tensor, None)
         self.state[op.tensor] = "freed"
@@ -550,7 +567,11 @@ class _Replay:
                     hint = " (prefetched without a Wait)" if self.state[tid] == "prefetching" else ""
                     self.fail("access", tid, f"{verb} by the kernel while it is "
                                              f"{self.state[tid]}{hint}")
-                c.access("device", self.dev[tid], COMPUTE, stamp, write, tid)
+                block = self.dev[tid] if tid in self.dev else self.dev[self.lent[tid]]
+                c.access("device", block, COMPUTE, stamp, write, tid)
+        for source in self.lent:             # read for the last time: no block, no reads
+            self.state[source] = "handed"
+        self.lent.clear()
         c.prune()
         self.check_step_figures()
 
@@ -618,6 +639,9 @@ class _Replay:
                 self.fail("state", tid, f"placed at {block} before the first iteration, "
                                         f"it ends the iteration {self.state[tid]} at "
                                         f"{self.dev.get(tid)}")
+        for tid, state in self.state.items():
+            if state == "handed":
+                self.fail("leak", tid, "handed its block over but was never freed")
         for table, space in ((self.dev, "device"), (self.host, "host")):
             for tid in table:
                 if tid not in self.resident or table is self.host:

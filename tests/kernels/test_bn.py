@@ -141,6 +141,30 @@ def test_bn_recompute_gives_same_bits():
     bn.backward(x, gamma, dy, s1, None, None, None, _workspace(shape, "backward", "cpu"))
 
 
+@pytest.mark.parametrize("shape", [(3, 4, 7, 7), (2, 5, 33, 40)])
+def test_bn_backward_in_place_gives_same_bits(shape):
+    """dx written over dy (the planner hands dy's block to dx) equals dx written apart."""
+    c = shape[1]
+    x, gamma, beta = _rand(shape, 1), _rand((c,), 2), _rand((c,), 3)
+    saved = torch.empty(2, c)
+    bn.forward(x, gamma, beta, torch.empty_like(x), torch.zeros(c), torch.ones(c), saved,
+               _workspace(shape, "forward", "cpu"))
+    dy = _rand(shape, 4)
+    apart, dg, db = torch.full_like(x, NAN), torch.empty(c), torch.empty(c)
+    bn.backward(x, gamma, dy, saved, apart, dg, db, _workspace(shape, "backward", "cpu"))
+    over, dg2, db2 = dy.clone(), torch.empty(c), torch.empty(c)
+    bn.backward(x, gamma, over, saved, over, dg2, db2, _workspace(shape, "backward", "cpu"))
+    assert torch.equal(over, apart) and torch.equal(dg2, dg) and torch.equal(db2, db)
+    with pytest.raises(ValueError, match="cannot accumulate"):
+        bn.backward(x, gamma, over, saved, over, None, None,
+                    _workspace(shape, "backward", "cpu"), accumulate=True)
+    flat = torch.zeros(2 * x.numel())     # dx half over dy: neither apart nor in place
+    with pytest.raises(ValueError, match="overlaps dy"):
+        bn.backward(x, gamma, flat[:x.numel()].view(shape), saved,
+                    flat[x.numel() // 2:][:x.numel()].view(shape), None, None,
+                    _workspace(shape, "backward", "cpu"))
+
+
 def test_bn_workspace_bytes():
     for shape in [(1, 1, 1, 2), (32, 64, 112, 112), (32, 256, 56, 56), (32, 2048, 7, 7)]:
         f = bn.workspace_bytes(shape, "forward")

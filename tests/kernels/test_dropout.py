@@ -122,6 +122,10 @@ def test_p_zero_is_exact_copy_and_in_place():
     y = _fwd(x, 0.5, 5, 6)
     dropout.forward(x, x, p=0.5, seed=5, iteration=_it(3), layer=5, offset=6)   # in place
     assert torch.equal(x, y)
+    apart = torch.empty_like(dy)
+    dropout.backward(dy, apart, p=0.5, seed=5, iteration=_it(3), layer=5, offset=6)
+    dropout.backward(dy, dy, p=0.5, seed=5, iteration=_it(3), layer=5, offset=6)  # dx over dy
+    assert torch.equal(dy, apart)
     assert dropout.workspace_bytes(x.shape) == 0
 
 

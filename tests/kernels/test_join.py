@@ -124,6 +124,10 @@ def test_add_order_and_scalar_accumulate():
     join.add_backward(dy, d, accumulate=True)
     for t, b in zip(d, before):
         assert torch.equal(t, b + dy)
+    # the first gradient written over dy (the planner hands it dy's block), the other added
+    ref = d[1] + dy
+    join.add_backward(dy, [dy, d[1]], accumulate=[False, True])
+    assert torch.equal(dy, _rand((2, 3, 5, 5), 1)) and torch.equal(d[1], ref)
 
 
 def test_concat_backward_none_inferred():

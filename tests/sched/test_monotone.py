@@ -45,13 +45,15 @@ def test_grid_cap_rounds_down_to_seven_significant_bits():
 
 def test_the_counterexample_is_monotone_now():
     """It planned at 81,477,321 bytes and failed at 1.01x and 1.02x; now every cap from the
-    first that fits upwards fits, each plan within its cap."""
+    first that fits upwards fits, each plan within its cap. (The first was 1.005x until
+    gradients were written over dy in place: blocks handed over stay where dy was, first
+    fit packs the backward pass differently, and this net now first fits at 1.03x.)"""
     net = sn.models.resnet(blocks=[1, 1, 1, 1], batch=16, classes=10, input_shape=(3, 64, 64))
     caps = [int(81_477_321 * f) for f in (0.98, 0.99, 1.0, 1.005, 1.01, 1.015, 1.02, 1.03,
                                            1.04, 1.05, 1.1, 1.2, 1.4, 1.6)]
     plans = [fits(net, cap, "all", momentum=0.9) for cap in caps]
     first = next(i for i, p in enumerate(plans) if p is not None)
-    assert first < 6                     # it fits within 1.5% of the old cap...
+    assert first < 8                     # it fits within 3% of the old cap...
     for cap, p in zip(caps[first:], plans[first:]):
         assert p is not None, f"fits at {caps[first]:,} but not at {cap:,}"   # ...and above
         assert p.required_bytes <= p.capacity <= cap
@@ -185,22 +187,22 @@ def one_stage_resnet(batch):
 
 def test_feasibility_is_not_monotone_in_the_batch():
     """Every tensor's size changes with the batch, and with it first fit, the cache's
-    evictions and the recompute choices: here batch 5 plans and batch 4 does not."""
-    assert fits(one_stage_resnet(5), 731_520, "all") is not None
-    assert fits(one_stage_resnet(4), 731_520, "all") is None
+    evictions and the recompute choices: here batch 8 plans and batch 7 does not."""
+    assert fits(one_stage_resnet(8), 760_000, "all") is not None
+    assert fits(one_stage_resnet(7), 760_000, "all") is None
 
 
 def test_max_batch_is_the_largest_batch_below_which_every_batch_plans():
-    """Batches 1-4 and 6-9 plan, 5 does not: a bisection would answer 8 or more."""
+    """Batches 1-4 and 6-8 plan, 5 and 9 do not: a bisection could answer 8."""
     def model(batch):
         return sn.models.resnet(blocks=[1, 2], batch=batch, classes=10, input_shape=(3, 16, 16))
 
-    cap = 4_355_712
+    cap = 4_131_072
     planned = [fits(model(b), cap, "all") is not None for b in range(1, 10)]
-    assert planned == [True] * 4 + [False] + [True] * 4
+    assert planned == [True] * 4 + [False] + [True] * 3 + [False]
     assert sn.max_batch(model, cap, "all") == 4
     assert sn.max_batch(model, cap, "all", limit=3) == 3
-    assert sn.max_batch(one_stage_resnet, 731_520, "all") == 3
+    assert sn.max_batch(one_stage_resnet, 760_000, "all") == 3
 
 
 @settings(max_examples=max(EXAMPLES // 10, 3), deadline=None,

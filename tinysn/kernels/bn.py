@@ -13,6 +13,8 @@ API
         dbeta = sum dy, dgamma = sum dy * xhat,
         dx (+)= gamma * inv_std / n * (n dy - dbeta - xhat dgamma).
         dx, dgamma, dbeta may each be None; dgamma / dbeta always overwrite.
+        dx may be dy (in place: the sums are taken before dx is written), unless it
+        accumulates; it must not otherwise overlap x, dy, saved or the workspace.
     workspace_bytes(shape, phase) -> bytes of scratch, phase "forward" | "backward".
     forward_eval(x, gamma, beta, y, running_mean, running_var, *, eps=1e-5)
         eval mode (nn.BatchNorm2d after .eval()): one elementwise pass,
@@ -43,7 +45,7 @@ import functools
 import triton
 import triton.language as tl
 
-from ._common import INTERPRET, check_tensor, float_workspace, run
+from ._common import INTERPRET, check_no_overlap, check_tensor, float_workspace, run
 
 _TILE = 1024 if INTERPRET else 2048          # elements per tile of the streaming passes
 _WARPS = 4 if INTERPRET else 8
@@ -370,6 +372,16 @@ def forward_eval(x, gamma, beta, y, running_mean, running_var, *, eps=1e-5):
         float(eps), R=r, COLS=cols, num_warps=_WARPS)
 
 
+def _check_dx(dx, x, dy, saved, ws, accumulate):
+    """dx is dy (in place, not accumulating) or apart from every other operand."""
+    in_place = dx.numel() > 0 and dx.data_ptr() == dy.data_ptr()
+    if in_place and accumulate:
+        raise ValueError("bn.backward: dx is dy, so it cannot accumulate")
+    check_no_overlap("bn.backward", [("dx", dx)],
+                     [("x", x), ("saved", saved), ("workspace", ws)]
+                     + ([] if in_place else [("dy", dy)]))
+
+
 def backward(x, gamma, dy, saved, dx, dgamma, dbeta, workspace, *, accumulate=False):
     """Training-mode batch norm backward; see the module docstring."""
     n, c, h, w = _check_x(x)
@@ -393,6 +405,8 @@ def backward(x, gamma, dy, saved, dx, dgamma, dbeta, workspace, *, accumulate=Fa
     ws = float_workspace("bn", workspace, workspace_bytes(x.shape, "backward"), x.device)
     if ws.device != dev:
         raise ValueError(f"workspace is on {ws.device} but x is on {dev}")
+    if dx is not None:
+        _check_dx(dx, x, dy, saved, ws, accumulate)
     if dx is None and dgamma is None and dbeta is None:
         return
     hw = h * w

@@ -17,6 +17,12 @@ bucket's collective starts after the backward pass of its last layer, which ther
 reads the bucket's other gradients; the updates of all its layers move to the backward pass
 `UPDATE_LAG` passes after that one (or the last pass), which reads the gradients again:
 their live ranges, and with them every plan's peak, cover the all-reduce in flight.
+
+In-place gradients: a backward pass whose op writes dx element by element from dy
+(OpSpec.backward_in_place: ReLU, batch norm, dropout, add) and reads dy for the last time
+writes its first freshly written dx into dy's block (`LayerPass.in_place`). Batch norm's
+backward then holds two of x, dy and dx instead of three; on ResNet-50 at batch 897 that is
+2.9 GB of a 12 GiB cap at every layer-1 batch norm.
 """
 from __future__ import annotations
 
@@ -88,6 +94,7 @@ class LayerPass:
     reads: list = field(default_factory=list)
     writes: list = field(default_factory=list)
     accumulate: dict = field(default_factory=dict)   # tensor id -> bool, for gradient writes
+    in_place: tuple | None = None   # (dx, dy): dx takes over dy's block (module docstring)
 
 
 class Program:
@@ -113,6 +120,7 @@ class Program:
         self._make_passes()
         self.buckets, self.reduces, self.updates = self._place_updates()
         self.uses = self._uses()
+        self._mark_in_place()
 
     # -- tensors -------------------------------------------------------------------------
     def _new(self, name, shape, kind, layer, role, dtype=torch.float32, persistent=False):
@@ -250,6 +258,22 @@ class Program:
             for tid in set(lp.reads) | set(lp.writes):
                 uses[tid].append(lp.index)
         return uses
+
+    def _mark_in_place(self):
+        """Set `in_place` of every backward pass that may write a gradient over dy: its op
+        says so (OpSpec.backward_in_place), it reads dy for the last time, and dx is a first
+        write (not accumulated) that the pass makes once (an add of x to itself writes it
+        twice). The first such input's gradient is the one."""
+        for lp in self.passes:
+            dy = self.grad.get(lp.layer)
+            if (lp.phase != "backward" or dy is None or not spec(lp.layer).backward_in_place
+                    or self.last_use(dy) != lp.index):
+                continue
+            fresh = [t for t in lp.writes if lp.accumulate.get(t) is False
+                     and lp.writes.count(t) == 1]
+            if fresh:
+                assert self.tensors[fresh[0]].nbytes == self.tensors[dy].nbytes
+                lp.in_place = (fresh[0], dy)
 
     def first_use(self, tid) -> int:
         return self.uses[tid][0]

@@ -4,7 +4,7 @@ For a fixed net, policy and cap every decision (which block each tensor gets, wh
 freed, offloaded, prefetched or recomputed, which conv algorithm runs) is deterministic. So
 the planner makes them all up front, through the same BlockAllocator the runtime uses, and
 records them as steps of simple operations, the dataclasses below (Alloc, Free, Drop,
-Offload, Release, Evict, Prefetch, Wait, Sync, Mark, Launch), which the runtime executes
+Hand, Offload, Release, Evict, Prefetch, Wait, Sync, Mark, Launch), which the runtime executes
 one by one (`Runtime._EXECUTE` dispatches on the type).
 
 Nothing waits on the host: a freed block can still be read by a queued kernel or a copy in
@@ -52,6 +52,16 @@ class Alloc:
     """Give tensor `tensor` a device block at `offset`."""
     tensor: int
     offset: int
+
+
+@dataclass(frozen=True)
+class Hand:
+    """Give tensor `tensor` the device block of `source`, in place: the step's kernel reads
+    `source` for the last time and writes `tensor` over it element by element (a gradient
+    over dy: liveness.LayerPass.in_place). `source` stays readable until that kernel; its
+    Free, after it, returns nothing."""
+    tensor: int
+    source: int
 
 
 @dataclass(frozen=True)
@@ -202,7 +212,8 @@ class Plan:
         """One row per device placement of a tensor in one iteration (a tensor that leaves
         the device and comes back has a row per stay): name, offset, bytes, the first and
         last executed step it is there, and how the stay ends ("freed", "dropped",
-        "to host", or "kept" for tensors that live across iterations)."""
+        "to host", "handed over" to a gradient written in place, or "kept" for tensors
+        that live across iterations)."""
         rows, open_rows = [], {}
         for op in self.setup:
             open_rows[op.tensor] = {"tensor": self.tensors[op.tensor].name, "offset": op.offset,
@@ -218,6 +229,12 @@ class Plan:
                            "last": step.index, "ends": "kept"}
                     open_rows[op.tensor] = row
                     rows.append(row)
+                elif isinstance(op, Hand):     # the block goes on, under another name
+                    row = open_rows.pop(op.source)
+                    row.update(last=step.index, ends="handed over")
+                    open_rows[op.tensor] = {**row, "tensor": self.tensors[op.tensor].name,
+                                            "first": step.index, "ends": "kept"}
+                    rows.append(open_rows[op.tensor])
                 elif type(op) in ends and op.tensor in open_rows:
                     open_rows.pop(op.tensor)["ends"] = ends[type(op)]
                 elif isinstance(op, Launch):
@@ -389,7 +406,7 @@ def _speed_everywhere(search) -> Plan | None:
     """The "all" pipeline (fewest bytes moved, `_trade`, `_ahead`) again with every
     recompute segment speed-centric (recompute.strategies), or None when none of its
     variants fits. Its plans hold more at once and may move more; the step-time model
-    decides (ResNet-50 under 12 GiB: predicted 14% faster at batch 256 and 24% at 512,
+    decides (ResNet-50 under 12 GiB: predicted 7% faster at batch 256 and 29% at 512,
     slower at 897, where the paper's rule stays)."""
     variants = [recompute.Traded(v, frozenset(), True) for v in VARIANTS if v is not None]
     try:
@@ -701,8 +718,8 @@ def max_batch(model_fn, memory, policy: str = "all", *, limit: int = 1 << 16, **
 
     Feasibility is monotone in the cap but not in the batch: a larger batch changes every
     tensor's size, so first fit, the cache's evictions and the recompute choices all
-    change: under "all" and 4,355,712 bytes a two-stage ResNet on 16x16 images plans at
-    batches 1-4 and 6-9 but not at 5 (tests/sched/test_monotone.py). So no bisection:
+    change: under "all" and 4,131,072 bytes a two-stage ResNet on 16x16 images plans at
+    batches 1-4 and 6-8 but not at 5 (tests/sched/test_monotone.py). So no bisection:
     batches are tried in turn from 1, each up to its first plan that fits, and the first
     batch that does not plan ends the search."""
     for batch in range(1, limit + 1):
@@ -859,7 +876,11 @@ class _Planner:
             self._make_readable(tid, ops)
         self.locked = set(touched)
         for tid in dict.fromkeys(step.writes):
-            if self.loc.get(tid) not in ("gpu", "offloading"):
+            if self.loc.get(tid) in ("gpu", "offloading"):
+                continue
+            if step.in_place and step.in_place[0] == tid and self.policy != "baseline":
+                self._hand(*step.in_place, ops)
+            else:
                 self._alloc(tid, ops)
         if self.floor is not None:
             self._track_floor(step)
@@ -968,7 +989,7 @@ class _Planner:
             state = self.loc.get(tid)
             if info.persistent or self.policy == "baseline":
                 continue
-            if self.uses[tid][-1] <= index and state in ("gpu", "offloading", "host"):
+            if self.uses[tid][-1] <= index and state in ("gpu", "offloading", "host", "handed"):
                 self._free(tid, ops)        # "host": evicted after a rebuild read it last
                 continue
             if state not in ("gpu", "offloading"):
@@ -1047,6 +1068,15 @@ class _Planner:
         if (self.cache is not None and info.role == "act" and not info.persistent
                 and tid not in self.dropped):
             self.cache.touch(tid)
+
+    def _hand(self, tid, source, ops):
+        """Give `tid` the block of `source`, which this step's kernel reads for the last
+        time (a gradient written in place over dy): one block fewer while it runs."""
+        assert self.loc.get(source) == "gpu" and source not in self.reading, \
+            "planner bug: handing over a block that is moving or not on the device"
+        self.dblock[tid] = self.dblock.pop(source)
+        self.loc[tid], self.loc[source] = "gpu", "handed"
+        ops.append(Hand(tid, source))
 
     def _dev_alloc(self, nbytes, name, ops, top=False):
         """Allocate on the device (from the top with `top`); under the cache policy, evict

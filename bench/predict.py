@@ -12,8 +12,8 @@ from the run's in workspace, not in the bytes moved. A run is planned again as i
 planned when measured: with the `device_model` its planner chose with, and a memory run
 with its `trade_budget` and prefetch `lookahead`.
 Runs that record none of these ran earlier planners: `PLANNED_BEFORE` holds the device
-figures those chose with, a missing budget is 0 (no trade search yet) and a missing
-lookahead 1. The prediction itself always uses today's model (DeviceModel.h200, with the
+figures those chose with, a missing budget is 0 (no trade search yet), a missing
+lookahead 1 and a missing `in_place_gradients` False (every gradient in a block of its own). The prediction itself always uses today's model (DeviceModel.h200, with the
 conv times the run measured, where it recorded them), so the table shows how well today's
 model explains every measured step.
 """
@@ -75,6 +75,7 @@ def memory_rows(path: Path) -> list:
                                real["cuda_graph"], row.get("host_memory"),
                                trade_budget=real.get("trade_budget", 0),
                                lookahead=real.get("lookahead", 1),
+                               in_place_gradients=real.get("in_place_gradients", False),
                                device_model=planned_with(real)), "model": name})
     return rows
 
@@ -91,6 +92,7 @@ def train_rows(path: Path) -> list:
         measured = {"s": row["ms_per_step"] / 1e3, "moved": row["bytes_moved_per_step"]}
         rows.append({**compare(net, memory, row["policy"], measured,
                                row["cuda_graph"], momentum=run["sgd"]["momentum"],
+                               in_place_gradients=row.get("in_place_gradients", False),
                                device_model=planned_with(row)),
                      "model": run["model"]})
     return rows

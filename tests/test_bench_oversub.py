@@ -16,7 +16,7 @@ ROW_KEYS = {"model", "batch", "images_per_s", "no_move_images_per_s", "fraction"
             "model_bound_by", "seconds_per_step", "predicted_compute_waits_s",
             "recomputed_steps", "speed_centric_everywhere"}
 # LeNet's largest batch under 172,032 B is 8, and that plan copies 36,864 B each step
-SMOKE = ["--models", "lenet", "--memory", "172032", "--reference", "64MiB", "--first", "4",
+SMOKE = ["--models", "lenet", "--memory", "149504", "--reference", "64MiB", "--first", "4",
          "--steps", "1", "--batches", "lenet=8"]
 
 
@@ -137,7 +137,8 @@ def test_a_failed_run_is_recorded_in_its_row():
               "bytes_moved_per_step": 3e9, "predicted_step_s": 3.1, "model_bound_by": "pcie",
               "process_peak_bytes": 7, "peak_bytes": 5, "peak_equals_plan": True,
               "setup_s": 1.0, "losses": [2.3], "predicted_compute_waits_s": {"forward": 0.5},
-              "recomputed_steps": 0, "speed_centric_everywhere": False}
+              "recomputed_steps": 0, "speed_centric_everywhere": False,
+              "in_place_gradients": True}
     row = oversub.curve_row("m", 4, capped, {"error": "OutOfMemory: no"}, bandwidth)
     assert row["images_per_s"] == 8.0 and row["pcie_floor_s"] == 3.0
     assert row["bound_by"] == "pcie" and row["fraction"] is None

@@ -23,8 +23,9 @@ def test_liveness_frees_each_tensor_after_its_last_use():
 def test_gradients_are_written_over_dy_in_place():
     """Every ReLU, batch norm and add backward of a ResNet reads dy for the last time, so
     its first gradient takes over dy's block: the plan hands it over (the placements show
-    one block under two names), holds one block fewer while that kernel runs, and the
-    baseline, where every tensor keeps its own block, hands nothing over."""
+    one block under two names), holds one block fewer while that kernel runs; the
+    baseline, where every tensor keeps its own block, and `in_place_gradients=False` hand
+    nothing over."""
     net = sn.models.resnet(blocks=[1, 1], batch=2, classes=10, input_shape=(3, 32, 32))
     prog = liveness.Program(net)
     backward = [lp for lp in prog.passes if lp.phase == "backward"]
@@ -47,8 +48,11 @@ def test_gradients_are_written_over_dy_in_place():
         held = sum(block_rounded(r["bytes"], 1024) for r in rows if r["first"] == "setup" or (
             r["first"] <= step.index <= r["last"] and r is not gone))
         assert step.bytes_in_use == held
-    assert not any(isinstance(op, Hand) for s in sn.plan(net, "1GiB", "baseline").steps
-                   for op in s.ops)
+    for apart in (sn.plan(net, "1GiB", "baseline"),
+                  sn.plan(net, "1GiB", "liveness", in_place_gradients=False)):
+        assert not any(isinstance(op, Hand) for s in apart.steps for op in s.ops)
+    with pytest.raises(ValueError, match="in_place_gradients must be a bool"):
+        sn.plan(net, "1GiB", "liveness", in_place_gradients="yes")
 
 
 def test_plan_rejects_bad_arguments():

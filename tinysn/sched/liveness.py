@@ -101,7 +101,7 @@ class Program:
     """The logical program of one training iteration of `net` and its tensors."""
 
     def __init__(self, net, momentum: float = 0.0, data_parallel: bool = False,
-                 bucket_bytes: int = BUCKET_BYTES):
+                 bucket_bytes: int = BUCKET_BYTES, in_place_gradients: bool = True):
         net.check()
         self.net = net
         self.momentum_value = momentum
@@ -120,7 +120,8 @@ class Program:
         self._make_passes()
         self.buckets, self.reduces, self.updates = self._place_updates()
         self.uses = self._uses()
-        self._mark_in_place()
+        if in_place_gradients:
+            self._mark_in_place()
 
     # -- tensors -------------------------------------------------------------------------
     def _new(self, name, shape, kind, layer, role, dtype=torch.float32, persistent=False):

@@ -287,7 +287,8 @@ def plan(net, memory, policy: str = "all", *, momentum: float = 0.0, conv_algos=
          layout: str = "auto", host_memory=None, rankings=None,
          data_parallel: bool = False, bucket_bytes=liveness.BUCKET_BYTES,
          early_write_back: bool = True, trade_budget: int = TRADE_BUDGET,
-         lookahead: int | None = None, device_model=None) -> Plan:
+         lookahead: int | None = None, device_model=None,
+         in_place_gradients: bool = True) -> Plan:
     """Dry-run one training iteration of `net` under a `memory` cap and `policy`.
 
     Raises OutOfMemory naming the first step that does not fit. `conv_algos` pins conv
@@ -316,6 +317,10 @@ def plan(net, memory, policy: str = "all", *, momentum: float = 0.0, conv_algos=
     `device_model` (a timing.DeviceModel; default DeviceModel.h200()): the step-time model
     that chooses among plans that fit (the trade, the lookahead), and the one the returned
     plan's `predicted_step_s` uses.
+    `in_place_gradients` (default True): ReLU, batch norm, dropout and add backward passes
+    write their gradient over dy where they read dy last (liveness.LayerPass.in_place);
+    False gives every gradient a block of its own, as plans made before that did
+    (bench/predict.py plans older measured runs so).
 
     A plan that fits under a cap fits under every larger cap, for every policy and layout
     (`_Search` says why). The returned plan's `capacity` is the pool it was made for: the
@@ -326,7 +331,7 @@ def plan(net, memory, policy: str = "all", *, momentum: float = 0.0, conv_algos=
                      host_memory=host_memory, rankings=rankings, data_parallel=data_parallel,
                      bucket_bytes=bucket_bytes, early_write_back=early_write_back,
                      trade_budget=trade_budget, lookahead=lookahead,
-                     device_model=device_model)
+                     device_model=device_model, in_place_gradients=in_place_gradients)
     chosen = search.write_back_early(_choose(search, policy))
     chosen.device_model = search.device_model
     return chosen
@@ -335,7 +340,8 @@ def plan(net, memory, policy: str = "all", *, momentum: float = 0.0, conv_algos=
 def _search(net, memory, policy, *, momentum, conv_algos, checkpoints, block_bytes, layout,
             host_memory, rankings=None, data_parallel=False,
             bucket_bytes=liveness.BUCKET_BYTES, early_write_back=True,
-            trade_budget=TRADE_BUDGET, lookahead=None, device_model=None) -> "_Search":
+            trade_budget=TRADE_BUDGET, lookahead=None, device_model=None,
+            in_place_gradients=True) -> "_Search":
     """Check `plan`'s arguments (before any state changes) and set up its runs."""
     if layout not in ("auto", "first_fit", "two_ended"):
         raise ValueError(f"layout must be 'auto', 'first_fit' or 'two_ended', got {layout!r}")
@@ -357,8 +363,11 @@ def _search(net, memory, policy, *, momentum, conv_algos, checkpoints, block_byt
         device_model = DeviceModel.h200()
     elif not isinstance(device_model, DeviceModel):
         raise ValueError(f"device_model must be a timing.DeviceModel, got {device_model!r}")
+    if not isinstance(in_place_gradients, bool):
+        raise ValueError(f"in_place_gradients must be a bool, got {in_place_gradients!r}")
     program = liveness.Program(net, momentum=momentum, data_parallel=data_parallel,
-                               bucket_bytes=liveness.parse_bucket_bytes(bucket_bytes))
+                               bucket_bytes=liveness.parse_bucket_bytes(bucket_bytes),
+                               in_place_gradients=in_place_gradients)
 
     def make(cap, drops, small, floor=False, early=None, lookahead=1, headroom=None):
         return _Planner(program, cap, policy, conv_algos, checkpoints, block_bytes, drops,

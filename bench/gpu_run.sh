@@ -59,7 +59,7 @@ for stage in "$@"; do
     # then PyTorch eager / checkpoint / save_on_cpu at their largest batches; one model and
     # part per call (OVERSUB_MODELS, OVERSUB_PARTS) keeps each call under 10 minutes;
     # OVERSUB_FIRST starts the ladder later, OVERSUB_ONLY runs just those batches
-    oversub)  seed "oversub-$GPU.json"; TINYSN_AUTOTUNE=0 timeout ${OVERSUB_S:-540} python3 bench/oversub.py --models ${OVERSUB_MODELS:-resnet50} --parts ${OVERSUB_PARTS:-tinysn,pytorch} --memory 12GiB --reference 120GiB --host-memory 60GiB --batches ${OVERSUB_BATCHES:-resnet50=995,vgg16=320,inception_v4=713} ${OVERSUB_FIRST:+--first $OVERSUB_FIRST} ${OVERSUB_ONLY:+--only $OVERSUB_ONLY} --merge --out "$OUT/oversub-$GPU.json" 2>&1 | tail -30 ;;
+    oversub)  seed "oversub-$GPU.json"; TINYSN_AUTOTUNE=0 timeout ${OVERSUB_S:-540} python3 bench/oversub.py --models ${OVERSUB_MODELS:-resnet50} --parts ${OVERSUB_PARTS:-tinysn,pytorch} --memory 12GiB --reference 120GiB --host-memory 60GiB --batches ${OVERSUB_BATCHES:-resnet50=995,vgg16=320,inception_v4=842} ${OVERSUB_FIRST:+--first $OVERSUB_FIRST} ${OVERSUB_ONLY:+--only $OVERSUB_ONLY} --merge --out "$OUT/oversub-$GPU.json" 2>&1 | tail -30 ;;
     ddp-b32)  NCCL_NVLS_ENABLE=0 timeout ${DDP_S:-540} python3 bench/ddp.py --gpus 2 --configs b32-graph,b32 --merge --out "$OUT/ddp-$GPU.json" 2>&1 | tail -6 ;;
     ddp-largest) NCCL_NVLS_ENABLE=0 timeout ${DDP_S:-540} python3 bench/ddp.py --gpus 2 --configs largest --merge --out "$OUT/ddp-$GPU.json" 2>&1 | tail -6 ;;
   esac 2>&1 | tee -a "$OUT/gpu.log"

@@ -45,11 +45,12 @@ PYTORCH_12GIB = {"resnet50": 140, "resnet101": 96, "resnet152": 66, "vgg16": 148
 
 def layerwise_bound(model_fn, cap: int) -> int:
     """Largest batch at which the largest single step's memory (l_peak: its inputs, outputs
-    and gradients) plus the parameter state fits in the cap: the paper's bound."""
+    and gradients, a gradient written over dy counted once) plus the parameter state fits
+    in the cap: the paper's bound."""
     def need(batch):
         prog = liveness.Program(model_fn(batch=batch))
         persistent = sum(t.nbytes for t in prog.tensors if t.persistent)
-        return persistent + recompute.layer_peak(prog, lambda s: 0)
+        return persistent + recompute.layer_peak(prog, lambda s: 0, in_place=True)
 
     return largest(lambda batch: need(batch) <= cap)
 

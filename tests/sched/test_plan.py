@@ -4,7 +4,7 @@ import time
 import pytest
 
 import tinysn as sn
-from tinysn.sched import liveness
+from tinysn.sched import liveness, recompute
 from tinysn.pool.allocator import block_rounded
 from tinysn.sched.plan import Hand
 from tinysn.testing import every_layer_net
@@ -48,6 +48,9 @@ def test_gradients_are_written_over_dy_in_place():
         held = sum(block_rounded(r["bytes"], 1024) for r in rows if r["first"] == "setup" or (
             r["first"] <= step.index <= r["last"] and r is not gone))
         assert step.bytes_in_use == held
+    inception = liveness.Program(sn.models.inception_v4(batch=2))  # its largest step: a bn
+    assert recompute.layer_peak(inception, lambda s: 0, in_place=True) < \
+        recompute.layer_peak(inception, lambda s: 0)
     for apart in (sn.plan(net, "1GiB", "baseline"),
                   sn.plan(net, "1GiB", "liveness", in_place_gradients=False)):
         assert not any(isinstance(op, Hand) for s in apart.steps for op in s.ops)

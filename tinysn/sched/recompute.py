@@ -119,11 +119,16 @@ def segments(program, extra=frozenset()) -> list:
     return list(groups.values())
 
 
-def layer_peak(program, workspace_of) -> int:
-    """l_peak: the most memory any single step touches (its reads, writes and workspace)."""
+def layer_peak(program, workspace_of, in_place: bool = False) -> int:
+    """l_peak: the most memory any single step touches (its reads, writes and workspace).
+    With `in_place`, a gradient written over dy (LayerPass.in_place) shares dy's block and
+    counts once: the bound memory.py reports. The segment rule (`strategies`) keeps the
+    paper's sum, every tensor in a block of its own."""
     best = 0
     for step in program.passes:
         tids = set(step.reads) | set(step.writes)
+        if in_place and step.in_place:
+            tids.discard(step.in_place[1])
         size = sum(program.tensors[t].nbytes for t in tids if not program.tensors[t].persistent)
         best = max(best, size + workspace_of(step))
     return best

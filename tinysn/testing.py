@@ -31,7 +31,8 @@ The rules `check_plan` enforces (each ScheduleError carries one of these as `.ru
                 device) joined only where the plan waits (Wait, Sync, `waits`)
     overlap     two live tensors overlap in the device or host arena
     in place    a block handed over (Hand) other than to the gradient the next kernel writes
-                over dy (liveness.LayerPass.in_place), or its old owner read after that
+                over dy (liveness.LayerPass.in_place); its old owner read after that kernel
+                breaks "access", and never freed "leak"
     cap         a block beyond the device cap, or beyond the host arena (the plan's
                 host_bytes, or `host_memory`)
     leak        a tensor still holds device or host bytes when the iteration ends

@@ -110,10 +110,11 @@ def test_resnet152_batch256_plans_in_under_30_seconds():
     """About 115 planner runs: two pipelines (the paper's recompute rule, and every segment
     speed-centric), each with a trade search of 24 plans written back early and the prefetch
     distances; 22 s on one core of this project's 2-core machines, so 30 s still catches a
-    planner run that grows faster than its steps."""
-    start = time.perf_counter()
+    planner run that grows faster than its steps. CPU time of this process, not wall time,
+    which a busy machine stretches."""
+    start = time.process_time()
     p = sn.plan(sn.models.resnet152(batch=256), "12GiB", "all")
-    assert time.perf_counter() - start < 30.0
+    assert time.process_time() - start < 30.0
     assert p.peak_bytes <= 12 * 2**30
 
 

@@ -236,6 +236,7 @@ def train_for_real(net, memory, host_memory=None, steps=2, cuda_graph=False):
            "trade_budget": sn.plan.__kwdefaults__["trade_budget"],
            "lookahead": rt.plan.lookahead,
            "in_place_gradients": sn.plan.__kwdefaults__["in_place_gradients"],
+           "keep_pools": sn.plan.__kwdefaults__["keep_pools"],
            "device_model": rt.plan.device_model.record(),
            "seconds_per_step": s, "images_per_s": net.batch / s, "losses": losses,
            "bytes_moved_per_step": moved, "transfer_gb_per_s": moved / s / 1e9,

@@ -259,6 +259,7 @@ def curve_row(model, batch, capped, reference, bandwidth) -> dict:
                peak_bytes=capped["peak_bytes"], peak_equals_plan=capped["peak_equals_plan"],
                setup_s=capped["setup_s"], losses=capped["losses"],
                in_place_gradients=capped["in_place_gradients"],
+               keep_pools=capped["keep_pools"],
                no_move_images_per_s=None, fraction=None)
     if "ms_per_step" in reference:
         no_move = batch / reference["ms_per_step"] * 1e3

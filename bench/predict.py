@@ -13,7 +13,8 @@ planned when measured: with the `device_model` its planner chose with, and a mem
 with its `trade_budget` and prefetch `lookahead`.
 Runs that record none of these ran earlier planners: `PLANNED_BEFORE` holds the device
 figures those chose with, a missing budget is 0 (no trade search yet), a missing
-lookahead 1 and a missing `in_place_gradients` False (every gradient in a block of its own). The prediction itself always uses today's model (DeviceModel.h200, with the
+lookahead 1, a missing `in_place_gradients` False (every gradient in a block of its own)
+and a missing `keep_pools` False (no pooling output kept). The prediction itself always uses today's model (DeviceModel.h200, with the
 conv times the run measured, where it recorded them), so the table shows how well today's
 model explains every measured step.
 """
@@ -76,6 +77,7 @@ def memory_rows(path: Path) -> list:
                                trade_budget=real.get("trade_budget", 0),
                                lookahead=real.get("lookahead", 1),
                                in_place_gradients=real.get("in_place_gradients", False),
+                               keep_pools=real.get("keep_pools", False),
                                device_model=planned_with(real)), "model": name})
     return rows
 
@@ -93,6 +95,7 @@ def train_rows(path: Path) -> list:
         rows.append({**compare(net, memory, row["policy"], measured,
                                row["cuda_graph"], momentum=run["sgd"]["momentum"],
                                in_place_gradients=row.get("in_place_gradients", False),
+                               keep_pools=row.get("keep_pools", False),
                                device_model=planned_with(row)),
                      "model": run["model"]})
     return rows

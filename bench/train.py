@@ -169,6 +169,7 @@ def tinysn_row(net, policy, cuda_graph, device, args, host_memory=None) -> dict:
                speed_centric_everywhere=recompute.speed_everywhere(rt.plan.drops),
                device_model=rt.plan.device_model.record(),
                in_place_gradients=sn.plan.__kwdefaults__["in_place_gradients"],
+               keep_pools=sn.plan.__kwdefaults__["keep_pools"],
                conv_algos=sorted({f"{p}:{a}" for d in rt.plan.conv_algos.values()
                                   for p, a in d.items()}))
     return row

@@ -288,7 +288,7 @@ def plan(net, memory, policy: str = "all", *, momentum: float = 0.0, conv_algos=
          data_parallel: bool = False, bucket_bytes=liveness.BUCKET_BYTES,
          early_write_back: bool = True, trade_budget: int = TRADE_BUDGET,
          lookahead: int | None = None, device_model=None,
-         in_place_gradients: bool = True) -> Plan:
+         in_place_gradients: bool = True, keep_pools: bool = True) -> Plan:
     """Dry-run one training iteration of `net` under a `memory` cap and `policy`.
 
     Raises OutOfMemory naming the first step that does not fit. `conv_algos` pins conv
@@ -321,6 +321,9 @@ def plan(net, memory, policy: str = "all", *, momentum: float = 0.0, conv_algos=
     write their gradient over dy where they read dy last (liveness.LayerPass.in_place);
     False gives every gradient a block of its own, as plans made before that did
     (bench/predict.py plans older measured runs so).
+    `keep_pools` (policy "all", default True): also try keeping the outputs of pooling
+    layers the plan drops, where the model predicts that faster (`_keep`); False plans as
+    tinysn did before it.
 
     A plan that fits under a cap fits under every larger cap, for every policy and layout
     (`_Search` says why). The returned plan's `capacity` is the pool it was made for: the
@@ -331,7 +334,8 @@ def plan(net, memory, policy: str = "all", *, momentum: float = 0.0, conv_algos=
                      host_memory=host_memory, rankings=rankings, data_parallel=data_parallel,
                      bucket_bytes=bucket_bytes, early_write_back=early_write_back,
                      trade_budget=trade_budget, lookahead=lookahead,
-                     device_model=device_model, in_place_gradients=in_place_gradients)
+                     device_model=device_model, in_place_gradients=in_place_gradients,
+                     keep_pools=keep_pools)
     chosen = search.write_back_early(_choose(search, policy))
     chosen.device_model = search.device_model
     return chosen
@@ -341,7 +345,7 @@ def _search(net, memory, policy, *, momentum, conv_algos, checkpoints, block_byt
             host_memory, rankings=None, data_parallel=False,
             bucket_bytes=liveness.BUCKET_BYTES, early_write_back=True,
             trade_budget=TRADE_BUDGET, lookahead=None, device_model=None,
-            in_place_gradients=True) -> "_Search":
+            in_place_gradients=True, keep_pools=True) -> "_Search":
     """Check `plan`'s arguments (before any state changes) and set up its runs."""
     if layout not in ("auto", "first_fit", "two_ended"):
         raise ValueError(f"layout must be 'auto', 'first_fit' or 'two_ended', got {layout!r}")
@@ -363,8 +367,9 @@ def _search(net, memory, policy, *, momentum, conv_algos, checkpoints, block_byt
         device_model = DeviceModel.h200()
     elif not isinstance(device_model, DeviceModel):
         raise ValueError(f"device_model must be a timing.DeviceModel, got {device_model!r}")
-    if not isinstance(in_place_gradients, bool):
-        raise ValueError(f"in_place_gradients must be a bool, got {in_place_gradients!r}")
+    for name, flag in (("in_place_gradients", in_place_gradients), ("keep_pools", keep_pools)):
+        if not isinstance(flag, bool):
+            raise ValueError(f"{name} must be a bool, got {flag!r}")
     program = liveness.Program(net, momentum=momentum, data_parallel=data_parallel,
                                bucket_bytes=liveness.parse_bucket_bytes(bucket_bytes),
                                in_place_gradients=in_place_gradients)
@@ -375,7 +380,7 @@ def _search(net, memory, policy, *, momentum, conv_algos, checkpoints, block_byt
                         lookahead=lookahead, headroom=headroom)
 
     return _Search(make, capacity, policy, layout, block_bytes, host_capacity,
-                   early_write_back, trade_budget, lookahead, device_model)
+                   early_write_back, trade_budget, lookahead, device_model, keep_pools)
 
 
 VARIANTS = (None, "from_checkpoints", "strict")   # what `drops` a policy's runs may use
@@ -403,7 +408,7 @@ def _choose(search, policy, any_fit: bool = False) -> Plan:
         fewest = _pick(search, VARIANTS, _moved_then_peak, any_fit)
         if any_fit:
             return fewest
-        best = _ahead(search, _trade(search, fewest))
+        best = _ahead(search, _trade(search, _keep(search, fewest)))
         if _trades_for(fewest) == 0:                    # a net too deep to search
             return best
         return _faster(search, [best, _speed_everywhere(search)])
@@ -422,7 +427,7 @@ def _speed_everywhere(search) -> Plan | None:
         fewest = _pick(search, variants, _moved_then_peak, False)
     except OutOfMemory:
         return None
-    return _ahead(search, _trade(search, fewest))
+    return _ahead(search, _trade(search, _keep(search, fewest)))
 
 
 def _faster(search, plans) -> Plan:
@@ -475,13 +480,14 @@ class _Trade:
         self.best, self.best_s = base, search.step_seconds(base)
         self.variant, self.chosen = recompute.split(base.drops)
         self.speed_everywhere = recompute.speed_everywhere(base.drops)
+        self.kept = recompute.kept(base.drops)
 
     def attempt(self, variant, layers) -> bool:
         """Plan `variant` with `layers` dropped; keep it if it fits and is faster."""
         self.left -= 1
         try:
             first = self.search.first(recompute.Traded(variant, frozenset(layers),
-                                                       self.speed_everywhere))
+                                                       self.speed_everywhere, self.kept))
         except OutOfMemory:
             return False
         seconds = self.search.step_seconds(first)
@@ -512,6 +518,38 @@ class _Trade:
             if variant != self.variant and self.left > 0:
                 switched |= self.attempt(variant, self.chosen)
         return switched
+
+
+def _keep(search, base: Plan) -> Plan:
+    """`base`, or a plan predicted faster that keeps the outputs of some of the pooling
+    layers `base` drops (recompute.Traded.kept), each tried once in forward order and kept
+    when the plan fits and the step-time model predicts it faster. A dropped pooling
+    output is rebuilt from its input, four times its size after a 2x2 stride, which must
+    then be back on the device first: ResNet-50's stem conv output (3 GB at batch 995)
+    comes back before the first block's backward pass, where the pool is fullest, only to
+    rebuild a 0.8 GB tensor. Kept, that input is needed only by the stem's own backward
+    pass, after the block (ResNet-50 under 12 GiB, 60 GiB host: predicted 1.169 s instead
+    of 1.524 at batch 995, 0.945 instead of 1.195 at 897). It runs before the trade search,
+    which keeps what it kept. `search.keep_pools` False skips it (plans made before it)."""
+    if not base.bytes_to_host or not search.keep_pools or not base.uses_recompute:
+        return base
+    rebuilt = {s.layer for s in base.steps if s.phase == "recompute"}
+    candidates = [layer for layer in base.net.layers
+                  if layer.op == "pool" and layer.name in rebuilt
+                  and layer.numel < sum(x.numel for x in layer.inputs)]
+    best, best_s = base, search.step_seconds(base)
+    for layer in candidates[:max(0, _trades_for(base))]:
+        variant, layers = recompute.split(best.drops)
+        drops = recompute.Traded(variant, layers, recompute.speed_everywhere(best.drops),
+                                 recompute.kept(best.drops) | {layer.index})
+        try:
+            plan = search.first(drops)
+        except OutOfMemory:
+            continue
+        seconds = search.step_seconds(plan)
+        if seconds < best_s:
+            best, best_s = plan, seconds
+    return best
 
 
 def _ahead(search, base: Plan) -> Plan:
@@ -584,8 +622,10 @@ class _Search:
     """
 
     def __init__(self, make, capacity, policy, layout, block_bytes, host_capacity,
-                 early_write_back=False, trade_budget=0, lookahead=1, device_model=None):
+                 early_write_back=False, trade_budget=0, lookahead=1, device_model=None,
+                 keep_pools=False):
         self.make, self.capacity, self.block_bytes = make, capacity, block_bytes
+        self.keep_pools = keep_pools
         self.host_capacity, self.early_write_back = host_capacity, early_write_back
         self._written_back = {}   # (id(plan), host cap) -> (plan, write_back_early(plan))
         self.trade_budget, self.lookahead = trade_budget, lookahead
@@ -801,8 +841,9 @@ class _Planner:
         p = self.program
         ckpt = offload.checkpoint_layers(p, checkpoints) if self.always_offload else set()
         variant, extra = recompute.split(self.drops)
-        self.dropped = (recompute.dropped_tensors(p, variant == "from_checkpoints", ckpt, extra,
-                                                  cheap_layers=variant is not None)
+        kept = {layer for layer in p.order if layer.index in recompute.kept(self.drops)}
+        self.dropped = (recompute.dropped_tensors(p, variant == "from_checkpoints", ckpt | kept,
+                                                  extra, cheap_layers=variant is not None)
                         if self.recompute else set())
         if self.recompute:
             l_peak = recompute.layer_peak(p, self._default_workspace)

@@ -36,10 +36,13 @@ class Traded:
     dropped; "from_checkpoints" or "strict" as in `dropped_tensors`) plus `layers`, the
     indices of rebuildable layers whose outputs are dropped and recomputed as well.
     `speed_everywhere`: every segment is recomputed speed-centric (`strategies`), not only
-    those within l_peak."""
+    those within l_peak. `kept`: indices of cheap layers whose outputs are kept, not
+    dropped (checkpoints of their own: a pooling output a quarter of its input's size, kept
+    so that the input need not come back before the backward pass reaches it)."""
     variant: str | None
     layers: frozenset
     speed_everywhere: bool = False
+    kept: frozenset = frozenset()
 
 
 def split(drops):
@@ -47,6 +50,11 @@ def split(drops):
     if isinstance(drops, Traded):
         return drops.variant, drops.layers
     return drops, frozenset()
+
+
+def kept(drops) -> frozenset:
+    """Indices of the cheap layers `drops` keeps (Traded.kept)."""
+    return drops.kept if isinstance(drops, Traded) else frozenset()
 
 
 def speed_everywhere(drops) -> bool:

@@ -14,9 +14,9 @@ with its `trade_budget` and prefetch `lookahead`.
 Runs that record none of these ran earlier planners: `PLANNED_BEFORE` holds the device
 figures those chose with, a missing budget is 0 (no trade search yet), a missing
 lookahead 1, a missing `in_place_gradients` False (every gradient in a block of its own)
-and a missing `keep_pools` False (no pooling output kept). The prediction itself always uses today's model (DeviceModel.h200, with the
-conv times the run measured, where it recorded them), so the table shows how well today's
-model explains every measured step.
+and a missing `keep_pools` False (no pooling output kept). The prediction itself always
+uses today's model (DeviceModel.h200, with the conv times the run measured, where it
+recorded them), so the table shows how well today's model explains every measured step.
 """
 import argparse
 import json

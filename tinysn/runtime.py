@@ -55,8 +55,8 @@ from .sched import liveness
 from .sched import plan as plan_mod
 from .sched import workspace
 from .sched.timing import DeviceModel
-from .sched.plan import (Alloc, Drop, Evict, Free, Hand, Launch, Mark, Offload, Prefetch, Release,
-                         Sync, Wait)
+from .sched.plan import (Alloc, Drop, Evict, Free, Hand, Launch, Mark, Offload, Prefetch,
+                         Release, Sync, Wait)
 from .tensor import Tensor
 from .units import parse_bytes
 
@@ -403,9 +403,9 @@ class Runtime:
             stream.wait_stream(self.to_device_stream)
 
     # plan operation type -> what executes it (unbound: the table refers to no Runtime)
-    _EXECUTE = {Alloc: _alloc, Hand: _hand, Free: _free, Drop: _drop, Offload: _offload, Release: _release,
-                Evict: _evict, Prefetch: _prefetch, Wait: _wait, Sync: _sync, Mark: _mark,
-                Launch: _run_kernel}
+    _EXECUTE = {Alloc: _alloc, Hand: _hand, Free: _free, Drop: _drop, Offload: _offload,
+                Release: _release, Evict: _evict, Prefetch: _prefetch, Wait: _wait, Sync: _sync,
+                Mark: _mark, Launch: _run_kernel}
 
     # -- kernel launchers (ops.py builds them; these are what they read) ---------------
     def view(self, tid):

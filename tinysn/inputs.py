@@ -11,6 +11,7 @@ import math
 
 import torch
 
+from .kernels import check as check_k
 from .pool.arena import check_available
 from .sched.plan import POLICIES
 from .units import parse_bytes
@@ -115,12 +116,19 @@ def check_images(net, images, up_to=False, finite=True) -> int:
     return n
 
 
-def check_finite(images) -> None:
-    """No NaN or infinity among the images: the smallest and the largest value are finite
-    (both are NaN where any value is). On a GPU tensor that allocates two scalars, where
-    isfinite() would allocate the batch's size and a float64 sum a float64 copy of it."""
-    low, high = torch.aminmax(images)
-    if not (math.isfinite(low) and math.isfinite(high)):
+def check_finite(images, flag=None) -> None:
+    """No NaN or infinity among the images. On a GPU with `flag` (a one-element float32
+    tensor in the pool) one Triton reduction counts them into it (kernels/check.py), so the
+    check allocates no device memory; otherwise the smallest and the largest value must be
+    finite (both are NaN where any value is): two scalars, where isfinite() would allocate
+    the batch's size and a float64 sum a float64 copy of it."""
+    if flag is not None and images.is_cuda:
+        check_k.nonfinite(images, flag)
+        bad = float(flag) > 0
+    else:
+        low, high = torch.aminmax(images)
+        bad = not (math.isfinite(low) and math.isfinite(high))
+    if bad:
         raise ValueError("images contain NaN or infinite values")
 
 

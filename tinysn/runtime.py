@@ -231,11 +231,13 @@ class Runtime:
         labels into theirs, and check the images there; return that view. Before a step
         changes any state: the data block is free at a step's start and refilled by every
         step. On a GPU the check is one reduction on the device instead of a pass over the
-        host batch, which ran serially with the GPU: every step waits for its loss."""
+        host batch, which ran serially with the GPU: every step waits for its loss. It counts
+        into the loss's element (read by the previous step, written by this one's forward
+        pass), so it allocates no device byte outside the pool."""
         pool_images, pool_labels = self._batch_in_pool()
         pool_images.copy_(images, non_blocking=images.is_pinned())
         pool_labels.copy_(labels, non_blocking=labels.is_pinned())
-        inputs.check_finite(pool_images)
+        inputs.check_finite(pool_images, flag=self.view(self.program.act[self.net.loss]))
         return pool_images
 
     def _batch_in_pool(self):

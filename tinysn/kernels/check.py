@@ -1,0 +1,41 @@
+"""Whether a tensor holds NaN or infinity, reduced on its device into one float the caller owns.
+
+nonfinite(x, flag)      flag = how many values of x are NaN or infinite (0.0: none)
+
+On a GPU the Runtime checks each batch where it copied it, in the pool, and passes a pool
+float as `flag` (the loss's element, free until the forward pass writes the loss): the
+check then allocates nothing outside the cap, where a torch reduction allocates its result
+(a few kilobytes per step, over `memory=`). On the CPU a torch reduction allocates host
+memory only and is far faster than the interpreter (inputs.check_finite). Each program counts the values of its tile that are
+not below infinity in magnitude (a comparison with NaN is false) and adds its count into the
+flag atomically: whole numbers, so the order of the additions does not change the sum.
+"""
+import torch
+import triton
+import triton.language as tl
+
+from ._common import INTERP_TILE, INTERPRET, check_tensor, run
+
+BLOCK = INTERP_TILE if INTERPRET else 4096   # elements per program
+NUM_WARPS = 8
+
+
+@triton.jit
+def _nonfinite_kernel(x, flag, n, BLOCK: tl.constexpr):
+    offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    v = tl.load(x + offs, mask=offs < n, other=0.0)
+    bad = tl.where(tl.abs(v) < float("inf"), 0.0, 1.0)
+    tl.atomic_add(flag, tl.sum(bad, axis=0))
+
+
+def nonfinite(x: torch.Tensor, flag: torch.Tensor) -> None:
+    """flag[0] = how many values of `x` (contiguous float32) are NaN or infinite; on x's
+    device, with no allocation (`flag`: a one-element float32 tensor there)."""
+    check_tensor("x", x)
+    check_tensor("flag", flag, shape=(1,))
+    if flag.device != x.device:
+        raise ValueError(f"flag must be on x's device ({x.device}), got {flag.device}")
+    flag.zero_()
+    if x.numel():
+        run(_nonfinite_kernel, (triton.cdiv(x.numel(), BLOCK),), x, flag, x.numel(),
+            BLOCK=BLOCK, num_warps=NUM_WARPS)

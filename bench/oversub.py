@@ -471,12 +471,16 @@ def copy_rates(device) -> dict:
 def kept(args) -> dict:
     """With --merge, the rows of the --out file that this run does not redo: other models'
     and parts' rows, and with --only the model's curve rows at other batches. ("rows" are
-    the tinysn part's, "pytorch" the pytorch part's.)"""
+    the tinysn part's, "pytorch" the pytorch part's, of which only the configurations in
+    --pytorch-configs are redone.)"""
     old = common.read(args.out) if args.merge else {}
     def redone(key, row):
         part = "tinysn" if key == "rows" else "pytorch"
-        return (row["model"] in args.models and part in args.parts
-                and (part == "pytorch" or not args.only or row["batch"] in args.only))
+        if row["model"] not in args.models or part not in args.parts:
+            return False
+        if part == "pytorch":
+            return row["config"] in args.pytorch_configs
+        return not args.only or row["batch"] in args.only
     return {key: [r for r in old.get(key, []) if not redone(key, r)]
             for key in ("rows", "pytorch")}
 

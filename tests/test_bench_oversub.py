@@ -109,9 +109,19 @@ def test_merge_keeps_other_models_and_parts(tmp_path):
     args = oversub.parse_args(["--models", "lenet", "--parts", "pytorch", "--merge",
                                "--out", str(path)])
     path.write_text(json.dumps({"rows": [{"model": "lenet"}, {"model": "vgg16"}],
-                                "pytorch": [{"model": "lenet"}, {"model": "vgg16"}]}))
+                                "pytorch": [{"model": "lenet", "config": "eager"},
+                                            {"model": "vgg16", "config": "eager"}]}))
     assert oversub.kept(args) == {"rows": [{"model": "lenet"}, {"model": "vgg16"}],
-                                  "pytorch": [{"model": "vgg16"}]}
+                                  "pytorch": [{"model": "vgg16", "config": "eager"}]}
+
+
+def test_merge_redoes_only_the_named_pytorch_configurations(tmp_path):
+    path = tmp_path / "o.json"
+    old = [{"model": "lenet", "config": c} for c in oversub.PYTORCH_CONFIGS]
+    path.write_text(json.dumps({"rows": [], "pytorch": old}))
+    args = oversub.parse_args(["--models", "lenet", "--parts", "pytorch", "--pytorch-configs",
+                               "save_on_cpu", "--merge", "--out", str(path)])
+    assert oversub.kept(args)["pytorch"] == old[:2]
 
 
 def test_merge_with_only_redoes_just_those_batches_of_the_curve(tmp_path):

@@ -237,6 +237,7 @@ def train_for_real(net, memory, host_memory=None, steps=2, cuda_graph=False):
            "lookahead": rt.plan.lookahead,
            "in_place_gradients": sn.plan.__kwdefaults__["in_place_gradients"],
            "keep_pools": sn.plan.__kwdefaults__["keep_pools"],
+           "evict_by_next_use": sn.plan.__kwdefaults__["evict_by_next_use"],
            "device_model": rt.plan.device_model.record(),
            "seconds_per_step": s, "images_per_s": net.batch / s, "losses": losses,
            "bytes_moved_per_step": moved, "transfer_gb_per_s": moved / s / 1e9,

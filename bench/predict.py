@@ -13,8 +13,9 @@ planned when measured: with the `device_model` its planner chose with, and a mem
 with its `trade_budget` and prefetch `lookahead`.
 Runs that record none of these ran earlier planners: `PLANNED_BEFORE` holds the device
 figures those chose with, a missing budget is 0 (no trade search yet), a missing
-lookahead 1, a missing `in_place_gradients` False (every gradient in a block of its own)
-and a missing `keep_pools` False (no pooling output kept). The prediction itself always
+lookahead 1, a missing `in_place_gradients` False (every gradient in a block of its own),
+a missing `keep_pools` False (no pooling output kept) and a missing `evict_by_next_use`
+False (the cache evicts the least recently used). The prediction itself always
 uses today's model (DeviceModel.h200, with the conv times the run measured, where it
 recorded them), so the table shows how well today's model explains every measured step.
 """
@@ -78,6 +79,7 @@ def memory_rows(path: Path) -> list:
                                lookahead=real.get("lookahead", 1),
                                in_place_gradients=real.get("in_place_gradients", False),
                                keep_pools=real.get("keep_pools", False),
+                               evict_by_next_use=real.get("evict_by_next_use", False),
                                device_model=planned_with(real)), "model": name})
     return rows
 
@@ -96,6 +98,7 @@ def train_rows(path: Path) -> list:
                                row["cuda_graph"], momentum=run["sgd"]["momentum"],
                                in_place_gradients=row.get("in_place_gradients", False),
                                keep_pools=row.get("keep_pools", False),
+                               evict_by_next_use=row.get("evict_by_next_use", False),
                                device_model=planned_with(row)),
                      "model": run["model"]})
     return rows

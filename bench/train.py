@@ -170,6 +170,7 @@ def tinysn_row(net, policy, cuda_graph, device, args, host_memory=None) -> dict:
                device_model=rt.plan.device_model.record(),
                in_place_gradients=sn.plan.__kwdefaults__["in_place_gradients"],
                keep_pools=sn.plan.__kwdefaults__["keep_pools"],
+               evict_by_next_use=sn.plan.__kwdefaults__["evict_by_next_use"],
                conv_algos=sorted({f"{p}:{a}" for d in rt.plan.conv_algos.values()
                                   for p, a in d.items()}))
     return row

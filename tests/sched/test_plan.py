@@ -5,9 +5,10 @@ import pytest
 
 import tinysn as sn
 from tinysn.sched import liveness, recompute
+from tinysn.sched import plan as plan_mod
 from tinysn.pool.allocator import block_rounded
 from tinysn.sched.plan import Hand
-from tinysn.testing import every_layer_net
+from tinysn.testing import check_plan, every_layer_net
 
 
 def test_liveness_frees_each_tensor_after_its_last_use():
@@ -58,13 +59,19 @@ def test_gradients_are_written_over_dy_in_place():
         sn.plan(net, "1GiB", "liveness", in_place_gradients="yes")
 
 
-def test_all_keeps_a_dropped_pooling_output_where_that_is_faster():
+@pytest.fixture(scope="module")
+def resnet50_995():
+    """ResNet-50 at batch 995 under 12 GiB with 60 GiB of host memory, planned by default."""
+    net = sn.models.resnet50(batch=995)
+    return net, sn.plan(net, "12GiB", "all", host_memory="60GiB")
+
+
+def test_all_keeps_a_dropped_pooling_output_where_that_is_faster(resnet50_995):
     """ResNet-50 at 995 under 12 GiB: keeping the stem's max-pool output (0.8 GB) spares
     bringing its 3 GB input back before the first block's backward pass, where the pool
     is fullest; the model predicts that faster, so policy "all" keeps it. keep_pools=False
     plans without trying."""
-    net = sn.models.resnet50(batch=995)
-    kept = sn.plan(net, "12GiB", "all", host_memory="60GiB")
+    net, kept = resnet50_995
     apart = sn.plan(net, "12GiB", "all", host_memory="60GiB", keep_pools=False)
     maxpool = next(layer.index for layer in net.layers if layer.name == "maxpool")
     assert maxpool in recompute.kept(kept.drops) and not recompute.kept(apart.drops)
@@ -72,6 +79,21 @@ def test_all_keeps_a_dropped_pooling_output_where_that_is_faster():
     assert not any(s.phase == "recompute" and s.layer == "maxpool" for s in kept.steps)
     with pytest.raises(ValueError, match="keep_pools must be a bool"):
         sn.plan(net, "12GiB", "all", keep_pools=1)
+
+
+def test_all_evicts_by_next_use_where_lru_brings_a_tensor_back_twice(resnet50_995):
+    """ResNet-50 at 995: the LRU cache evicts a residual block's input in the middle of the
+    block and copies it back for the add; evicting the tensor used furthest ahead copies
+    nothing back twice, moves fewer bytes and is predicted faster, so that plan is chosen.
+    Its operations pass every rule of check_plan."""
+    net, chosen = resnet50_995
+    lru = sn.plan(net, "12GiB", "all", host_memory="60GiB", evict_by_next_use=False)
+    assert plan_mod._refetches(lru) and not plan_mod._refetches(chosen)
+    assert chosen.bytes_to_device < lru.bytes_to_device
+    assert chosen.predicted_step_s < 0.97 * lru.predicted_step_s
+    check_plan(chosen)
+    with pytest.raises(ValueError, match="evict_by_next_use must be a bool"):
+        sn.plan(net, "12GiB", "all", evict_by_next_use="yes")
 
 
 def test_plan_rejects_bad_arguments():

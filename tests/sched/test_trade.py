@@ -212,23 +212,27 @@ def test_the_search_plans_a_bounded_number_of_steps(starved, monkeypatch):
     """Planning time grows with a plan's steps: each of the two trade searches (the paper's
     recompute rule, speed-centric everywhere) stops at TRADE_BUDGET plans and TRADE_STEPS
     steps, so a net of thousands of layers trades little or nothing rather than planning
-    for minutes."""
+    for minutes. Evicting by next use plans both again where LRU brings a tensor back
+    twice (this net at its smallest cap): at most twice the searches."""
     net = snt.block_net(batch=2)
     cap = snt.smallest_cap(net, "all", conv_algos={})
     attempts = []
     real = plan_mod._Trade.attempt
     monkeypatch.setattr(plan_mod._Trade, "attempt",
                         lambda self, *a: attempts.append(1) or real(self, *a))
-    base = sn.plan(net, cap, "all", conv_algos={}, trade_budget=0, lookahead=1)
-    sn.plan(net, cap, "all", conv_algos={})
-    assert 0 < len(attempts) <= 2 * plan_mod.TRADE_BUDGET
+    base = sn.plan(net, cap, "all", conv_algos={}, trade_budget=0, lookahead=1,
+                   evict_by_next_use=False)
+    for orders, by_next_use in ((1, False), (2, True)):
+        attempts.clear()
+        sn.plan(net, cap, "all", conv_algos={}, evict_by_next_use=by_next_use)
+        assert 0 < len(attempts) <= orders * 2 * plan_mod.TRADE_BUDGET
     attempts.clear()
     monkeypatch.setattr(plan_mod, "TRADE_STEPS", 2 * len(base.steps) * 2)   # two plans' worth
-    sn.plan(net, cap, "all", conv_algos={})
+    sn.plan(net, cap, "all", conv_algos={}, evict_by_next_use=False)
     assert 0 < len(attempts) <= 2 * 2
     attempts.clear()
     monkeypatch.setattr(plan_mod, "TRADE_STEPS", len(base.steps))         # not one
-    assert sn.plan(net, cap, "all", conv_algos={}).steps == base.steps
+    assert sn.plan(net, cap, "all", conv_algos={}, evict_by_next_use=False).steps == base.steps
     assert not attempts
 
 

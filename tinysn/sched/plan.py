@@ -35,6 +35,7 @@ Policies (a ladder, each including the ones before it where it makes sense):
 """
 from __future__ import annotations
 
+import bisect
 from dataclasses import dataclass, field
 
 import torch
@@ -288,7 +289,8 @@ def plan(net, memory, policy: str = "all", *, momentum: float = 0.0, conv_algos=
          data_parallel: bool = False, bucket_bytes=liveness.BUCKET_BYTES,
          early_write_back: bool = True, trade_budget: int = TRADE_BUDGET,
          lookahead: int | None = None, device_model=None,
-         in_place_gradients: bool = True, keep_pools: bool = True) -> Plan:
+         in_place_gradients: bool = True, keep_pools: bool = True,
+         evict_by_next_use: bool = True) -> Plan:
     """Dry-run one training iteration of `net` under a `memory` cap and `policy`.
 
     Raises OutOfMemory naming the first step that does not fit. `conv_algos` pins conv
@@ -324,28 +326,84 @@ def plan(net, memory, policy: str = "all", *, momentum: float = 0.0, conv_algos=
     `keep_pools` (policy "all", default True): also try keeping the outputs of pooling
     layers the plan drops, where the model predicts that faster (`_keep`); False plans as
     tinysn did before it.
+    `evict_by_next_use` (policy "all", default True): where the plan with the paper's
+    least-recently-used cache copies a tensor back twice (or does not fit), plan again with
+    a cache that evicts the member whose next use lies furthest ahead (the plan knows every
+    use: Belady's rule), and keep the plan the step-time model predicts faster. LRU order
+    can evict a residual block's input in the middle of the block, only to bring it back
+    for the add (ResNet-50 under 12 GiB at batch 995: 6.4 GB more copied back, predicted
+    1.195 s a step against 1.126). Where LRU brings nothing back twice the second search
+    is skipped: it doubles planning time and found at most 0.4% (ResNet-152, batch 256),
+    and at 512 LRU's plan was the faster. False plans with LRU alone, as plans made before
+    this did.
 
     A plan that fits under a cap fits under every larger cap, for every policy and layout
     (`_Search` says why). The returned plan's `capacity` is the pool it was made for: the
     cap itself, or a cap of the grid below it (`grid_cap`), never more.
     """
-    search = _search(net, memory, policy, momentum=momentum, conv_algos=conv_algos,
-                     checkpoints=checkpoints, block_bytes=block_bytes, layout=layout,
-                     host_memory=host_memory, rankings=rankings, data_parallel=data_parallel,
-                     bucket_bytes=bucket_bytes, early_write_back=early_write_back,
-                     trade_budget=trade_budget, lookahead=lookahead,
-                     device_model=device_model, in_place_gradients=in_place_gradients,
-                     keep_pools=keep_pools)
-    chosen = search.write_back_early(_choose(search, policy))
-    chosen.device_model = search.device_model
+    _check_eviction_flag(evict_by_next_use)
+
+    def search(by_next_use):
+        return _search(net, memory, policy, momentum=momentum, conv_algos=conv_algos,
+                       checkpoints=checkpoints, block_bytes=block_bytes, layout=layout,
+                       host_memory=host_memory, rankings=rankings,
+                       data_parallel=data_parallel, bucket_bytes=bucket_bytes,
+                       early_write_back=early_write_back, trade_budget=trade_budget,
+                       lookahead=lookahead, device_model=device_model,
+                       in_place_gradients=in_place_gradients, keep_pools=keep_pools,
+                       evict_by_next_use=by_next_use)
+    lru = search(False)             # checks every argument before anything is planned
+    try:
+        chosen = lru.write_back_early(_choose(lru, policy))
+    except OutOfMemory:
+        if not (evict_by_next_use and policy == "all"):
+            raise
+        chosen = None
+    if evict_by_next_use and policy == "all" and (chosen is None or _refetches(chosen)):
+        chosen = _faster_by_next_use(search(True), chosen)
+    chosen.device_model = lru.device_model
     return chosen
+
+
+def _check_eviction_flag(evict_by_next_use) -> None:
+    if not isinstance(evict_by_next_use, bool):
+        raise ValueError(f"evict_by_next_use must be a bool, got {evict_by_next_use!r}")
+
+
+def _refetches(plan) -> bool:
+    """Whether the plan copies some tensor back to the device more than once: its cache
+    evicted a tensor that was still to be used (what evicting by next use avoids)."""
+    fetched = set()
+    for op in (op for step in plan.steps for op in step.ops if isinstance(op, Prefetch)):
+        if op.tensor in fetched:
+            return True
+        fetched.add(op.tensor)
+    return False
+
+
+def _faster_by_next_use(search, lru_plan):
+    """The plan of `search` (its cache evicting by next use) where it fits and the model
+    predicts it faster than `lru_plan` (None: LRU did not fit); else `lru_plan`. Raises the
+    search's OutOfMemory when neither fits."""
+    from .timing import simulate
+    try:
+        plan = search.write_back_early(_choose(search, "all"))
+    except OutOfMemory:
+        if lru_plan is None:
+            raise
+        return lru_plan
+    if lru_plan is None:
+        return plan
+    model = search.device_model
+    return plan if simulate(plan, model).step_s < simulate(lru_plan, model).step_s else lru_plan
 
 
 def _search(net, memory, policy, *, momentum, conv_algos, checkpoints, block_bytes, layout,
             host_memory, rankings=None, data_parallel=False,
             bucket_bytes=liveness.BUCKET_BYTES, early_write_back=True,
             trade_budget=TRADE_BUDGET, lookahead=None, device_model=None,
-            in_place_gradients=True, keep_pools=True) -> "_Search":
+            in_place_gradients=True, keep_pools=True,
+            evict_by_next_use=True) -> "_Search":
     """Check `plan`'s arguments (before any state changes) and set up its runs."""
     if layout not in ("auto", "first_fit", "two_ended"):
         raise ValueError(f"layout must be 'auto', 'first_fit' or 'two_ended', got {layout!r}")
@@ -377,7 +435,8 @@ def _search(net, memory, policy, *, momentum, conv_algos, checkpoints, block_byt
     def make(cap, drops, small, floor=False, early=None, lookahead=1, headroom=None):
         return _Planner(program, cap, policy, conv_algos, checkpoints, block_bytes, drops,
                         small, host_capacity, rankings, floor=floor, early=early,
-                        lookahead=lookahead, headroom=headroom)
+                        lookahead=lookahead, headroom=headroom,
+                        evict_by_next_use=evict_by_next_use)
 
     return _Search(make, capacity, policy, layout, block_bytes, host_capacity,
                    early_write_back, trade_budget, lookahead, device_model, keep_pools)
@@ -780,13 +839,21 @@ def max_batch(model_fn, memory, policy: str = "all", *, limit: int = 1 << 16, **
 def fits(net, memory, policy: str = "all", **kwargs) -> bool:
     """Whether `net` plans under `memory` (plan's keyword arguments): the first plan that
     fits is enough, and the passes that only make a fitting plan faster (the trade search,
-    early prefetches, early write-back) never change the answer, so none is made."""
-    try:
-        _choose(_search(net, memory, policy, **{**plan.__kwdefaults__, **kwargs}), policy,
-                any_fit=True)
-        return True
-    except OutOfMemory:
-        return False
+    early prefetches, early write-back) never change the answer, so none is made. Under
+    `evict_by_next_use` a net fits when it fits with either eviction order, as in `plan`."""
+    kwargs = {**plan.__kwdefaults__, **kwargs}
+    _check_eviction_flag(kwargs["evict_by_next_use"])
+    orders = [False]
+    if kwargs["evict_by_next_use"] and policy == "all":
+        orders.append(True)
+    for by_next_use in orders:
+        try:
+            _choose(_search(net, memory, policy, **{**kwargs, "evict_by_next_use": by_next_use}),
+                    policy, any_fit=True)
+            return True
+        except OutOfMemory:
+            continue
+    return False
 
 
 class _Planner:
@@ -794,11 +861,13 @@ class _Planner:
 
     def __init__(self, program, capacity, policy, conv_algos, checkpoints, block_bytes,
                  drops=None, small_bytes=0, host_capacity=HOST_CAPACITY, rankings=None,
-                 floor=False, early=None, lookahead=1, headroom=None):
+                 floor=False, early=None, lookahead=1, headroom=None,
+                 evict_by_next_use=False):
         """`floor=True` also records `floor` (see `_track_floor`); else `floor` is None.
         `early` (offload.EarlyWriteBacks): the victims to write back ahead of eviction.
         `lookahead` > 1 (with `headroom`, offload.Headroom, the first pass's free bytes):
-        how many layer passes before its use a prefetch may be issued."""
+        how many layer passes before its use a prefetch may be issued.
+        `evict_by_next_use`: the cache's victim is the member used furthest ahead (`plan`)."""
         self.program = program
         self.lookahead, self.headroom = lookahead, headroom
         self.room = headroom.fresh() if headroom is not None else None
@@ -812,6 +881,9 @@ class _Planner:
         self.loc, self.dblock, self.hblock = {}, {}, {}
         self.dblock_bytes = 0     # the bytes of the blocks in `dblock`, kept as it changes
         self.cache = offload.LRUCache(self.dblock) if policy == "all" else None
+        self.evict_by_next_use = evict_by_next_use
+        self.now = -1              # the layer pass being planned (a rebuild: the one it serves)
+        self.sorted_uses = None    # tid -> its uses in order, made at the first eviction
         self.evictions = offload.EvictionLog() if policy == "all" else None
         self.early = early
         self.always_offload = policy in ("offload", "recompute")
@@ -920,6 +992,7 @@ class _Planner:
             evictions=self.evictions, lookahead=self.lookahead, headroom=self.headroom)
 
     def _run_step(self, step):
+        self.now = step.index
         ops = []
         touched = list(dict.fromkeys(step.reads + step.writes))
         for tid in dict.fromkeys(step.reads):
@@ -973,6 +1046,7 @@ class _Planner:
 
     def _recompute(self, tid, step):
         """Rebuild dropped tensor `tid` before backward `step` (a recompute step)."""
+        self.now = step.index
         layer = self.producer[tid]
         ops = []
         inputs = [self.program.act[x] for x in layer.inputs]
@@ -1145,7 +1219,10 @@ class _Planner:
                         f"(largest free run {self.dev.largest_free:,})") from None
 
     def _evict_one(self, ops) -> bool:
-        for tid in self.cache.victims(self.locked):
+        victims = self.cache.victims(self.locked)
+        if self.evict_by_next_use:
+            victims = sorted(victims, key=self._next_use, reverse=True)   # stable: LRU ties
+        for tid in victims:
             if self.loc.get(tid) not in ("gpu", "offloading"):
                 continue
             if tid in self.hblock:           # written back before (a prefetch or `early`)
@@ -1158,6 +1235,15 @@ class _Planner:
             self._release_device(tid, "host")
             return True
         return False
+
+    def _next_use(self, tid) -> int:
+        """The first layer pass after the one being planned that uses `tid` (a rebuild
+        counts at the pass it serves); past the last pass when none does."""
+        if self.sorted_uses is None:      # a rebuild's uses come after the pass's own
+            self.sorted_uses = {t: sorted(u) for t, u in self.uses.items()}
+        uses = self.sorted_uses[tid]
+        i = bisect.bisect_right(uses, self.now)
+        return uses[i] if i < len(uses) else len(self.program.passes)
 
     def _copy_out(self, tid):
         """Host block, event slot and waits of a device-to-host copy of `tid`: the copy must

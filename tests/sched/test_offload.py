@@ -3,7 +3,7 @@ from hypothesis import given, settings, strategies as st
 
 import tinysn as sn
 from tinysn.sched import liveness
-from tinysn.sched.offload import FreedRanges, LRUCache, checkpoint_layers
+from tinysn.sched.offload import FreedRanges, Headroom, LRUCache, checkpoint_layers
 
 SIZE = 64
 
@@ -16,6 +16,20 @@ def test_lru_victims_oldest_first_skipping_locked():
     assert list(c.victims({3})) == [2, 1]
     c.remove(2)
     assert 2 not in c and len(c) == 2
+
+
+def test_headroom_admits_within_the_room_and_never_over_a_blocked_step():
+    """An early block is admitted when every step between its issue and its use's first
+    step has the room left; a blocked step refuses every block over it, in every fresh
+    copy (the planning passes of one distance), and blocking it twice changes nothing."""
+    room = Headroom(free=[4096] * 6, first_step=[0, 1, 2, 3, 4, 5])
+    assert room.admit(0, 3, 4096)                   # steps 1 and 2 now full
+    assert not room.admit(1, 3, 1024) and room.admit(2, 5, 1024)
+    fresh = room.fresh()
+    assert fresh.admit(0, 3, 4096)                  # nothing admitted in a fresh copy
+    assert fresh.block(4) and not fresh.block(4)
+    assert not room.fresh().admit(2, 5, 1024)       # step 4 blocked for every copy
+    assert room.fresh().admit(0, 4, 1024)           # spans 1..3 only
 
 
 def test_lru_counts_its_members_bytes_as_they_come_and_go():

@@ -59,13 +59,6 @@ def test_gradients_are_written_over_dy_in_place():
         sn.plan(net, "1GiB", "liveness", in_place_gradients="yes")
 
 
-@pytest.fixture(scope="module")
-def resnet50_995():
-    """ResNet-50 at batch 995 under 12 GiB with 60 GiB of host memory, planned by default."""
-    net = sn.models.resnet50(batch=995)
-    return net, sn.plan(net, "12GiB", "all", host_memory="60GiB")
-
-
 def test_all_keeps_a_dropped_pooling_output_where_that_is_faster(resnet50_995):
     """ResNet-50 at 995 under 12 GiB: keeping the stem's max-pool output (0.8 GB) spares
     bringing its 3 GB input back before the first block's backward pass, where the pool
@@ -82,12 +75,15 @@ def test_all_keeps_a_dropped_pooling_output_where_that_is_faster(resnet50_995):
 
 
 def test_all_evicts_by_next_use_where_lru_brings_a_tensor_back_twice(resnet50_995):
-    """ResNet-50 at 995: the LRU cache evicts a residual block's input in the middle of the
-    block and copies it back for the add; evicting the tensor used furthest ahead copies
-    nothing back twice, moves fewer bytes and is predicted faster, so that plan is chosen.
-    Its operations pass every rule of check_plan."""
-    net, chosen = resnet50_995
-    lru = sn.plan(net, "12GiB", "all", host_memory="60GiB", evict_by_next_use=False)
+    """ResNet-50 at 995 (each prefetch one step ahead): the LRU cache evicts a residual
+    block's input in the middle of the block and copies it back for the add; evicting the
+    tensor used furthest ahead copies nothing back twice, moves fewer bytes and is
+    predicted faster, so that plan is chosen. Its operations pass every rule of
+    check_plan."""
+    net = resnet50_995[0]
+    chosen = sn.plan(net, "12GiB", "all", host_memory="60GiB", lookahead=1)
+    lru = sn.plan(net, "12GiB", "all", host_memory="60GiB", evict_by_next_use=False,
+                  lookahead=1)
     assert plan_mod._refetches(lru) and not plan_mod._refetches(chosen)
     assert chosen.bytes_to_device < lru.bytes_to_device
     assert chosen.predicted_step_s < 0.97 * lru.predicted_step_s

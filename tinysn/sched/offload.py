@@ -219,10 +219,11 @@ class Headroom:
     at every step in between, the bytes the first pass had free there minus the early
     prefetches already admitted over that step still hold its block; else it waits."""
 
-    def __init__(self, free, first_step):
+    def __init__(self, free, first_step, blocked=None):
         self.free = tuple(free)              # step index -> bytes free at its launch
         self.first_step = tuple(first_step)  # pass index -> its first step (recomputes first)
         self.reserved = [0] * len(self.free)
+        self.blocked = set() if blocked is None else blocked   # steps no early block spans
 
     @classmethod
     def of(cls, plan, block_bytes: int) -> "Headroom":
@@ -237,14 +238,23 @@ class Headroom:
         return cls(free, first_step)
 
     def fresh(self) -> "Headroom":
-        """The same headroom with nothing admitted (one per planning pass)."""
-        return Headroom(self.free, self.first_step)
+        """The same headroom with nothing admitted (one per planning pass); the blocked steps
+        are shared."""
+        return Headroom(self.free, self.first_step, self.blocked)
+
+    def block(self, step: int) -> bool:
+        """Admit no early block over `step` from now on (an allocation failed there with
+        early blocks held); False when it was blocked already (blocking changes nothing)."""
+        if step in self.blocked:
+            return False
+        self.blocked.add(step)
+        return True
 
     def admit(self, issue: int, use_pass: int, nbytes: int) -> bool:
         """Reserve `nbytes` (rounded up as `free` is) over the steps after step `issue` and
         before the first step of pass `use_pass`, if every one of them has room."""
         span = range(issue + 1, self.first_step[use_pass])
-        if any(self.free[s] - self.reserved[s] < nbytes for s in span):
+        if any(self.free[s] - self.reserved[s] < nbytes or s in self.blocked for s in span):
             return False
         for s in span:
             self.reserved[s] += nbytes

@@ -14,7 +14,7 @@ def test_the_h200_model_carries_the_figures_fitted_on_the_tracked_results():
     model = timing.DeviceModel.h200()
     assert model.conv_flops_per_s == pytest.approx(fit["conv_flops_per_s"], rel=0.01)
     assert model.conv_bytes_per_s == pytest.approx(fit["conv_bytes_per_s"], rel=0.01)
-    assert model.launch_s == pytest.approx(fit["launch_s"], rel=0.01)
+    assert model.kernel_launch_s == pytest.approx(fit["kernel_launch_s"], rel=0.01)
 
 
 def test_fit_recovers_the_rates_that_made_the_times():

@@ -78,6 +78,9 @@ class OpSpec:
                            need (conv's depend on the algorithm: sched/workspace.py)
     cost                   (layer, "forward" | "backward") -> (flops, bytes moved to and
                            from device memory): the planner's step-time model (sched/timing.py)
+    launches               (layer, "forward" | "backward", algos) -> Triton kernels its
+                           launcher runs (SGD updates not counted): the host's share of an
+                           eager step in the step-time model
     forward, backward      launcher factories (module docstring); backward None: no backward
     """
     forward: Callable
@@ -96,6 +99,7 @@ class OpSpec:
     backward_in_place: bool = False
     workspace: Callable = _no_workspace
     cost: Callable = _streamed
+    launches: Callable = lambda layer, phase, algos: 1
 
     def reads_input(self, layer) -> bool:
         """True when the layer's backward kernel needs its forward inputs."""
@@ -196,6 +200,13 @@ def _bn_backward(program, lp):
     return lambda rt, algos, ws: bn_k.backward(
         x(rt), w(rt), g.dy(rt), saved(rt), g.dx[0](rt), dw(rt), db(rt), ws,
         accumulate=g.accumulate[0])
+
+
+def _conv_launches(layer, phase, algos) -> int:
+    """One or two kernels per algorithm the pass runs (conv_k.LAUNCHES), and the bias
+    gradient's in a backward pass."""
+    own = sum(conv_k.LAUNCHES[(p, a)] for p, a in (algos or {}).items())
+    return own + (phase == "backward" and "bias" in layer.params)
 
 
 def _conv_cost(layer, phase) -> tuple:
@@ -358,25 +369,29 @@ def _softmax_workspace(layer, phase) -> int:
 
 
 SPECS = {
-    "data": OpSpec(_data_forward, is_data=True),
+    "data": OpSpec(_data_forward, is_data=True, launches=lambda layer, phase, algos: 0),
     "conv": OpSpec(_conv_forward, _conv_backward, backward_reads_input=True, has_algorithms=True,
-                   rebuildable=True, cost=_conv_cost),
+                   rebuildable=True, cost=_conv_cost, launches=_conv_launches),
+    # statistics, their finalisation, the normalisation; backward: partial sums, their
+    # finalisation, dx
     "bn": OpSpec(_bn_forward, _bn_backward, backward_reads_input=True, recomputable=True,
                  saves_statistics=True, counts_batches=True, workspace=_bn_workspace,
-                 backward_in_place=True),
+                 backward_in_place=True, launches=lambda layer, phase, algos: 3),
     "relu": OpSpec(_relu_forward, _relu_backward, backward_reads_output=True, recomputable=True,
                    in_place_in_caffe=True, backward_in_place=True),
     "pool": OpSpec(_pool_forward, _pool_backward, backward_reads_input=_pool_reads_input,
                    recomputable=True),
     "lrn": OpSpec(_lrn_forward, _lrn_backward, backward_reads_input=True, recomputable=True),
     "fc": OpSpec(_fc_forward, _fc_backward, backward_reads_input=True, workspace=_fc_workspace,
-                 cost=_fc_cost),
+                 cost=_fc_cost,                                  # backward: dx and dw GEMMs
+                 launches=lambda layer, phase, algos: 2 if phase == "backward" else 1),
     "dropout": OpSpec(_dropout_forward, _dropout_backward, recomputable=True,
                       draws_mask=True, backward_in_place=True),
     "add": OpSpec(_add_forward, _add_backward, rebuildable=True, backward_in_place=True),
     "concat": OpSpec(_concat_forward, _concat_backward, rebuildable=True),
     "softmax_loss": OpSpec(_softmax_forward, _softmax_backward, backward_reads_input=True,
-                           is_loss=True, workspace=_softmax_workspace),
+                           is_loss=True, workspace=_softmax_workspace,   # rows, their mean
+                           launches=lambda layer, phase, algos: 2 if phase == "forward" else 1),
 }
 
 

@@ -131,3 +131,45 @@ def test_compute_waits_add_up_to_the_idle_time_and_land_in_the_phase_that_waited
         assert sum(waits.values()) == pytest.approx(last_kernel - tl.compute_s)
         assert max(waits, key=waits.get) == phase, waits
     assert list(timing.simulate(plan, model()).compute_waits()) == ["forward", "backward"]
+
+
+@pytest.mark.parametrize("conv_algos", [None, {"backward_data": "transposed",
+                                               "backward_weight": "splitk",
+                                               "forward": "im2col"}])
+def test_kernel_launches_counts_the_triton_kernels_each_launch_runs(monkeypatch, conv_algos):
+    """One training step of a net with every layer op, run by the CPU interpreter: every
+    Launch runs as many Triton kernels as `timing.kernel_launches` says (its layer's own and
+    one SGD update per parameter tensor in a backward pass), with the default conv
+    algorithms and with the ones that launch two kernels."""
+    import torch
+    import tinysn.testing as snt
+    from tinysn import runtime as rt_mod
+    from tinysn.kernels._common import INTERPRET
+    from tinysn.sched.plan import Launch
+    if not INTERPRET:
+        pytest.skip("counts the interpreter's kernel calls")
+    from triton.runtime import interpreter
+    ran, current = [], [None]
+    real_run = interpreter.InterpretedFunction.run
+
+    def counting(self, *args, **kwargs):
+        ran.append(current[0])
+        return real_run(self, *args, **kwargs)
+    monkeypatch.setattr(interpreter.InterpretedFunction, "run", counting)
+    real_launch = rt_mod.Runtime._EXECUTE[Launch]
+
+    def launch(rt, op):
+        current[0] = op
+        real_launch(rt, op)
+        current[0] = None
+    monkeypatch.setitem(rt_mod.Runtime._EXECUTE, Launch, launch)
+    net = snt.every_layer_net(batch=2)
+    rt = sn.Runtime(net, "1GiB", "all", momentum=0.9, conv_algos=conv_algos)
+    images, labels = torch.randn(2, *net.input_shape), torch.randint(0, net.classes, (2,))
+    rt.step(images, labels)
+    launches = [op for step in rt.plan.steps for op in step.ops if isinstance(op, Launch)]
+    pinned = {a for op in launches for a in (op.algos or {}).values()}
+    assert pinned == ({"implicit", "onepass"} if conv_algos is None
+                      else set(conv_algos.values()))
+    for op in launches:
+        assert sum(r is op for r in ran) == timing.kernel_launches(rt.plan, op), op

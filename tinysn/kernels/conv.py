@@ -104,6 +104,14 @@ _TUNE_MIN_MACS = 1 << 24
 # --------------------------------------------------------------------------------------------
 # shapes and workspaces
 # --------------------------------------------------------------------------------------------
+# Triton kernels one call of each (phase, algorithm) launches; a backward pass with a bias
+# adds one (_bias_grad_kernel). The step-time model charges the host per launch (eager).
+LAUNCHES = {("forward", "implicit"): 1, ("forward", "im2col"): 2,
+            ("backward_data", "implicit"): 1, ("backward_data", "transposed"): 2,
+            ("backward_data", "flipped"): 2, ("backward_data", "zero_insert"): 2,
+            ("backward_weight", "onepass"): 1, ("backward_weight", "splitk"): 2}
+
+
 def _hashable(v):
     """A cache key for a stride/padding argument (validation happens inside the cached call)."""
     v = tuple(v) if isinstance(v, list) else v

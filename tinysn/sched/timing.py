@@ -42,7 +42,7 @@ class DeviceModel:
     bytes_per_s: float        # device-memory bandwidth the memory-bound kernels reach
     to_host_bytes_per_s: float
     to_device_bytes_per_s: float
-    launch_s: float           # host time to issue one layer step (eager Python launches)
+    launch_s: float           # host time to issue one layer step, whatever it launches
     # A conv's implicit GEMM: its arithmetic and its memory traffic add up at these rates
     # (conv_seconds); None: the conv takes the roofline like every other kernel.
     conv_flops_per_s: float | None = None
@@ -50,6 +50,9 @@ class DeviceModel:
     # Measured conv times, {(x_shape, w_shape, stride, padding, phase): {algorithm: seconds
     # per image}} (workspace.measure_rankings keeps them): a conv they cover takes them.
     conv_times: dict | None = field(default=None, hash=False, repr=False)
+    # host time per Triton kernel a layer step launches (eager Python launches:
+    # kernel_launches); 0 in models recorded before it, whose launch_s held it all
+    kernel_launch_s: float = 0.0
 
     @classmethod
     def h200(cls, graphed: bool = False, conv_times: dict | None = None) -> "DeviceModel":
@@ -58,14 +61,17 @@ class DeviceModel:
         convs at 91.9 TFLOP/s plus 2.28 TB/s, fitted over bench/kernels.py's conv rows
         (the fastest algorithm of each direction and shape); other memory-bound kernels at
         3 TB/s (69-102% of the copy bandwidth, bench/kernels.py) and fc arithmetic at
-        100 TFLOP/s; pinned copies at 55 GB/s each way (bench/memory.py); 142 us of Python
-        per layer step eager, the host-bound AlexNet batch-32 eager step over its
-        launches (bench/train.py), and 1 us per step replayed from a graph. `conv_times`:
-        the convs' own measured times, where the runtime has them (it timed the rankings)."""
+        100 TFLOP/s; pinned copies at 55 GB/s each way (bench/memory.py); eager, 79 us of
+        Python per Triton kernel a step launches, at which the model predicts the
+        host-bound AlexNet batch-32 eager step (bench/train.py; per layer step that is
+        126 us for AlexNet, whose steps launch 1.6 kernels each, and 175 us for ResNet-50,
+        2.2 each), and 1 us per layer step replayed from a graph. `conv_times`: the convs' own
+        measured times, where the runtime has them (it timed the rankings)."""
         return cls(flops_per_s=100e12, bytes_per_s=3.0e12, to_host_bytes_per_s=55e9,
-                   to_device_bytes_per_s=55e9, launch_s=1e-6 if graphed else H200_LAUNCH_S,
+                   to_device_bytes_per_s=55e9, launch_s=1e-6 if graphed else 0.0,
                    conv_flops_per_s=H200_CONV_FLOPS_PER_S, conv_bytes_per_s=H200_CONV_BYTES_PER_S,
-                   conv_times=conv_times)
+                   conv_times=conv_times,
+                   kernel_launch_s=0.0 if graphed else H200_KERNEL_LAUNCH_S)
 
     def record(self) -> dict:
         """The model as JSON-ready data (conv time keys as text); `from_record` reads it."""
@@ -85,7 +91,7 @@ class DeviceModel:
 # The fitted figures of DeviceModel.h200 (bench/calibrate.py prints them from bench/results).
 H200_CONV_FLOPS_PER_S = 91.9e12
 H200_CONV_BYTES_PER_S = 2.28e12
-H200_LAUNCH_S = 142e-6
+H200_KERNEL_LAUNCH_S = 79e-6
 
 
 _PHASE_ORDER = ["forward", "recompute", "backward"]
@@ -125,11 +131,7 @@ def kernel_seconds(plan, launch: Launch, model: DeviceModel) -> float:
     """Time of one Launch: its layer's kernels plus the SGD update a backward step applies
     to the layer's parameters (a memory-bound pass over them)."""
     program = plan.program
-    if isinstance(launch.key, tuple):                 # ("recompute", layer index)
-        layer, phase = program.net.layers[launch.key[1]], "forward"
-    else:
-        step = program.passes[launch.key]
-        layer, phase = step.layer, step.phase
+    layer, phase = _layer_phase(plan, launch)
     seconds = measured_conv_seconds(layer, launch.algos, model)
     if seconds is None:
         seconds = layer_seconds(layer, phase, model)
@@ -139,6 +141,22 @@ def kernel_seconds(plan, launch: Launch, model: DeviceModel) -> float:
                      for s in layer.params)
         seconds += params * (3 + momentum) / model.bytes_per_s   # read w, dw (m); write w (m)
     return seconds
+
+
+def kernel_launches(plan, launch: Launch) -> int:
+    """Triton kernels one Launch runs: its layer's own (OpSpec.launches, by phase and conv
+    algorithm) and, in a backward step, one SGD update per parameter tensor."""
+    layer, phase = _layer_phase(plan, launch)
+    own = spec(layer).launches(layer, phase, launch.algos)
+    return own + (len(layer.params) if phase == "backward" else 0)
+
+
+def _layer_phase(plan, launch: Launch) -> tuple:
+    """The layer a Launch runs and its phase ("forward" for a rebuild)."""
+    if isinstance(launch.key, tuple):                 # ("recompute", layer index)
+        return plan.program.net.layers[launch.key[1]], "forward"
+    step = plan.program.passes[launch.key]
+    return step.layer, step.phase
 
 
 def measured_conv_seconds(layer, algos, model: DeviceModel) -> float | None:
@@ -199,6 +217,8 @@ def simulate(plan, model: DeviceModel | None = None) -> Timeline:
         for op in step.ops:
             if isinstance(op, Launch):
                 host += model.launch_s
+                if model.kernel_launch_s:
+                    host += model.kernel_launch_s * kernel_launches(plan, op)
                 # busy time sums durations, not end - start: equal work, equal sums
                 start, seconds = max(compute, host), kernel_seconds(plan, op, model)
                 compute = start + seconds

@@ -12,9 +12,10 @@ the tracked GPU results, so the model's numbers come from measurements and not f
   runs 1.7x as fast, and its kernels keep the GPU busy for under two thirds of the eager
   step): the Python cost of one Triton kernel launch is the one at which the model
   predicts its measured step (`train-alexnet-b32-<gpu>.json`), counting the kernels its
-  plan's layer steps launch (`timing.kernel_launches`). Per kernel rather than per layer step: ResNet-50's and Inception-v4's steps launch
-  more kernels each than AlexNet's (batch norm three, a backward pass one SGD update per
-  parameter tensor), and their host-bound eager steps take longer per layer step.
+  plan's layer steps launch (`timing.kernel_launches`). Per kernel rather than per layer
+  step: ResNet-50's and Inception-v4's steps launch more kernels each than AlexNet's
+  (batch norm three, a backward pass one SGD update per parameter tensor), and their
+  host-bound eager steps take longer per layer step.
 
 The model's error against every measured run is bench/predict.py's table.
 """
@@ -118,8 +119,8 @@ def main(argv=None) -> dict:
     fit = calibrate(Path(args.results), args.gpu)
     print(f"conv: {fit['conv_flops_per_s'] / 1e12:.1f} TFLOP/s + "
           f"{fit['conv_bytes_per_s'] / 1e12:.2f} TB/s over {fit['conv_rows']} rows "
-          f"(worst {fit['conv_worst_error']:+.0%}); {fit['kernel_launch_s'] * 1e6:.0f} us per kernel "
-          f"launch")
+          f"(worst {fit['conv_worst_error']:+.0%}); "
+          f"{fit['kernel_launch_s'] * 1e6:.0f} us per kernel launch")
     write(args.out, fit)
     return fit
 

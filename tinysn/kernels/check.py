@@ -6,9 +6,11 @@ On a GPU the Runtime checks each batch where it copied it, in the pool, and pass
 float as `flag` (the loss's element, free until the forward pass writes the loss): the
 check then allocates nothing outside the cap, where a torch reduction allocates its result
 (a few kilobytes per step, over `memory=`). On the CPU a torch reduction allocates host
-memory only and is far faster than the interpreter (inputs.check_finite). Each program counts the values of its tile that are
-not below infinity in magnitude (a comparison with NaN is false) and adds its count into the
-flag atomically: whole numbers, so the order of the additions does not change the sum.
+memory only and is far faster than the interpreter (inputs.check_finite).
+
+Each program counts the values of its tile that are not below infinity in magnitude (a
+comparison with NaN is false) and adds its count into the flag atomically: whole numbers,
+so the order of the additions does not change the sum.
 """
 import torch
 import triton

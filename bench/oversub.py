@@ -223,7 +223,7 @@ def pytorch_largest(model_name, config, cap, device, limit, host_cap, timing) ->
         if k != out["largest"]:
             out.update(probed=out["largest"], largest=k, at_limit=False)
         out.update(row, images_per_s=k / row["ms_per_step"] * 1e3)
-    elif k:
+    elif out["largest"]:     # the probe found a batch, but no timed run fit at or below it
         out["error"] = f"out of device memory when timed at batch {failed} and below"
     return out
 

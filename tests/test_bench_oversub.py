@@ -108,16 +108,17 @@ def test_pytorch_steps_down_where_the_timed_run_does_not_fit(monkeypatch):
     """The probe's two steps fit at 12, the timed steps only at 10 and below: the row is
     timed at 10 and says the probe found 12; where no timed run fits, the error says so."""
     def fake_run(net, model_name, config, cap, device, warmup, steps, host_cap=None):
-        limit = 12 if (warmup, steps) == (1, 1) else timed_limit
+        limit = probe_limit if (warmup, steps) == (1, 1) else timed_limit
         return {"ms_per_step": 1.0, "host_peak_bytes": 0} if net.batch <= limit else None
     monkeypatch.setattr(oversub, "pytorch_run", fake_run)
     cpu = torch.device("cpu")
-    timed_limit = 10
+    probe_limit, timed_limit = 12, 10
     row = oversub.pytorch_largest("lenet", "eager", 1, cpu, 64, None, (2, 3))
     assert (row["largest"], row["probed"], row["images_per_s"]) == (10, 12, 10e3)
-    timed_limit = 0
-    row = oversub.pytorch_largest("lenet", "eager", 1, cpu, 64, None, (2, 3))
-    assert "images_per_s" not in row and "out of device memory when timed" in row["error"]
+    for probe_limit in (12, 1):                 # at 1 the step-down reaches batch 0
+        timed_limit = 0
+        row = oversub.pytorch_largest("lenet", "eager", 1, cpu, 64, None, (2, 3))
+        assert "images_per_s" not in row and "out of device memory when timed" in row["error"]
 
 
 def test_merge_keeps_other_models_and_parts(tmp_path):

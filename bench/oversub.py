@@ -202,13 +202,17 @@ def pytorch_largest(model_name, config, cap, device, limit, host_cap, timing) ->
     def fits(k):
         if host_cap is not None and per_image[0] * k > host_cap:
             return False
+        t0, verdict = time.perf_counter(), "out of device memory"
         try:
             row = pytorch_run(model_fn(batch=k), model_name, config, cap, device, 1, 1,
                               host_cap)
         except HostCapExceeded:
-            return False
+            row, verdict = None, "over the host cap"
         if row is not None:
             per_image[0] = max(per_image[0], (row["host_peak_bytes"] or 0) / k)
+            verdict = "fits"
+        print(f"  {model_name} {config} at batch {k}: {verdict} "
+              f"({time.perf_counter() - t0:.0f} s)", flush=True)
         return row is not None
     t0 = time.perf_counter()
     k = memory.largest(fits, start=max(1, limit // 8), limit=limit)

@@ -171,6 +171,7 @@ def tinysn_row(net, policy, cuda_graph, device, args, host_memory=None) -> dict:
                in_place_gradients=sn.plan.__kwdefaults__["in_place_gradients"],
                keep_pools=sn.plan.__kwdefaults__["keep_pools"],
                evict_by_next_use=sn.plan.__kwdefaults__["evict_by_next_use"],
+               trade_budget=sn.plan.__kwdefaults__["trade_budget"],
                conv_algos=sorted({f"{p}:{a}" for d in rt.plan.conv_algos.values()
                                   for p, a in d.items()}))
     return row

@@ -74,13 +74,16 @@ class OpSpec:
                            element of dy (and of what it saved), so dx may take over dy's block
                            when the pass reads dy for the last time (liveness.LayerPass's
                            `in_place`): ReLU, batch norm, dropout and add
-    workspace              (layer, "forward" | "backward") -> bytes of scratch its kernels
-                           need (conv's depend on the algorithm: sched/workspace.py)
+    workspace              (layer, "forward" | "backward" | "recompute") -> bytes of scratch
+                           its kernels need (conv's depend on the algorithm:
+                           sched/workspace.py); "recompute": a rebuild of the output, which
+                           the forward launcher runs with update_running False
     cost                   (layer, "forward" | "backward") -> (flops, bytes moved to and
-                           from device memory): the planner's step-time model (sched/timing.py)
-    launches               (layer, "forward" | "backward", algos) -> Triton kernels its
-                           launcher runs (SGD updates not counted): the host's share of an
-                           eager step in the step-time model
+                           from device memory): the planner's step-time model (sched/timing.py;
+                           a rebuild costs a forward pass)
+    launches               (layer, "forward" | "backward" | "recompute", algos) -> Triton
+                           kernels its launcher runs (SGD updates not counted): the host's
+                           share of an eager step in the step-time model
     forward, backward      launcher factories (module docstring); backward None: no backward
     """
     forward: Callable
@@ -186,6 +189,8 @@ def _bn_forward(program, layer, update_running):
     def launch(rt, algos, ws):
         if rt.predicting:           # eval mode: normalise with the running statistics
             bn_k.forward_eval(x(rt), w(rt), b(rt), y(rt), mean(rt), var(rt), eps=eps)
+        elif not update_running:    # a rebuild: the statistics its forward pass saved
+            bn_k.rebuild(x(rt), w(rt), b(rt), y(rt), saved(rt))
         else:
             bn_k.forward(x(rt), w(rt), b(rt), y(rt), mean(rt), var(rt), saved(rt), ws, eps=eps,
                          momentum=momentum, update_running=update_running)
@@ -221,7 +226,13 @@ def _conv_cost(layer, phase) -> tuple:
 
 
 def _bn_workspace(layer, phase) -> int:
+    if phase == "recompute":        # bn_k.rebuild: the normalisation alone
+        return 0
     return bn_k.workspace_bytes(tuple(layer.shape), phase)
+
+
+def _bn_launches(layer, phase, algos) -> int:
+    return 1 if phase == "recompute" else 3
 
 
 def _relu_forward(program, layer, update_running):
@@ -372,11 +383,11 @@ SPECS = {
     "data": OpSpec(_data_forward, is_data=True, launches=lambda layer, phase, algos: 0),
     "conv": OpSpec(_conv_forward, _conv_backward, backward_reads_input=True, has_algorithms=True,
                    rebuildable=True, cost=_conv_cost, launches=_conv_launches),
-    # statistics, their finalisation, the normalisation; backward: partial sums, their
-    # finalisation, dx
+    # statistics, their finalisation, the normalisation (a rebuild: the normalisation
+    # alone, from the saved statistics); backward: partial sums, their finalisation, dx
     "bn": OpSpec(_bn_forward, _bn_backward, backward_reads_input=True, recomputable=True,
                  saves_statistics=True, counts_batches=True, workspace=_bn_workspace,
-                 backward_in_place=True, launches=lambda layer, phase, algos: 3),
+                 backward_in_place=True, launches=_bn_launches),
     "relu": OpSpec(_relu_forward, _relu_backward, backward_reads_output=True, recomputable=True,
                    in_place_in_caffe=True, backward_in_place=True),
     "pool": OpSpec(_pool_forward, _pool_backward, backward_reads_input=_pool_reads_input,

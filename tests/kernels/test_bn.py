@@ -142,6 +142,33 @@ def test_bn_recompute_gives_same_bits():
 
 
 @pytest.mark.parametrize("shape", [(3, 4, 7, 7), (2, 5, 33, 40)])
+def test_bn_rebuild_from_saved_statistics_gives_the_forward_bits(shape):
+    c = shape[1]
+    x, gamma, beta = _rand(shape, 5), _rand((c,), 6), _rand((c,), 7)
+    rm, rv, saved = torch.zeros(c), torch.ones(c), torch.empty(2, c)
+    y = torch.empty_like(x)
+    bn.forward(x, gamma, beta, y, rm, rv, saved, _workspace(shape, "forward", "cpu"))
+    kept = (saved.clone(), rm.clone(), rv.clone())
+    again = torch.full_like(x, NAN)
+    bn.rebuild(x, gamma, beta, again, saved)
+    assert torch.equal(again, y)
+    assert all(torch.equal(a, b) for a, b in zip(kept, (saved, rm, rv)))   # nothing else written
+
+
+def test_bn_rebuild_bad_input():
+    shape = (2, 3, 4, 4)
+    x, g, b = _rand(shape, 0), torch.ones(3), torch.zeros(3)
+    y, s = torch.empty_like(x), torch.ones(2, 3)
+    bn.rebuild(x, g, b, y, s)                             # the valid call
+    for args in ((x, g, b, y, torch.ones(3, 2)),          # saved's shape
+                 (x, torch.ones(4), b, y, s),             # gamma's length
+                 (x, g, b, torch.empty(2, 3, 4, 5), s),   # y's shape
+                 (torch.ones(1, 3, 1, 1), g, b, torch.empty(1, 3, 1, 1), s)):   # 1 value
+        with pytest.raises(ValueError):
+            bn.rebuild(*args)
+
+
+@pytest.mark.parametrize("shape", [(3, 4, 7, 7), (2, 5, 33, 40)])
 def test_bn_backward_in_place_gives_same_bits(shape):
     """dx written over dy (the planner hands dy's block to dx) equals dx written apart."""
     c = shape[1]

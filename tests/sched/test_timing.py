@@ -133,14 +133,30 @@ def test_compute_waits_add_up_to_the_idle_time_and_land_in_the_phase_that_waited
     assert list(timing.simulate(plan, model()).compute_waits()) == ["forward", "backward"]
 
 
-@pytest.mark.parametrize("conv_algos", [None, {"backward_data": "transposed",
-                                               "backward_weight": "splitk",
-                                               "forward": "im2col"}])
-def test_kernel_launches_counts_the_triton_kernels_each_launch_runs(monkeypatch, conv_algos):
+def _rebuilding_cap(net) -> int:
+    """The largest cap, in steps of 1% under the peak of policy "liveness", at which
+    policy "recompute" fits and rebuilds something."""
+    peak = sn.plan(net, "1GiB", "liveness", momentum=0.9).peak_bytes
+    for percent in range(99, 50, -1):
+        try:
+            if sn.plan(net, peak * percent // 100, "recompute", momentum=0.9).recomputed_steps:
+                return peak * percent // 100
+        except sn.OutOfMemory:
+            continue
+    raise AssertionError("no cap found at which policy 'recompute' rebuilds")
+
+
+@pytest.mark.parametrize("conv_algos, rebuilds", [
+    (None, False),
+    ({"backward_data": "transposed", "backward_weight": "splitk", "forward": "im2col"}, False),
+    (None, True)])
+def test_kernel_launches_counts_the_triton_kernels_each_launch_runs(monkeypatch, conv_algos,
+                                                                     rebuilds):
     """One training step of a net with every layer op, run by the CPU interpreter: every
     Launch runs as many Triton kernels as `timing.kernel_launches` says (its layer's own and
     one SGD update per parameter tensor in a backward pass), with the default conv
-    algorithms and with the ones that launch two kernels."""
+    algorithms, with the ones that launch two kernels, and under a cap where policy
+    "recompute" rebuilds the cheap layers (batch norm's rebuild: one kernel, not three)."""
     import torch
     import tinysn.testing as snt
     from tinysn import runtime as rt_mod
@@ -164,12 +180,14 @@ def test_kernel_launches_counts_the_triton_kernels_each_launch_runs(monkeypatch,
         current[0] = None
     monkeypatch.setitem(rt_mod.Runtime._EXECUTE, Launch, launch)
     net = snt.every_layer_net(batch=2)
-    rt = sn.Runtime(net, "1GiB", "all", momentum=0.9, conv_algos=conv_algos)
+    policy, memory = ("recompute", _rebuilding_cap(net)) if rebuilds else ("all", "1GiB")
+    rt = sn.Runtime(net, memory, policy, momentum=0.9, conv_algos=conv_algos)
     images, labels = torch.randn(2, *net.input_shape), torch.randint(0, net.classes, (2,))
     rt.step(images, labels)
     launches = [op for step in rt.plan.steps for op in step.ops if isinstance(op, Launch)]
     pinned = {a for op in launches for a in (op.algos or {}).values()}
     assert pinned == ({"implicit", "onepass"} if conv_algos is None
                       else set(conv_algos.values()))
+    assert (rt.plan.recomputed_steps > 0) == rebuilds
     for op in launches:
         assert sum(r is op for r in ran) == timing.kernel_launches(rt.plan, op), op

@@ -15,7 +15,12 @@ API
         dx, dgamma, dbeta may each be None; dgamma / dbeta always overwrite.
         dx may be dy (in place: the sums are taken before dx is written), unless it
         accumulates; it must not otherwise overlap x, dy, saved or the workspace.
-    workspace_bytes(shape, phase) -> bytes of scratch, phase "forward" | "backward".
+    rebuild(x, gamma, beta, y, saved)
+        the forward's y again from the statistics it saved (the recompute policy rebuilding
+        a dropped output): the normalisation pass alone, no workspace, the same bits as
+        the forward's y for the same x; saved and the running statistics are not written.
+    workspace_bytes(shape, phase) -> bytes of scratch, phase "forward" | "backward"
+        (a rebuild needs none).
     forward_eval(x, gamma, beta, y, running_mean, running_var, *, eps=1e-5)
         eval mode (nn.BatchNorm2d after .eval()): one elementwise pass,
         y = (x - running_mean) / sqrt(running_var + eps) * gamma + beta; no workspace,
@@ -351,6 +356,26 @@ def forward(x, gamma, beta, y, running_mean, running_var, saved, workspace, *,
         UPDATE=update_running, CB=cb, NCHP=nchp)
     grid, r, cols = _elementwise_grid(n, c, hw)
     run(_bn_norm_kernel, grid, x, y, saved, gamma, beta, n * c, c, hw, R=r, COLS=cols,
+        num_warps=_WARPS)
+
+
+def rebuild(x, gamma, beta, y, saved):
+    """y again from the mean and inverse deviation the forward pass saved: its third
+    kernel alone (x read once, not twice; one launch, not three), on the same inputs and
+    statistics, so the same bits."""
+    n, c, h, w = _check_x(x)
+    dev = x.device
+    check_tensor("y", y, x.shape)
+    check_tensor("saved", saved, (2, c))
+    for name, t in (("y", y), ("saved", saved)):
+        if t.device != dev:
+            raise ValueError(f"{name} is on {t.device} but x is on {dev}")
+    _check_vec("gamma", gamma, c, dev)
+    _check_vec("beta", beta, c, dev)
+    check_no_overlap("bn.rebuild", [("y", y)],
+                     [("x", x), ("gamma", gamma), ("beta", beta), ("saved", saved)])
+    grid, r, cols = _elementwise_grid(n, c, h * w)
+    run(_bn_norm_kernel, grid, x, y, saved, gamma, beta, n * c, c, h * w, R=r, COLS=cols,
         num_warps=_WARPS)
 
 

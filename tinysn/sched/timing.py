@@ -152,9 +152,9 @@ def kernel_launches(plan, launch: Launch) -> int:
 
 
 def _layer_phase(plan, launch: Launch) -> tuple:
-    """The layer a Launch runs and its phase ("forward" for a rebuild)."""
+    """The layer a Launch runs and its phase ("recompute" for a rebuild)."""
     if isinstance(launch.key, tuple):                 # ("recompute", layer index)
-        return plan.program.net.layers[launch.key[1]], "forward"
+        return plan.program.net.layers[launch.key[1]], "recompute"
     step = plan.program.passes[launch.key]
     return step.layer, step.phase
 
@@ -176,8 +176,9 @@ def measured_conv_seconds(layer, algos, model: DeviceModel) -> float | None:
 
 
 def layer_seconds(layer, phase: str, model: DeviceModel) -> float:
-    """Time of a layer's own kernels in one phase, from OpSpec.cost's flops and bytes."""
-    flops, nbytes = spec(layer).cost(layer, phase)
+    """Time of a layer's own kernels in one phase, from OpSpec.cost's flops and bytes (a
+    rebuild, phase "recompute", costs a forward pass)."""
+    flops, nbytes = spec(layer).cost(layer, "forward" if phase == "recompute" else phase)
     if spec(layer).has_algorithms and model.conv_flops_per_s:
         return conv_seconds(flops, nbytes, model)
     return roofline(flops, nbytes, model)

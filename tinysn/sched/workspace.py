@@ -41,7 +41,8 @@ def net_geometries(net) -> list:
 
 
 def fixed_workspace(layer, phase: str) -> int:
-    """Workspace bytes of a non-conv layer's step (phase "forward" or "backward")."""
+    """Workspace bytes of a non-conv layer's step (phase "forward", "backward" or
+    "recompute": a rebuild of its output)."""
     return spec(layer).workspace(layer, phase)
 
 
@@ -49,9 +50,10 @@ def rebuild_workspace(layer, conv_algos) -> tuple:
     """(algos, workspace bytes) of recomputing a layer's forward pass. A conv repeats the
     algorithm its forward pass ran (`conv_algos`: layer name -> {phase: algo}, as the plan
     records them), so the rebuilt output has the same summation order and the same bits;
-    other layers take no algorithm and their fixed workspace."""
+    other layers take no algorithm and the fixed workspace of a rebuild (batch norm's
+    none: it normalises with the statistics its forward pass saved)."""
     if not spec(layer).has_algorithms:
-        return None, fixed_workspace(layer, "forward")
+        return None, fixed_workspace(layer, "recompute")
     algo = conv_algos[layer.name]["forward"]
     return {"forward": algo}, conv_k.algos(*conv_geometry(layer), "forward")[algo]
 

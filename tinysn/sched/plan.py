@@ -145,9 +145,10 @@ class Launch:
 
 POLICIES = ("baseline", "liveness", "offload", "recompute", "all")
 # policy "all": plans the search trading copies for rebuilds may make. ResNet-50 under
-# 12 GiB at batch 995: 24 stopped at a plan predicted 1.118 s a step, 48 reach 1.004 s
-# and more find nothing better; where the search ends sooner (batch 512, 897) it costs
-# nothing
+# 12 GiB at batch 995, with the default H200 figures: 24 stopped at a plan predicted
+# 1.118 s a step, 48 reach 1.004 s and more find nothing better; with the conv times
+# measured on the H200 both stop at the same plan (1.092 s); where the search ends
+# sooner (batch 512, 897) the budget costs nothing
 TRADE_BUDGET = 48
 TRADE_STEPS = 64_000   # ... and plan steps in all, so a deep net's search stays short
 LOOKAHEADS = (2, 4, 8, 16, 64)   # policy "all": prefetch distances the planner tries

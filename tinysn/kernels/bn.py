@@ -304,6 +304,18 @@ def _check_x(x):
     return n, c, h, w
 
 
+def _check_x_with_saved(x, name, t, saved):
+    """x's shape (as _check_x), `t` (named `name`) shaped like x and saved [2, C], both on
+    x's device: what the rebuild and the backward pass read beside x."""
+    n, c, h, w = _check_x(x)
+    check_tensor(name, t, x.shape)
+    check_tensor("saved", saved, (2, c))
+    for nm, u in ((name, t), ("saved", saved)):
+        if u.device != x.device:
+            raise ValueError(f"{nm} is on {u.device} but x is on {x.device}")
+    return n, c, h, w
+
+
 def _finalize_shape(c, nch):
     nchp = max(2, triton.next_power_of_2(nch))
     cb = max(2, min(triton.next_power_of_2(c), _TILE // nchp))
@@ -363,13 +375,8 @@ def rebuild(x, gamma, beta, y, saved):
     """y again from the mean and inverse deviation the forward pass saved: its third
     kernel alone (x read once, not twice; one launch, not three), on the same inputs and
     statistics, so the same bits."""
-    n, c, h, w = _check_x(x)
+    n, c, h, w = _check_x_with_saved(x, "y", y, saved)
     dev = x.device
-    check_tensor("y", y, x.shape)
-    check_tensor("saved", saved, (2, c))
-    for name, t in (("y", y), ("saved", saved)):
-        if t.device != dev:
-            raise ValueError(f"{name} is on {t.device} but x is on {dev}")
     _check_vec("gamma", gamma, c, dev)
     _check_vec("beta", beta, c, dev)
     check_no_overlap("bn.rebuild", [("y", y)],
@@ -409,13 +416,8 @@ def _check_dx(dx, x, dy, saved, ws, accumulate):
 
 def backward(x, gamma, dy, saved, dx, dgamma, dbeta, workspace, *, accumulate=False):
     """Training-mode batch norm backward; see the module docstring."""
-    n, c, h, w = _check_x(x)
+    n, c, h, w = _check_x_with_saved(x, "dy", dy, saved)
     dev = x.device
-    check_tensor("dy", dy, x.shape)
-    check_tensor("saved", saved, (2, c))
-    for nm, t in (("dy", dy), ("saved", saved)):
-        if t.device != dev:
-            raise ValueError(f"{nm} is on {t.device} but x is on {dev}")
     if dx is not None:
         check_tensor("dx", dx, x.shape)
         if dx.device != dev:

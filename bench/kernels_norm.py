@@ -119,6 +119,12 @@ def _bench_pool(r, device, batch):
             r.run("pool.backward", "max (argmax recomputed from x)", name,
                   lambda: pool.backward(x, y, dy, dx, **kw), t_bwd, nbytes=sx + sy + sx,
                   check=lambda: _rel(dx, tdx), torch_op="max_pool2d_with_indices_backward")
+            ws = torch.empty(pool.argmax_workspace_bytes(shape, **kw), dtype=torch.uint8,
+                             device=device)
+            r.run("pool.backward", "max (argmax found once, into a uint8 workspace)", name,
+                  lambda: pool.backward(x, y, dy, dx, workspace=ws, **kw), t_bwd,
+                  nbytes=sx + sy + sx, check=lambda: _rel(dx, tdx),
+                  torch_op="max_pool2d_with_indices_backward")
         else:
             def t_fwd():
                 torch.ops.aten.avg_pool2d.out(x, [k, k], [st, st], [p, p], False, True, None,

@@ -34,6 +34,9 @@ from .kernels import pool as pool_k
 from .kernels import softmax as softmax_k
 
 
+SPARE = "spare_workspace"      # Launch.algos value of a pass given its spare workspace
+
+
 def _no_workspace(layer, phase) -> int:
     return 0
 
@@ -84,6 +87,11 @@ class OpSpec:
     launches               (layer, "forward" | "backward" | "recompute", algos) -> Triton
                            kernels its launcher runs (SGD updates not counted): the host's
                            share of an eager step in the step-time model
+    spare_workspace        (layer, "forward" | "backward") -> bytes of scratch that make the
+                           pass faster where the plan has room for them (0: none): policy
+                           "all" allocates them when the largest free run holds them and
+                           marks the step's algos {phase: SPARE} (max pooling's backward:
+                           every window's argmax found once, not once per cell)
     forward, backward      launcher factories (module docstring); backward None: no backward
     """
     forward: Callable
@@ -103,6 +111,7 @@ class OpSpec:
     workspace: Callable = _no_workspace
     cost: Callable = _streamed
     launches: Callable = lambda layer, phase, algos: 1
+    spare_workspace: Callable = _no_workspace
 
     def reads_input(self, layer) -> bool:
         """True when the layer's backward kernel needs its forward inputs."""
@@ -253,13 +262,26 @@ def _pool_forward(program, layer, update_running):
 
 
 def _pool_backward(program, lp):
-    # max pooling recomputes its argmax from x; average pooling reads neither x nor y, so
-    # it runs after both were freed
+    # max pooling recomputes its argmax from x (into the spare workspace, when the plan
+    # gives it one); average pooling reads neither x nor y, so it runs after both were freed
     layer, a, g = lp.layer, lp.layer.attrs, _grads(program, lp)
     x = _act(program, layer.inputs[0]) if _pool_reads_input(layer) else _optional(None)
     return lambda rt, algos, ws: pool_k.backward(
         x(rt), None, g.dy(rt), g.dx[0](rt), mode=a["mode"], kernel=a["kernel"],
-        stride=a["stride"], padding=a["padding"], accumulate=g.accumulate[0])
+        stride=a["stride"], padding=a["padding"], accumulate=g.accumulate[0], workspace=ws)
+
+
+def _pool_spare_workspace(layer, phase) -> int:
+    if phase != "backward":
+        return 0
+    a = layer.attrs
+    return pool_k.argmax_workspace_bytes(tuple(layer.inputs[0].shape), mode=a["mode"],
+                                         kernel=a["kernel"], stride=a["stride"],
+                                         padding=a["padding"])
+
+
+def _pool_launches(layer, phase, algos) -> int:
+    return 2 if (algos or {}).get(phase) == SPARE else 1
 
 
 def _pool_reads_input(layer) -> bool:
@@ -391,7 +413,8 @@ SPECS = {
     "relu": OpSpec(_relu_forward, _relu_backward, backward_reads_output=True, recomputable=True,
                    in_place_in_caffe=True, backward_in_place=True),
     "pool": OpSpec(_pool_forward, _pool_backward, backward_reads_input=_pool_reads_input,
-                   recomputable=True),
+                   recomputable=True, spare_workspace=_pool_spare_workspace,
+                   launches=_pool_launches),
     "lrn": OpSpec(_lrn_forward, _lrn_backward, backward_reads_input=True, recomputable=True),
     "fc": OpSpec(_fc_forward, _fc_backward, backward_reads_input=True, workspace=_fc_workspace,
                  cost=_fc_cost,                                  # backward: dx and dw GEMMs

@@ -38,15 +38,21 @@ def _check(shape, mode, kernel, stride, padding, seed=0, accumulate=False, devic
     dy = _rand(oshape, seed + 1, device)
     ref.backward(dy.double())
     ref_dx = xd.grad
+    before = _rand(shape, seed + 2, device) if accumulate else torch.full_like(x, NAN)
     if accumulate:
-        before = _rand(shape, seed + 2, device)
-        dx = before.clone()
         ref_dx = before.double() + ref_dx
-    else:
-        dx = torch.full_like(x, NAN)
+    dx = before.clone()
     pool.backward(x, y, dy, dx, mode=mode, kernel=kernel, stride=stride, padding=padding,
                   accumulate=accumulate)
     torch.testing.assert_close(dx.double(), ref_dx, rtol=tol, atol=tol)
+    size = pool.argmax_workspace_bytes(shape, mode=mode, kernel=kernel, stride=stride,
+                                       padding=padding)
+    if size:       # the argmaxes found once into a workspace (poisoned): the same bits
+        ws = torch.full((size + 3,), 0xAB, dtype=torch.uint8, device=device)
+        dx_ws = before.clone()
+        pool.backward(x, None, dy, dx_ws, mode=mode, kernel=kernel, stride=stride,
+                      padding=padding, accumulate=accumulate, workspace=ws)
+        assert torch.equal(dx_ws, dx)
 
 
 @st.composite
@@ -165,6 +171,23 @@ def test_pool_deterministic_and_workspace():
         outs.append((y, dx))
     assert torch.equal(outs[0][0], outs[1][0]) and torch.equal(outs[0][1], outs[1][1])
     assert pool.workspace_bytes((2, 3, 11, 11), 3, 2, 0) == 0
+    kw = dict(kernel=3, stride=2, padding=0)
+    assert pool.argmax_workspace_bytes((2, 3, 11, 11), mode="max", **kw) == 2 * 3 * 5 * 5
+    assert pool.argmax_workspace_bytes((2, 3, 11, 11), mode="avg", **kw) == 0
+    assert pool.argmax_workspace_bytes((1, 1, 17, 17), mode="max", kernel=17, stride=1,
+                                       padding=0) == 0                  # 289 taps
+
+
+def test_max_backward_workspace_bad_input():
+    x, dy = _rand((2, 3, 7, 7), 0), _rand((2, 3, 3, 3), 1)
+    kw = dict(kernel=3, stride=2, padding=0)
+    ws = torch.empty(2 * 3 * 3 * 3, dtype=torch.uint8)
+    pool.backward(x, None, dy, torch.empty_like(x), mode="max", workspace=ws, **kw)   # valid
+    for mode, bad in (("max", ws[:-1]),                         # one byte short
+                      ("max", ws.view(2, -1)),                  # not 1-D
+                      ("avg", ws)):                             # avg takes none
+        with pytest.raises(ValueError):
+            pool.backward(x, None, dy, torch.empty_like(x), mode=mode, workspace=bad, **kw)
 
 
 def test_pool_bad_input():

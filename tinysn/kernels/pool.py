@@ -33,16 +33,24 @@ which makes the backward compute-bound rather than bandwidth-bound. Saves: the i
 tensor the size of y (2x y's bytes) that torch keeps from forward to backward; only x must
 stay alive (y is not read by the max backward; the parameter is kept for a uniform API).
 
+Given a workspace of one byte per window (argmax_workspace_bytes; the planner grants it
+where the pool has room at that step, ops.SPARE), the backward finds every window's argmax
+once, into it (the forward kernel with STORE_ARG: 9 loads per window, about 2.25 per pixel
+for 3x3/2), and the gather reads one byte per candidate window instead of scanning it: two
+launches, the same bits.
+
 Determinism: every output (and every dx) element is produced by one lane in a fixed order
 (window scan; candidate windows i, j ascending), so the autotuned block sizes do not change
 a bit of the results; the global-pool sum is a cross-lane reduction, so its tile is fixed.
 The backward kernel declares restore=["dx"] so that autotuning an accumulating launch
 (it runs the kernel several times) does not add twice.
 """
+import torch
 import triton
 import triton.language as tl
 
-from ._common import INTERP_TILE, autotune, check_device, check_tensor, launch, pair, run
+from ._common import (INTERP_TILE, autotune, check_device, check_no_overlap, check_tensor,
+                      launch, pair, run)
 
 _FWD_GPU = [
     triton.Config({"BLOCK": 256}, num_warps=4),
@@ -71,7 +79,8 @@ _INT32_LIMIT = 2**31 - 1
 
 
 def workspace_bytes(*args, **kwargs) -> int:
-    """Pooling needs no scratch memory (max pooling keeps no index tensor either)."""
+    """Pooling needs no scratch memory (max pooling keeps no index tensor either); its
+    backward can use some (argmax_workspace_bytes)."""
     return 0
 
 
@@ -121,8 +130,9 @@ def _check_io(x, y, kernel, stride, padding):
 def _pool_fwd_kernel(x, y, total, H, W, OH, OW,
                      KH: tl.constexpr, KW: tl.constexpr, SH: tl.constexpr, SW: tl.constexpr,
                      PH: tl.constexpr, PW: tl.constexpr, IS_MAX: tl.constexpr,
-                     INDEX64: tl.constexpr, BLOCK: tl.constexpr):
-    """One lane per output element, flattened over N*C*OH*OW."""
+                     INDEX64: tl.constexpr, STORE_ARG: tl.constexpr, BLOCK: tl.constexpr):
+    """One lane per output element, flattened over N*C*OH*OW. STORE_ARG (max): y is a uint8
+    buffer and gets each window's argmax, its tap kh * KW + kw, instead of the maximum."""
     if INDEX64:
         offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
     else:
@@ -138,6 +148,7 @@ def _pool_fwd_kernel(x, y, total, H, W, OH, OW,
     if IS_MAX:
         m = tl.full([BLOCK], float("-inf"), tl.float32)
         found = tl.zeros([BLOCK], tl.int1)
+        arg = tl.zeros([BLOCK], tl.int32)
     else:
         acc = tl.zeros([BLOCK], tl.float32)
     for kh in range(KH):
@@ -150,14 +161,17 @@ def _pool_fwd_kernel(x, y, total, H, W, OH, OW,
                 v = tl.load(xp + ih * W + iw, mask=valid, other=float("-inf"))
                 take = valid & ((v > m) | (v != v) | (found == 0))
                 m = tl.where(take, v, m)
+                if STORE_ARG:
+                    arg = tl.where(take, kh * KW + kw, arg)
                 found = found | valid
             else:
                 acc += tl.load(xp + ih * W + iw, mask=valid, other=0.0)
-    if IS_MAX:
-        out = m
+    if STORE_ARG:
+        tl.store(y + offs, arg.to(tl.uint8), mask=mask)
+    elif IS_MAX:
+        tl.store(y + offs, m, mask=mask)
     else:
-        out = acc / (KH * KW)
-    tl.store(y + offs, out, mask=mask)
+        tl.store(y + offs, acc / (KH * KW), mask=mask)
 
 
 @triton.jit
@@ -196,12 +210,15 @@ def _pool_global_fwd_kernel(x, y, planes, HW, IS_MAX: tl.constexpr, INDEX64: tl.
                  key=["total", "H", "W", "KH", "KW", "SH", "SW"], restore=["dx"])
 @triton.heuristics({"BLOCK": lambda a: max(2, a["LANES"] // a["CELLP"])})
 @triton.jit
-def _pool_bwd_kernel(x, dy, dx, total, H, W, OH, OW, NBH, NBW, OBH, OBW,
+def _pool_bwd_kernel(x, argmax, dy, dx, total, H, W, OH, OW, NBH, NBW, OBH, OBW,
                      KH: tl.constexpr, KW: tl.constexpr, SH: tl.constexpr, SW: tl.constexpr,
                      PH: tl.constexpr, PW: tl.constexpr, NH: tl.constexpr, NW: tl.constexpr,
-                     CELLP: tl.constexpr, IS_MAX: tl.constexpr, ACC: tl.constexpr,
-                     INDEX64: tl.constexpr, LANES: tl.constexpr, BLOCK: tl.constexpr):
+                     CELLP: tl.constexpr, IS_MAX: tl.constexpr, FROM_ARGMAX: tl.constexpr,
+                     ACC: tl.constexpr, INDEX64: tl.constexpr, LANES: tl.constexpr,
+                     BLOCK: tl.constexpr):
     """Gather: one lane per cell of SH x SW input pixels (cell = pixels sharing windows).
+    FROM_ARGMAX (max): each window's argmax is read from `argmax` (uint8 taps, as
+    _pool_fwd_kernel's STORE_ARG writes them) instead of found again from x.
 
     Cell (orow, ocol) holds rows orow*SH - PH + r (r < SH) and cols ocol*SW - PW + q; its
     candidate windows are (orow - i, ocol - j), i < NH = ceil(KH/SH), j < NW. Pixel (r, q)
@@ -239,23 +256,27 @@ def _pool_bwd_kernel(x, dy, dx, total, H, W, OH, OW, NBH, NBW, OBH, OBW,
             inwin = ((r + i * SH) < KH) & ((q + j * SW) < KW) & emask
             g = tl.load(gp + wr * OW + wc, mask=wv, other=0.0)
             if IS_MAX:
-                # argmax of window (wr, wc), scanned as in the forward (first max wins)
-                h0 = wr * SH - PH
-                w0 = wc * SW - PW
-                m = tl.full([BLOCK], float("-inf"), tl.float32)
-                found = tl.zeros([BLOCK], tl.int1)
-                arg = tl.zeros([BLOCK], tl.int32)
-                for kh in range(KH):
-                    hh = h0 + kh
-                    hv = wv & (hh >= 0) & (hh < H)
-                    for kw in tl.static_range(KW):
-                        ww = w0 + kw
-                        valid = hv & (ww >= 0) & (ww < W)
-                        v = tl.load(xp + hh * W + ww, mask=valid, other=float("-inf"))
-                        take = valid & ((v > m) | (v != v) | (found == 0))
-                        m = tl.where(take, v, m)
-                        arg = tl.where(take, kh * KW + kw, arg)
-                        found = found | valid
+                if FROM_ARGMAX:
+                    arg = tl.load(argmax + plane * OH * OW + wr * OW + wc, mask=wv,
+                                  other=0).to(tl.int32)
+                else:
+                    # argmax of window (wr, wc), scanned as in the forward (first max wins)
+                    h0 = wr * SH - PH
+                    w0 = wc * SW - PW
+                    m = tl.full([BLOCK], float("-inf"), tl.float32)
+                    found = tl.zeros([BLOCK], tl.int1)
+                    arg = tl.zeros([BLOCK], tl.int32)
+                    for kh in range(KH):
+                        hh = h0 + kh
+                        hv = wv & (hh >= 0) & (hh < H)
+                        for kw in tl.static_range(KW):
+                            ww = w0 + kw
+                            valid = hv & (ww >= 0) & (ww < W)
+                            v = tl.load(xp + hh * W + ww, mask=valid, other=float("-inf"))
+                            take = valid & ((v > m) | (v != v) | (found == 0))
+                            m = tl.where(take, v, m)
+                            arg = tl.where(take, kh * KW + kw, arg)
+                            found = found | valid
                 rel = (r + i * SH) * KW + (q + j * SW)
                 hit = inwin[None, :] & (arg[:, None] == rel[None, :]) & wv[:, None]
                 acc += tl.where(hit, g[:, None], 0.0)
@@ -296,15 +317,20 @@ def forward(x, y, *, mode, kernel, stride, padding):
         return
     launch(_pool_fwd_kernel, lambda meta: (triton.cdiv(total, meta["BLOCK"]),),
            (x, y, total, h, w, oh, ow),
-           dict(KH=kh, KW=kw, SH=sh, SW=sw, PH=ph, PW=pw, IS_MAX=is_max, INDEX64=index64))
+           dict(KH=kh, KW=kw, SH=sh, SW=sw, PH=ph, PW=pw, IS_MAX=is_max, INDEX64=index64,
+                STORE_ARG=False))
 
 
-def backward(x, y, dy, dx, *, mode, kernel, stride, padding, accumulate=False):
+def backward(x, y, dy, dx, *, mode, kernel, stride, padding, accumulate=False,
+             workspace=None):
     """dx (+)= d pool / dx . dy, a gather over input pixels (deterministic, no atomics).
 
     Max pooling recomputes the argmax from x; y is accepted for a uniform API but not read
     and may be None; average pooling reads neither, so x may be None too (the scheduler
     frees both before an average pool's backward). dx may be None (nothing to do).
+    `workspace` (max pooling, optional; uint8, at least argmax_workspace_bytes): each
+    window's argmax is found once, into it, and the gather reads it, instead of every cell
+    finding its candidate windows' argmax again; same bits either way.
     """
     is_max = _mode(mode)
     kh, kw, sh, sw, ph, pw = _params(kernel, stride, padding)
@@ -329,6 +355,7 @@ def backward(x, y, dy, dx, *, mode, kernel, stride, padding, accumulate=False):
     x = x if x is not None else dx      # average pooling never reads x
     n, c, oh, ow = shape
     h, w = x.shape[2], x.shape[3]
+    argmax = _argmax_buffer(workspace, shape, kernel, is_max, x, dx)
     obh, obw = ph // sh, pw // sw                    # first cell's owner window row / col
     nbh = (h - 1 + ph) // sh - obh + 1
     nbw = (w - 1 + pw) // sw - obw + 1
@@ -337,7 +364,48 @@ def backward(x, y, dy, dx, *, mode, kernel, stride, padding, accumulate=False):
     nw = -(-kw // sw)
     cellp = max(2, triton.next_power_of_2(sh * sw))
     index64 = x.numel() > _INT32_LIMIT
+    if argmax is not None:
+        launch(_pool_fwd_kernel, lambda meta: (triton.cdiv(argmax.numel(), meta["BLOCK"]),),
+               (x, argmax, argmax.numel(), h, w, oh, ow),
+               dict(KH=kh, KW=kw, SH=sh, SW=sw, PH=ph, PW=pw, IS_MAX=True,
+                    INDEX64=index64, STORE_ARG=True))
     launch(_pool_bwd_kernel, lambda meta: (triton.cdiv(total, max(2, meta["LANES"] // cellp)),),
-           (x, dy, dx, total, h, w, oh, ow, nbh, nbw, obh, obw),
+           (x, x if argmax is None else argmax, dy, dx, total, h, w, oh, ow, nbh, nbw, obh, obw),
            dict(KH=kh, KW=kw, SH=sh, SW=sw, PH=ph, PW=pw, NH=nh, NW=nw, CELLP=cellp,
-                IS_MAX=is_max, ACC=accumulate, INDEX64=index64))
+                IS_MAX=is_max, FROM_ARGMAX=argmax is not None, ACC=accumulate,
+                INDEX64=index64))
+
+
+def argmax_workspace_bytes(x_shape, *, mode, kernel, stride, padding) -> int:
+    """Bytes of the optional backward workspace that holds every window's argmax (one uint8
+    tap per output element), or 0 where there is none: average pooling, and windows of
+    more than 256 taps."""
+    kh, kw, _, _, _, _ = _params(kernel, stride, padding)
+    if not _mode(mode) or kh * kw > 256:
+        return 0
+    n, c, oh, ow = out_shape(x_shape, kernel, stride, padding)
+    return n * c * oh * ow
+
+
+def _argmax_buffer(workspace, shape, kernel, is_max, x, dx):
+    """The uint8 view of `workspace` that holds the argmaxes (None: no workspace given)."""
+    if workspace is None:
+        return None
+    if not is_max:
+        raise ValueError("pool.backward: a workspace is for max pooling's argmax; average "
+                         "pooling takes none")
+    kh, kw = pair(kernel, "pool: kernel", 1)
+    if kh * kw > 256:
+        raise ValueError(f"pool.backward: a {kh}x{kw} window has more taps than a uint8 "
+                         f"argmax holds; pass no workspace")
+    if not isinstance(workspace, torch.Tensor) or workspace.dim() != 1:
+        raise ValueError("pool.backward: workspace must be a 1-D tensor")
+    need = shape[0] * shape[1] * shape[2] * shape[3]
+    flat = workspace.view(torch.uint8) if workspace.dtype != torch.uint8 else workspace
+    if flat.numel() < need:
+        raise ValueError(f"pool.backward: workspace holds {flat.numel():,} bytes, the "
+                         f"argmax needs {need:,}")
+    check_device("pool", x, workspace=workspace)
+    buf = flat[:need]
+    check_no_overlap("pool.backward", [("workspace", buf)], [("x", x), ("dx", dx)])
+    return buf

@@ -41,7 +41,7 @@ from dataclasses import dataclass, field
 import torch
 
 from ..errors import OutOfMemory
-from ..ops import spec
+from ..ops import SPARE, spec
 from ..pool.allocator import BlockAllocator, block_rounded
 from ..units import format_bytes, parse_bytes
 from . import liveness, offload, recompute, workspace
@@ -144,12 +144,11 @@ class Launch:
 
 
 POLICIES = ("baseline", "liveness", "offload", "recompute", "all")
-# policy "all": plans the search trading copies for rebuilds may make. ResNet-50 under
-# 12 GiB at batch 995, with the default H200 figures: 24 stopped at a plan predicted
-# 1.118 s a step, 48 reach 1.004 s and more find nothing better; with the conv times
-# measured on the H200 both stop at the same plan (1.092 s); where the search ends
-# sooner (batch 512, 897) the budget costs nothing
-TRADE_BUDGET = 48
+# policy "all": plans the search trading copies for rebuilds may make. More is not
+# always better: the greedy search picks the best plan one step ahead, before `_ahead`;
+# ResNet-50 under 12 GiB at batch 640 ends at 0.584 s predicted with 24 and 0.630 s
+# with 48; at 995 with the H200's measured conv times both give the same plan
+TRADE_BUDGET = 24
 TRADE_STEPS = 64_000   # ... and plan steps in all, so a deep net's search stays short
 LOOKAHEADS = (2, 4, 8, 16, 64)   # policy "all": prefetch distances the planner tries
 AHEAD_RETRIES = 3   # ... each planned again that often, early blocks kept off a failed step
@@ -1396,4 +1395,7 @@ class _Planner:
             self.conv_algos.setdefault(layer.name, {}).update(algos)
         else:
             algos, size = None, workspace.fixed_workspace(layer, step.phase)
+            spare = spec(layer).spare_workspace(layer, step.phase)
+            if self.policy == "all" and not size and 0 < spare <= self.dev.largest_free:
+                algos, size = {step.phase: SPARE}, spare
         return algos, (self._new_workspace(layer, size, ops) if size else None)

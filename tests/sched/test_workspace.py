@@ -65,3 +65,31 @@ def test_rankings_from_recorded_times_order_each_phase_fastest_first():
                         (*geometry, "backward_data"): ["implicit", "transposed", "zero_insert"]}
     roomy = sn.plan(net, "64MiB", "all", rankings=rankings)
     assert roomy.conv_algos["c2"]["forward"] == "im2col"
+
+
+def pool_net():
+    net = sn.Net(input_shape=(3, 12, 12), classes=4, batch=2)
+    h = net.relu(net.conv(net.data(), 8, kernel=3, padding=1, name="c1"))
+    h = net.pool(h, kernel=3, stride=2, padding=1, mode="max", name="mp")
+    net.softmax_loss(net.fc(h, 4, name="fc"))
+    return net
+
+
+@pytest.mark.parametrize("policy", ["baseline", "liveness", "offload", "recompute", "all"])
+def test_max_pool_backward_gets_its_spare_workspace_under_all_only(policy):
+    """Policy "all" gives the max pool's backward its argmax workspace (one byte per window)
+    where the pool has room; the other policies plan fixed workspaces only."""
+    from tinysn.kernels import pool
+    from tinysn.ops import SPARE
+    from tinysn.sched.plan import Launch
+    net = pool_net()
+    p = sn.plan(net, "64MiB", policy)
+    step = next(s for s in p.steps if s.layer == "mp" and s.phase == "backward")
+    launch = next(op for op in step.ops if isinstance(op, Launch))
+    if policy != "all":
+        assert launch.algos is None and launch.workspace is None
+        return
+    assert launch.algos == {"backward": SPARE}
+    need = pool.argmax_workspace_bytes((2, 8, 12, 12), mode="max", kernel=3, stride=2,
+                                       padding=1)
+    assert need == 2 * 8 * 6 * 6 and p.tensors[launch.workspace].nbytes == need

@@ -61,11 +61,11 @@ class DeviceModel:
         convs at 91.9 TFLOP/s plus 2.28 TB/s, fitted over bench/kernels.py's conv rows
         (the fastest algorithm of each direction and shape); other memory-bound kernels at
         3 TB/s (69-102% of the copy bandwidth, bench/kernels.py) and fc arithmetic at
-        100 TFLOP/s; pinned copies at 55 GB/s each way (bench/memory.py); eager, 79 us of
+        100 TFLOP/s; pinned copies at 55 GB/s each way (bench/memory.py); eager, 103 us of
         Python per Triton kernel a step launches, at which the model predicts the
         host-bound AlexNet batch-32 eager step (bench/train.py; per layer step that is
-        126 us for AlexNet, whose steps launch 1.6 kernels each, and 175 us for ResNet-50,
-        2.2 each), and 1 us per layer step replayed from a graph. `conv_times`: the convs' own
+        165 us for AlexNet, whose steps launch 1.6 kernels each, and 227 us for ResNet-50,
+        2.2 each; the lent machines' hosts differ by up to 2x between calls), and 1 us per layer step replayed from a graph. `conv_times`: the convs' own
         measured times, where the runtime has them (it timed the rankings)."""
         return cls(flops_per_s=100e12, bytes_per_s=3.0e12, to_host_bytes_per_s=55e9,
                    to_device_bytes_per_s=55e9, launch_s=1e-6 if graphed else 0.0,
@@ -91,7 +91,7 @@ class DeviceModel:
 # The fitted figures of DeviceModel.h200 (bench/calibrate.py prints them from bench/results).
 H200_CONV_FLOPS_PER_S = 91.9e12
 H200_CONV_BYTES_PER_S = 2.28e12
-H200_KERNEL_LAUNCH_S = 79e-6
+H200_KERNEL_LAUNCH_S = 103e-6
 
 
 _PHASE_ORDER = ["forward", "recompute", "backward"]

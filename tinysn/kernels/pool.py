@@ -124,6 +124,37 @@ def _check_io(x, y, kernel, stride, padding):
 # ----------------------------------------------------------------------------- kernels
 
 
+@triton.jit
+def _window_scan(xp, h0, w0, lanes, H, W, KH: tl.constexpr, KW: tl.constexpr,
+                 IS_MAX: tl.constexpr, BLOCK: tl.constexpr):
+    """Each lane's KH x KW window whose top-left cell is (h0, w0) of the plane at xp, scanned
+    row-major: IS_MAX, (its maximum, the maximum's tap kh * KW + kw), a value replacing the
+    running maximum when it is greater, or NaN, or the window's first in-image cell (torch's
+    rule: NaN propagates, on ties the first maximum wins); else (the sum of its in-image
+    cells, 0)."""
+    if IS_MAX:
+        acc = tl.full([BLOCK], float("-inf"), tl.float32)
+    else:
+        acc = tl.zeros([BLOCK], tl.float32)
+    found = tl.zeros([BLOCK], tl.int1)
+    arg = tl.zeros([BLOCK], tl.int32)
+    for kh in range(KH):
+        ih = h0 + kh
+        hv = lanes & (ih >= 0) & (ih < H)
+        for kw in tl.static_range(KW):
+            iw = w0 + kw
+            valid = hv & (iw >= 0) & (iw < W)
+            if IS_MAX:
+                v = tl.load(xp + ih * W + iw, mask=valid, other=float("-inf"))
+                take = valid & ((v > acc) | (v != v) | (found == 0))
+                acc = tl.where(take, v, acc)
+                arg = tl.where(take, kh * KW + kw, arg)
+                found = found | valid
+            else:
+                acc += tl.load(xp + ih * W + iw, mask=valid, other=0.0)
+    return acc, arg
+
+
 @autotune(_FWD_GPU, _FWD_INTERP,
                  key=["total", "H", "W", "KH", "KW", "SH", "SW"])
 @triton.jit
@@ -145,33 +176,13 @@ def _pool_fwd_kernel(x, y, total, H, W, OH, OW,
     xp = x + plane * H * W
     h0 = oh * SH - PH
     w0 = ow * SW - PW
-    if IS_MAX:
-        m = tl.full([BLOCK], float("-inf"), tl.float32)
-        found = tl.zeros([BLOCK], tl.int1)
-        arg = tl.zeros([BLOCK], tl.int32)
-    else:
-        acc = tl.zeros([BLOCK], tl.float32)
-    for kh in range(KH):
-        ih = h0 + kh
-        hv = mask & (ih >= 0) & (ih < H)
-        for kw in tl.static_range(KW):
-            iw = w0 + kw
-            valid = hv & (iw >= 0) & (iw < W)
-            if IS_MAX:
-                v = tl.load(xp + ih * W + iw, mask=valid, other=float("-inf"))
-                take = valid & ((v > m) | (v != v) | (found == 0))
-                m = tl.where(take, v, m)
-                if STORE_ARG:
-                    arg = tl.where(take, kh * KW + kw, arg)
-                found = found | valid
-            else:
-                acc += tl.load(xp + ih * W + iw, mask=valid, other=0.0)
+    out, arg = _window_scan(xp, h0, w0, mask, H, W, KH, KW, IS_MAX, BLOCK)
     if STORE_ARG:
         tl.store(y + offs, arg.to(tl.uint8), mask=mask)
     elif IS_MAX:
-        tl.store(y + offs, m, mask=mask)
+        tl.store(y + offs, out, mask=mask)
     else:
-        tl.store(y + offs, acc / (KH * KW), mask=mask)
+        tl.store(y + offs, out / (KH * KW), mask=mask)
 
 
 @triton.jit
@@ -259,24 +270,9 @@ def _pool_bwd_kernel(x, argmax, dy, dx, total, H, W, OH, OW, NBH, NBW, OBH, OBW,
                 if FROM_ARGMAX:
                     arg = tl.load(argmax + plane * OH * OW + wr * OW + wc, mask=wv,
                                   other=0).to(tl.int32)
-                else:
-                    # argmax of window (wr, wc), scanned as in the forward (first max wins)
-                    h0 = wr * SH - PH
-                    w0 = wc * SW - PW
-                    m = tl.full([BLOCK], float("-inf"), tl.float32)
-                    found = tl.zeros([BLOCK], tl.int1)
-                    arg = tl.zeros([BLOCK], tl.int32)
-                    for kh in range(KH):
-                        hh = h0 + kh
-                        hv = wv & (hh >= 0) & (hh < H)
-                        for kw in tl.static_range(KW):
-                            ww = w0 + kw
-                            valid = hv & (ww >= 0) & (ww < W)
-                            v = tl.load(xp + hh * W + ww, mask=valid, other=float("-inf"))
-                            take = valid & ((v > m) | (v != v) | (found == 0))
-                            m = tl.where(take, v, m)
-                            arg = tl.where(take, kh * KW + kw, arg)
-                            found = found | valid
+                else:     # window (wr, wc) scanned as in the forward (first max wins)
+                    _, arg = _window_scan(xp, wr * SH - PH, wc * SW - PW, wv, H, W, KH, KW,
+                                          True, BLOCK)
                 rel = (r + i * SH) * KW + (q + j * SW)
                 hit = inwin[None, :] & (arg[:, None] == rel[None, :]) & wv[:, None]
                 acc += tl.where(hit, g[:, None], 0.0)

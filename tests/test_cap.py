@@ -243,24 +243,41 @@ def test_a_plan_from_measured_rankings_may_take_a_larger_grid_cap(tmp_path, monk
     rt.close()
 
 
+def test_values_counted_into_a_flag_name_the_images_or_the_labels():
+    """check_values with a flag (the Runtime's pool float on a GPU; here the interpreter):
+    a good batch passes, with nothing counted; a NaN names the images, a label out of range
+    the labels with their range, and with both wrong the images come first."""
+    images, labels = torch.randn(2, 3, 5, 5), torch.tensor([0, 3])
+    flag = torch.full((1,), 9.0)
+    inputs.check_values(images, labels, 4, flag)
+    assert flag.item() == 0
+    with pytest.raises(ValueError, match=r"labels must lie in \[0, 4\), got values in \[1, 4\]"):
+        inputs.check_values(images, labels + 1, 4, flag)
+    images[1, 2, 4, 4] = float("inf")
+    for wrong in (labels, labels - 1):
+        with pytest.raises(ValueError, match="NaN or infinite"):
+            inputs.check_values(images, wrong, 4, flag)
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not GPU, reason="needs a CUDA GPU")
 def test_checking_a_batch_on_the_device_allocates_nothing():
     """Runtime.step checks the batch's values where it copied it, in the pool, counting into
     a float of the pool (the loss's): not one device byte is allocated (torch's aminmax
     allocated two scalars, 10-15 KB over the cap per run; a float64 sum a float64 copy of
-    the batch, 40 MB for AlexNet's batch of 32)."""
+    the batch, 40 MB for AlexNet's batch of 32), for the images nor for the labels."""
     images = torch.randn(32, 3, 227, 227, device="cuda")
+    labels = torch.randint(0, 1000, (32,), device="cuda")
     flag = torch.zeros(1, device="cuda")
-    inputs.check_finite(images, flag)                   # compiled before the count
+    inputs.check_values(images, labels, 1000, flag)     # compiled before the count
     torch.cuda.synchronize()
     torch.cuda.reset_peak_memory_stats()
     before = torch.cuda.memory_allocated()
-    inputs.check_finite(images, flag)
+    inputs.check_values(images, labels, 1000, flag)
     assert torch.cuda.max_memory_allocated() == before
     images[0, 0, 0, 0] = float("nan")
     with pytest.raises(ValueError, match="NaN or infinite"):
-        inputs.check_finite(images, flag)
+        inputs.check_values(images, labels, 1000, flag)
     assert torch.cuda.max_memory_allocated() == before
 
 

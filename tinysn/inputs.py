@@ -3,7 +3,8 @@ state changes (before planning, allocating or launching anything).
 
 `check_options`, `check_graph_request`, `check_machine` and `pick_device` check the Runtime's
 constructor arguments; `check_batch`, `check_images` and `check_labels` check a batch given to
-`step`, `predict` or `evaluate` against the net it was planned for.
+`step`, `predict` or `evaluate` against the net it was planned for, and `check_values` a
+training batch's values once it is in the pool.
 """
 from __future__ import annotations
 
@@ -80,23 +81,47 @@ def check_machine(memory, host_memory, device) -> None:
                         pinned=device.type == "cuda")
 
 
-def check_batch(net, images, labels, finite: bool = True) -> None:
-    """A training batch: net.batch images and as many labels; `finite=False` leaves the
-    images' values to `check_finite` (the Runtime checks them once they are on its device)."""
-    check_images(net, images, finite=finite)
-    check_labels(net, labels, net.batch)
+def check_batch(net, images, labels, values: bool = True) -> None:
+    """A training batch: net.batch images and as many labels; `values=False` leaves the
+    images' finiteness and the labels' range to `check_values` (the Runtime checks them
+    once the batch is in its pool)."""
+    check_images(net, images, finite=values)
+    check_labels(net, labels, net.batch, in_range=values)
 
 
-def check_labels(net, labels, n) -> None:
-    """int64 labels of shape (n,), each in [0, net.classes)."""
+def check_labels(net, labels, n, in_range: bool = True) -> None:
+    """int64 labels of shape (n,), each in [0, net.classes) (unless `in_range` is False)."""
     if not isinstance(labels, torch.Tensor) or labels.dtype != torch.int64:
         raise ValueError(f"labels must be an int64 torch tensor, got "
                          f"{getattr(labels, 'dtype', type(labels).__name__)}")
     if tuple(labels.shape) != (n,):
         raise ValueError(f"labels must have shape ({n},), got {tuple(labels.shape)}")
+    if in_range:
+        _check_label_range(labels, net.classes)
+
+
+def _check_label_range(labels, classes) -> None:
     low, high = (int(v) for v in torch.aminmax(labels))   # a GPU tensor: two scalars
-    if low < 0 or high >= net.classes:
-        raise ValueError(f"labels must lie in [0, {net.classes}), got values in [{low}, {high}]")
+    if low < 0 or high >= classes:
+        raise ValueError(f"labels must lie in [0, {classes}), got values in [{low}, {high}]")
+
+
+def check_values(images, labels, classes, flag=None) -> None:
+    """No NaN or infinity among the images, every label in [0, classes). With `flag` (a
+    one-element float32 tensor on their device: the Runtime passes a float of its pool on a
+    GPU) two Triton reductions count the bad values into it and one read of it decides
+    (kernels/check.py): no device byte is allocated, where torch's reductions allocate
+    their results outside the pool. Only when something is wrong are the two checked
+    apart, for the message (the labels on the host). Without `flag`, torch reductions."""
+    if flag is None:
+        check_finite(images)
+        _check_label_range(labels, classes)
+        return
+    check_k.nonfinite(images, flag)
+    check_k.outside(labels, classes, flag)
+    if float(flag) > 0:
+        check_finite(images, flag)
+        _check_label_range(labels.cpu(), classes)
 
 
 def check_images(net, images, up_to=False, finite=True) -> int:

@@ -214,7 +214,7 @@ class Runtime:
         the cap. A GPU tensor passed in stays the caller's memory, outside the pool.
         """
         inputs.check_open(self)
-        inputs.check_batch(self.net, images, labels, finite=False)
+        inputs.check_batch(self.net, images, labels, values=False)
         started = time.perf_counter()
         images = self._batch_into_pool(images, labels)
         if self.replay is not None and self.stats.iterations >= GRAPH_WARMUP:
@@ -228,16 +228,17 @@ class Runtime:
     def _batch_into_pool(self, images, labels):
         """Copy the batch into the pool, the images into the data tensor's block (the view
         its launches read: the data layer's copy of it onto itself is no operation) and the
-        labels into theirs, and check the images there; return that view. Before a step
-        changes any state: the data block is free at a step's start and refilled by every
-        step. On a GPU the check is one reduction on the device instead of a pass over the
-        host batch, which ran serially with the GPU: every step waits for its loss. It counts
-        into the loss's element (read by the previous step, written by this one's forward
-        pass), so it allocates no device byte outside the pool."""
+        labels into theirs, and check both there (inputs.check_values); return that view.
+        Before a step changes any state: the data block is free at a step's start and
+        refilled by every step. On a GPU the check is two reductions on the device instead of
+        a pass over the host batch, which ran serially with the GPU: every step waits for its
+        loss. They count into the loss's element (read by the previous step, written by this
+        one's forward pass), so they allocate no device byte outside the pool."""
         pool_images, pool_labels = self._batch_in_pool()
         pool_images.copy_(images, non_blocking=images.is_pinned())
         pool_labels.copy_(labels, non_blocking=labels.is_pinned())
-        inputs.check_finite(pool_images, flag=self.view(self.program.act[self.net.loss]))
+        flag = self.view(self.program.act[self.net.loss]) if self.device.type == "cuda" else None
+        inputs.check_values(pool_images, pool_labels, self.net.classes, flag)
         return pool_images
 
     def _batch_in_pool(self):

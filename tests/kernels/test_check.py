@@ -42,3 +42,29 @@ def test_a_four_dimensional_batch_with_one_nan_in_its_last_element(device):
 def test_a_wrong_flag_is_named(flag, match):
     with pytest.raises(ValueError, match=match):
         check.nonfinite(torch.zeros(4), flag)
+
+
+@settings(max_examples=20, deadline=None)
+@given(n=st.integers(0, 3 * check.BLOCK + 5), high=st.integers(1, 1000),
+       picks=st.lists(st.integers(0, 10**9), max_size=6),
+       values=st.lists(st.sampled_from([-1, -2**40, 1000, 2**40]), min_size=6, max_size=6))
+def test_outside_adds_how_many_labels_leave_the_range(n, high, picks, values):
+    """The flag grows by torch's count of labels outside [0, high), wherever they sit; it is
+    added to what the flag held (the images' count), not written over it."""
+    labels = torch.randint(0, high, (n,))
+    for i, v in zip(picks, values):
+        if n:
+            labels[i % n] = v if v != 1000 else high     # 1000 stands for `high` itself
+    flag = torch.full((1,), 3.0)
+    check.outside(labels, high, flag)
+    assert flag.item() == 3 + ((labels < 0) | (labels >= high)).sum().item()
+
+
+@pytest.mark.parametrize("args, match", [
+    ((torch.zeros(4), 5, torch.zeros(1)), "labels must be torch.int64"),
+    ((torch.zeros(4, dtype=torch.int64), 0, torch.zeros(1)), "high must be an int >= 1"),
+    ((torch.zeros(4, dtype=torch.int64), 5, torch.zeros(2)), "flag must have shape"),
+])
+def test_outside_names_a_wrong_argument(args, match):
+    with pytest.raises(ValueError, match=match):
+        check.outside(*args)

@@ -1,6 +1,8 @@
-"""Whether a tensor holds NaN or infinity, reduced on its device into one float the caller owns.
+"""Whether a batch holds bad values, reduced on its device into one float the caller owns.
 
-nonfinite(x, flag)      flag = how many values of x are NaN or infinite (0.0: none)
+nonfinite(x, flag)          flag = how many values of x are NaN or infinite (0.0: none)
+outside(labels, high, flag) flag += how many int64 labels lie outside [0, high): added, so
+                            the batch's two checks share one read of the flag
 
 On a GPU the Runtime checks each batch where it copied it, in the pool, and passes a pool
 float as `flag` (the loss's element, free until the forward pass writes the loss): the
@@ -41,3 +43,25 @@ def nonfinite(x: torch.Tensor, flag: torch.Tensor) -> None:
     if x.numel():
         run(_nonfinite_kernel, (triton.cdiv(x.numel(), BLOCK),), x, flag, x.numel(),
             BLOCK=BLOCK, num_warps=NUM_WARPS)
+
+
+@triton.jit
+def _outside_kernel(x, flag, n, high, BLOCK: tl.constexpr):
+    offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    v = tl.load(x + offs, mask=offs < n, other=0)
+    bad = tl.where((v >= 0) & (v < high), 0.0, 1.0)
+    tl.atomic_add(flag, tl.sum(bad, axis=0))
+
+
+def outside(labels: torch.Tensor, high: int, flag: torch.Tensor) -> None:
+    """flag[0] += how many values of `labels` (contiguous int64) lie outside [0, high); on
+    their device, with no allocation."""
+    check_tensor("labels", labels, dtype=torch.int64)
+    check_tensor("flag", flag, shape=(1,))
+    if flag.device != labels.device:
+        raise ValueError(f"flag must be on labels' device ({labels.device}), got {flag.device}")
+    if isinstance(high, bool) or not isinstance(high, int) or high < 1:
+        raise ValueError(f"high must be an int >= 1, got {high!r}")
+    if labels.numel():
+        run(_outside_kernel, (triton.cdiv(labels.numel(), BLOCK),), labels, flag,
+            labels.numel(), high, BLOCK=BLOCK, num_warps=NUM_WARPS)

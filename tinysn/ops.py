@@ -202,7 +202,7 @@ def _bn_forward(program, layer, update_running):
             bn_k.rebuild(x(rt), w(rt), b(rt), y(rt), saved(rt))
         else:
             bn_k.forward(x(rt), w(rt), b(rt), y(rt), mean(rt), var(rt), saved(rt), ws, eps=eps,
-                         momentum=momentum, update_running=update_running)
+                         momentum=momentum)
     return launch
 
 

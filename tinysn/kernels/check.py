@@ -32,13 +32,18 @@ def _nonfinite_kernel(x, flag, n, BLOCK: tl.constexpr):
     tl.atomic_add(flag, tl.sum(bad, axis=0))
 
 
+def _check_flag(flag, whose: str, device) -> None:
+    """`flag` is a one-element float32 tensor on `device` (`whose`: the tensor it counts)."""
+    check_tensor("flag", flag, shape=(1,))
+    if flag.device != device:
+        raise ValueError(f"flag must be on {whose} device ({device}), got {flag.device}")
+
+
 def nonfinite(x: torch.Tensor, flag: torch.Tensor) -> None:
     """flag[0] = how many values of `x` (contiguous float32) are NaN or infinite; on x's
     device, with no allocation (`flag`: a one-element float32 tensor there)."""
     check_tensor("x", x)
-    check_tensor("flag", flag, shape=(1,))
-    if flag.device != x.device:
-        raise ValueError(f"flag must be on x's device ({x.device}), got {flag.device}")
+    _check_flag(flag, "x's", x.device)
     flag.zero_()
     if x.numel():
         run(_nonfinite_kernel, (triton.cdiv(x.numel(), BLOCK),), x, flag, x.numel(),
@@ -57,9 +62,7 @@ def outside(labels: torch.Tensor, high: int, flag: torch.Tensor) -> None:
     """flag[0] += how many values of `labels` (contiguous int64) lie outside [0, high); on
     their device, with no allocation."""
     check_tensor("labels", labels, dtype=torch.int64)
-    check_tensor("flag", flag, shape=(1,))
-    if flag.device != labels.device:
-        raise ValueError(f"flag must be on labels' device ({labels.device}), got {flag.device}")
+    _check_flag(flag, "labels'", labels.device)
     if isinstance(high, bool) or not isinstance(high, int) or high < 1:
         raise ValueError(f"high must be an int >= 1, got {high!r}")
     if labels.numel():

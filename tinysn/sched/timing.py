@@ -65,8 +65,9 @@ class DeviceModel:
         Python per Triton kernel a step launches, at which the model predicts the
         host-bound AlexNet batch-32 eager step (bench/train.py; per layer step that is
         165 us for AlexNet, whose steps launch 1.6 kernels each, and 227 us for ResNet-50,
-        2.2 each; the lent machines' hosts differ by up to 2x between calls), and 1 us per layer step replayed from a graph. `conv_times`: the convs' own
-        measured times, where the runtime has them (it timed the rankings)."""
+        2.2 each; the lent machines' hosts differ by up to 2x between calls), and 1 us per
+        layer step replayed from a graph. `conv_times`: the convs' own measured times, where
+        the runtime has them (it timed the rankings)."""
         return cls(flops_per_s=100e12, bytes_per_s=3.0e12, to_host_bytes_per_s=55e9,
                    to_device_bytes_per_s=55e9, launch_s=1e-6 if graphed else 0.0,
                    conv_flops_per_s=H200_CONV_FLOPS_PER_S, conv_bytes_per_s=H200_CONV_BYTES_PER_S,

@@ -238,6 +238,8 @@ def train_for_real(net, memory, host_memory=None, steps=2, cuda_graph=False):
            "in_place_gradients": sn.plan.__kwdefaults__["in_place_gradients"],
            "keep_pools": sn.plan.__kwdefaults__["keep_pools"],
            "evict_by_next_use": sn.plan.__kwdefaults__["evict_by_next_use"],
+           "rebuild_joins": sn.plan.__kwdefaults__["rebuild_joins"],
+           "rebuilt_joins": rt.plan.rebuilt_joins,
            "device_model": rt.plan.device_model.record(),
            "seconds_per_step": s, "images_per_s": net.batch / s, "losses": losses,
            "bytes_moved_per_step": moved, "transfer_gb_per_s": moved / s / 1e9,

@@ -276,6 +276,7 @@ def curve_row(model, batch, capped, reference, bandwidth) -> dict:
                in_place_gradients=capped["in_place_gradients"],
                keep_pools=capped["keep_pools"],
                evict_by_next_use=capped["evict_by_next_use"],
+               rebuild_joins=capped["rebuild_joins"], rebuilt_joins=capped["rebuilt_joins"],
                trade_budget=capped["trade_budget"],
                no_move_images_per_s=None, fraction=None)
     if "ms_per_step" in reference:

@@ -14,8 +14,9 @@ with its `trade_budget` and prefetch `lookahead`.
 Runs that record none of these ran earlier planners: `PLANNED_BEFORE` holds the device
 figures those chose with, a missing budget is 0 (no trade search yet), a missing
 lookahead 1, a missing `in_place_gradients` False (every gradient in a block of its own),
-a missing `keep_pools` False (no pooling output kept) and a missing `evict_by_next_use`
-False (the cache evicts the least recently used). The prediction itself always
+a missing `keep_pools` False (no pooling output kept), a missing `evict_by_next_use`
+False (the cache evicts the least recently used) and a missing `rebuild_joins` False (no
+join rebuilt by `plan._rebuild_joins`). The prediction itself always
 uses today's model (DeviceModel.h200, with the conv times the run measured, where it
 recorded them), so the table shows how well today's model explains every measured step.
 """
@@ -62,6 +63,13 @@ def compare(net, memory, policy, measured: dict, graphed=False, host_memory=None
             "to_device_s": timeline.to_device_s}
 
 
+def searched_lookahead(real: dict):
+    """The prefetch distance to plan a memory run with: the one it chose, or None (search
+    again) for a run that rebuilt joins, whose join search judged each choice at every
+    distance (plan._rebuild_joins): fixing the distance would change what it chooses."""
+    return None if real.get("rebuild_joins") else real.get("lookahead", 1)
+
+
 def memory_rows(path: Path) -> list:
     """The largest-batch runs of a memory.py result (policy "all", plain SGD), each planned
     with the trade budget it ran with."""
@@ -76,10 +84,11 @@ def memory_rows(path: Path) -> list:
         rows.append({**compare(net, real["memory"], "all", measured,
                                real["cuda_graph"], row.get("host_memory"),
                                trade_budget=real.get("trade_budget", 0),
-                               lookahead=real.get("lookahead", 1),
+                               lookahead=searched_lookahead(real),
                                in_place_gradients=real.get("in_place_gradients", False),
                                keep_pools=real.get("keep_pools", False),
                                evict_by_next_use=real.get("evict_by_next_use", False),
+                               rebuild_joins=real.get("rebuild_joins", False),
                                device_model=planned_with(real)), "model": name})
     return rows
 
@@ -99,6 +108,7 @@ def train_rows(path: Path) -> list:
                                in_place_gradients=row.get("in_place_gradients", False),
                                keep_pools=row.get("keep_pools", False),
                                evict_by_next_use=row.get("evict_by_next_use", False),
+                               rebuild_joins=row.get("rebuild_joins", False),
                                device_model=planned_with(row)),
                      "model": run["model"]})
     return rows

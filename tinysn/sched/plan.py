@@ -152,6 +152,11 @@ TRADE_BUDGET = 24
 TRADE_STEPS = 64_000   # ... and plan steps in all, so a deep net's search stays short
 LOOKAHEADS = (2, 4, 8, 16, 64)   # policy "all": prefetch distances the planner tries
 AHEAD_RETRIES = 3   # ... each planned again that often, early blocks kept off a failed step
+# policy "all": plans (each with its prefetch distance search) the search that rebuilds joins
+# may make, and how many layer passes ahead its plans keep a rebuilt tensor (_rebuild_joins)
+JOIN_BUDGET = 40
+KEEP_WITHIN = 12
+JOIN_WAITS = 0.05   # ... searched only where compute waits at least this share of the step
 HOST_CAPACITY = 1 << 46   # bookkeeping bound for the host arena; the plan sizes the real one
 
 
@@ -213,6 +218,14 @@ class Plan:
         model)` gives the whole timeline, for other models."""
         from .timing import simulate
         return simulate(self, self.device_model).step_s
+
+    @property
+    def rebuilt_joins(self) -> list:
+        """Names of the joins (add, concat) whose outputs the plan drops and rebuilds
+        (`_trade`, `_rebuild_joins`), in forward order."""
+        _, layers = recompute.split(self.drops)
+        return [layer.name for layer in self.net.layers
+                if layer.index in layers and _is_join(layer)]
 
     def placements(self) -> list:
         """One row per device placement of a tensor in one iteration (a tensor that leaves
@@ -295,7 +308,7 @@ def plan(net, memory, policy: str = "all", *, momentum: float = 0.0, conv_algos=
          early_write_back: bool = True, trade_budget: int = TRADE_BUDGET,
          lookahead: int | None = None, device_model=None,
          in_place_gradients: bool = True, keep_pools: bool = True,
-         evict_by_next_use: bool = True) -> Plan:
+         evict_by_next_use: bool = True, rebuild_joins: bool = True) -> Plan:
     """Dry-run one training iteration of `net` under a `memory` cap and `policy`.
 
     Raises OutOfMemory naming the first step that does not fit. `conv_algos` pins conv
@@ -341,6 +354,10 @@ def plan(net, memory, policy: str = "all", *, momentum: float = 0.0, conv_algos=
     is skipped: it doubles planning time and found at most 0.4% (ResNet-152, batch 256),
     and at 512 LRU's plan was the faster. False plans with LRU alone, as plans made before
     this did.
+    `rebuild_joins` (policy "all", default True): last, also try dropping the outputs of
+    joins (a residual add, a concat) whose copies the plan moves, and rebuilding them from
+    the join's inputs, each choice judged as it will run (`_rebuild_joins`); False plans as
+    tinysn did before it.
 
     A plan that fits under a cap fits under every larger cap, for every policy and layout
     (`_Search` says why). The returned plan's `capacity` is the pool it was made for: the
@@ -356,16 +373,21 @@ def plan(net, memory, policy: str = "all", *, momentum: float = 0.0, conv_algos=
                        early_write_back=early_write_back, trade_budget=trade_budget,
                        lookahead=lookahead, device_model=device_model,
                        in_place_gradients=in_place_gradients, keep_pools=keep_pools,
-                       evict_by_next_use=by_next_use)
+                       evict_by_next_use=by_next_use, rebuild_joins=rebuild_joins)
     lru = search(False)             # checks every argument before anything is planned
+    owner = lru                     # the search whose plan is chosen
     try:
-        chosen = lru.write_back_early(_choose(lru, policy))
+        chosen = _choose(lru, policy)
     except OutOfMemory:
         if not (evict_by_next_use and policy == "all"):
             raise
         chosen = None
-    if evict_by_next_use and policy == "all" and (chosen is None or _refetches(chosen)):
-        chosen = _faster_by_next_use(search(True), chosen)
+    if evict_by_next_use and policy == "all" and (
+            chosen is None or _refetches(lru.write_back_early(chosen))):
+        owner, chosen = _faster_by_next_use(search(True), lru, chosen)
+    if policy == "all":
+        chosen = _rebuild_joins(owner, chosen)
+    chosen = owner.write_back_early(chosen)
     chosen.device_model = lru.device_model
     return chosen
 
@@ -386,21 +408,20 @@ def _refetches(plan) -> bool:
     return False
 
 
-def _faster_by_next_use(search, lru_plan):
-    """The plan of `search` (its cache evicting by next use) where it fits and the model
-    predicts it faster than `lru_plan` (None: LRU did not fit); else `lru_plan`. Raises the
-    search's OutOfMemory when neither fits."""
-    from .timing import simulate
+def _faster_by_next_use(search, lru, lru_plan) -> tuple:
+    """(search, plan): the plan of `search` (its cache evicting by next use) where it fits
+    and the model predicts it faster as it will run than `lru_plan`, the plan of the search
+    `lru` (None: LRU did not fit); else (`lru`, `lru_plan`). Raises the search's OutOfMemory
+    when neither fits."""
     try:
-        plan = search.write_back_early(_choose(search, "all"))
+        plan = _choose(search, "all")
     except OutOfMemory:
         if lru_plan is None:
             raise
-        return lru_plan
-    if lru_plan is None:
-        return plan
-    model = search.device_model
-    return plan if simulate(plan, model).step_s < simulate(lru_plan, model).step_s else lru_plan
+        return lru, lru_plan
+    if lru_plan is None or search.step_seconds(plan) < lru.step_seconds(lru_plan):
+        return search, plan
+    return lru, lru_plan
 
 
 def _search(net, memory, policy, *, momentum, conv_algos, checkpoints, block_bytes, layout,
@@ -408,7 +429,7 @@ def _search(net, memory, policy, *, momentum, conv_algos, checkpoints, block_byt
             bucket_bytes=liveness.BUCKET_BYTES, early_write_back=True,
             trade_budget=TRADE_BUDGET, lookahead=None, device_model=None,
             in_place_gradients=True, keep_pools=True,
-            evict_by_next_use=True) -> "_Search":
+            evict_by_next_use=True, rebuild_joins=True) -> "_Search":
     """Check `plan`'s arguments (before any state changes) and set up its runs."""
     if layout not in ("auto", "first_fit", "two_ended"):
         raise ValueError(f"layout must be 'auto', 'first_fit' or 'two_ended', got {layout!r}")
@@ -430,7 +451,8 @@ def _search(net, memory, policy, *, momentum, conv_algos, checkpoints, block_byt
         device_model = DeviceModel.h200()
     elif not isinstance(device_model, DeviceModel):
         raise ValueError(f"device_model must be a timing.DeviceModel, got {device_model!r}")
-    for name, flag in (("in_place_gradients", in_place_gradients), ("keep_pools", keep_pools)):
+    for name, flag in (("in_place_gradients", in_place_gradients), ("keep_pools", keep_pools),
+                       ("rebuild_joins", rebuild_joins)):
         if not isinstance(flag, bool):
             raise ValueError(f"{name} must be a bool, got {flag!r}")
     program = liveness.Program(net, momentum=momentum, data_parallel=data_parallel,
@@ -444,7 +466,8 @@ def _search(net, memory, policy, *, momentum, conv_algos, checkpoints, block_byt
                         evict_by_next_use=evict_by_next_use)
 
     return _Search(make, capacity, policy, layout, block_bytes, host_capacity,
-                   early_write_back, trade_budget, lookahead, device_model, keep_pools)
+                   early_write_back, trade_budget, lookahead, device_model, keep_pools,
+                   rebuild_joins)
 
 
 VARIANTS = (None, "from_checkpoints", "strict")   # what `drops` a policy's runs may use
@@ -616,6 +639,76 @@ def _keep(search, base: Plan) -> Plan:
     return best
 
 
+def _rebuild_joins(search, base: Plan) -> Plan:
+    """`base` (the plan `_ahead` chose), or a plan predicted faster that also drops the
+    outputs of some joins (add, concat) whose copies `base` moves, directly or through the
+    ReLU after a residual add (timing.rebuild_order's `through_cheap`), and rebuilds them from
+    the join's inputs: the rest of the block before it, run again. Where a step is bound by
+    copies out during the forward pass and back during the backward pass, each such output
+    costs its bytes twice over PCIe, against one block's forward compute.
+
+    Its plans keep a rebuilt tensor at most KEEP_WITHIN layer passes ahead
+    (Traded.keep_within): a join rebuilt for the next block's backward pass must not hold
+    its own block's rebuilt tensors until that block's backward pass, where the memory they
+    take would push other tensors out. Each choice is judged as it will run, its prefetch
+    distance chosen by `_ahead`: rebuilds change what must arrive when, and one step ahead
+    ranks them differently. The search adds, in rounds, the one join or the two joins next
+    to each other in forward order whose plan is predicted fastest, while that beats the
+    best so far: rebuilding two alternate block outputs can pay where neither does alone
+    (ResNet-50 under 12 GiB at batch 995, 60 GiB host, the H200's measured conv times: two
+    of layer2's adds, then layer3's first, 1.092 s predicted -> 0.990, and 1.002 -> 0.887 s
+    measured for a hand-picked set of three). At most JOIN_BUDGET plans, and TRADE_STEPS
+    plan steps' worth of them (a net too deep to trade at all is not searched).
+
+    Moving fewer bytes gains at most the time the compute stream waits; where the model
+    says that is under JOIN_WAITS of the step, the copies already hide behind compute and
+    the search is skipped (ResNet-152 at batch 256 under 12 GiB waits 0.6%: searching found
+    nothing and tripled its planning time)."""
+    from .timing import rebuild_order, simulate
+    if not (search.rebuild_joins and base.bytes_to_host and base.uses_recompute):
+        return base
+    timeline = simulate(search.write_back_early(base), search.device_model)
+    if sum(timeline.compute_waits().values()) < JOIN_WAITS * timeline.step_s:
+        return base
+    variant, chosen = recompute.split(base.drops)
+    joins = sorted(i for i in rebuild_order(base, search.device_model, through_cheap=True)
+                   if _is_join(base.net.layers[i]) and i not in chosen)
+    left = min(JOIN_BUDGET, TRADE_STEPS // max(1, len(base.steps)))
+    if not joins or _trades_for(base) == 0:
+        return base
+
+    def as_run(layers):
+        """The plan dropping `layers` as well, its distance chosen, and its seconds."""
+        drops = recompute.Traded(variant, chosen | layers, recompute.speed_everywhere(
+            base.drops), recompute.kept(base.drops), KEEP_WITHIN)
+        try:
+            plan = _ahead(search, search.first(drops))
+        except OutOfMemory:
+            return None, float("inf")
+        return plan, search.step_seconds(plan)
+
+    best, best_s, added = base, search.step_seconds(base), frozenset()
+    while left > 0:
+        rest = [i for i in joins if i not in added]
+        moves = [{i} for i in rest] + [{a, b} for a, b in zip(rest, rest[1:])]
+        tried = []
+        for move in moves[:left]:
+            tried.append((*as_run(added | move), move))
+        left -= len(tried)
+        if not tried:
+            break
+        plan, seconds, move = min(tried, key=lambda t: t[1])
+        if seconds >= best_s:
+            break
+        best, best_s, added = plan, seconds, added | move
+    return best
+
+
+def _is_join(layer) -> bool:
+    """A rebuildable layer that is not a conv: a residual add or a concat."""
+    return spec(layer).rebuildable and not spec(layer).has_algorithms
+
+
 def _ahead(search, base: Plan) -> Plan:
     """`base` planned again with prefetches issued up to `lookahead` layer passes before
     their use, within the room `base` leaves free (`_Planner._prefetch_early`). With the
@@ -711,9 +804,9 @@ class _Search:
 
     def __init__(self, make, capacity, policy, layout, block_bytes, host_capacity,
                  early_write_back=False, trade_budget=0, lookahead=1, device_model=None,
-                 keep_pools=False):
+                 keep_pools=False, rebuild_joins=False):
         self.make, self.capacity, self.block_bytes = make, capacity, block_bytes
-        self.keep_pools = keep_pools
+        self.keep_pools, self.rebuild_joins = keep_pools, rebuild_joins
         self.host_capacity, self.early_write_back = host_capacity, early_write_back
         self._written_back = {}   # (id(plan), host cap) -> (plan, write_back_early(plan))
         self.trade_budget, self.lookahead = trade_budget, lookahead
@@ -950,7 +1043,8 @@ class _Planner:
             l_peak = recompute.layer_peak(p, self._default_workspace)
             self.schedule = recompute.RecomputeSchedule(
                 p, self.dropped, recompute.strategies(
-                    p, l_peak, extra, recompute.speed_everywhere(self.drops)))
+                    p, l_peak, extra, recompute.speed_everywhere(self.drops)),
+                recompute.keep_within(self.drops))
             self.uses = self.schedule.uses
             keep = ckpt | recompute.extra_checkpoints(p, self.dropped, extra)
         else:

@@ -25,6 +25,7 @@ every rebuild of its output comes before that), so it computes the same bits.
 """
 from __future__ import annotations
 
+import bisect
 from dataclasses import dataclass
 
 from ..ops import spec
@@ -38,11 +39,17 @@ class Traded:
     `speed_everywhere`: every segment is recomputed speed-centric (`strategies`), not only
     those within l_peak. `kept`: indices of cheap layers whose outputs are kept, not
     dropped (checkpoints of their own: a pooling output a quarter of its input's size, kept
-    so that the input need not come back before the backward pass reaches it)."""
+    so that the input need not come back before the backward pass reaches it).
+    `keep_within`: a rebuilt tensor of a speed-centric segment stays on the device for a
+    later use at most this many layer passes ahead; one used farther ahead is dropped after
+    the step and rebuilt again for that use (None: kept for any later use, the paper's
+    speed-centric rule). A join rebuilt for the block after it (plan._rebuild_joins) then
+    does not hold its own block's rebuilt tensors until that block's backward pass."""
     variant: str | None
     layers: frozenset
     speed_everywhere: bool = False
     kept: frozenset = frozenset()
+    keep_within: int | None = None
 
 
 def split(drops):
@@ -55,6 +62,11 @@ def split(drops):
 def kept(drops) -> frozenset:
     """Indices of the cheap layers `drops` keeps (Traded.kept)."""
     return drops.kept if isinstance(drops, Traded) else frozenset()
+
+
+def keep_within(drops) -> int | None:
+    """How far ahead a rebuilt tensor is kept for its next use (Traded.keep_within)."""
+    return drops.keep_within if isinstance(drops, Traded) else None
 
 
 def speed_everywhere(drops) -> bool:
@@ -165,13 +177,15 @@ class RecomputeSchedule:
     before that backward step; `keep_after(tid, step_index)` says whether a rebuilt tensor
     stays on the device after the step. The planner and this pre-pass follow the same rule,
     so the uses added here (a recomputation reads its producer's inputs at that step) are the
-    uses the simulation sees.
+    uses the simulation sees. `keep_within` (Traded.keep_within): how many layer passes
+    ahead a speed-centric tensor's next use may lie for it to stay (None: any).
     """
 
-    def __init__(self, program, dropped: set, strategy: dict):
+    def __init__(self, program, dropped: set, strategy: dict, keep_within: int | None = None):
         self.program = program
         self.dropped = dropped
         self.strategy = strategy
+        self.keep_within = keep_within
         self.producer = {program.act[layer]: layer for layer in program.order}
         self.direct_uses = program.uses
         self.uses = {t: list(u) for t, u in program.uses.items()}
@@ -179,8 +193,13 @@ class RecomputeSchedule:
         self._prepass()
 
     def keep_after(self, tid: int, index: int) -> bool:
-        """A rebuilt tensor stays after step `index` only under speed-centric with later uses."""
-        return self.strategy.get(tid) == "speed" and self.direct_uses[tid][-1] > index
+        """A rebuilt tensor stays after step `index` only under speed-centric with later uses
+        (the next of them within `keep_within` passes, where that is set)."""
+        uses = self.direct_uses[tid]
+        if self.strategy.get(tid) != "speed" or uses[-1] <= index:
+            return False
+        return self.keep_within is None or \
+            uses[bisect.bisect_right(uses, index)] - index <= self.keep_within
 
     def _prepass(self):
         program = self.program

@@ -250,18 +250,34 @@ def simulate(plan, model: DeviceModel | None = None) -> Timeline:
                     to_host_s=busy["to_host"], to_device_s=busy["to_device"], events=events)
 
 
-def rebuild_order(plan, model: DeviceModel | None = None) -> list:
+def rebuild_order(plan, model: DeviceModel | None = None, through_cheap: bool = False) -> list:
     """Indices of the rebuildable layers (OpSpec.rebuildable: conv, add, concat) whose
     outputs `plan` copies to the host, most bytes per second of forward compute first: the
-    order in which recomputing them instead saves the most PCIe time per compute time."""
+    order in which recomputing them instead saves the most PCIe time per compute time.
+    With `through_cheap`, a copied output of a cheap layer with one input (the ReLU after a
+    residual add) counts for the rebuildable layer that feeds it: rebuilding that layer lets
+    the cheap output be dropped and rebuilt too."""
     model = model or DeviceModel.h200()
     program, score = plan.program, {}
     for step in plan.steps:
         for op in step.ops:
             if isinstance(op, (Offload, Evict)) and op.host_offset is not None:
-                layer = plan.tensors[op.tensor].layer
-                if layer is not None and spec(layer).rebuildable \
-                        and program.act.get(layer) == op.tensor:
+                layer = _rebuilt_for(plan.tensors[op.tensor].layer, op.tensor, program,
+                                     through_cheap)
+                if layer is not None:
                     seconds = layer_seconds(layer, "forward", model)
                     score[layer.index] = plan.tensors[op.tensor].nbytes / seconds
     return sorted(score, key=lambda i: (-score[i], i))
+
+
+def _rebuilt_for(layer, tid, program, through_cheap):
+    """The rebuildable layer whose recomputation would rebuild activation `tid` of `layer`
+    (itself, or with `through_cheap` the producer of a cheap one-input layer's input)."""
+    if layer is None or program.act.get(layer) != tid:
+        return None
+    if spec(layer).rebuildable:
+        return layer
+    if through_cheap and spec(layer).recomputable and len(layer.inputs) == 1 \
+            and spec(layer.inputs[0]).rebuildable:
+        return layer.inputs[0]
+    return None

@@ -166,7 +166,7 @@ def test_a_failed_run_is_recorded_in_its_row():
               "setup_s": 1.0, "losses": [2.3], "predicted_compute_waits_s": {"forward": 0.5},
               "recomputed_steps": 0, "speed_centric_everywhere": False,
               "in_place_gradients": True, "keep_pools": True, "evict_by_next_use": True,
-              "trade_budget": 48}
+              "rebuild_joins": True, "rebuilt_joins": ["add1"], "trade_budget": 48}
     row = oversub.curve_row("m", 4, capped, {"error": "OutOfMemory: no"}, bandwidth)
     assert row["images_per_s"] == 8.0 and row["pcie_floor_s"] == 3.0
     assert row["bound_by"] == "pcie" and row["fraction"] is None

@@ -270,7 +270,8 @@ def main():
     parser.add_argument("--cuda-graph", action="store_true",
                         help="train with Runtime(cuda_graph=True) (the step replayed)")
     parser.add_argument("--merge", action="store_true",
-                        help="keep the other models' rows already in the --out file")
+                        help="keep the other models' rows already in the --out file, and a "
+                             "model's PyTorch largest batch where --pytorch is not given")
     parser.add_argument("--pytorch", action="store_true",
                         help="also PyTorch's largest batch (deep ResNet: depth) in the same cap, "
                              "the whole process counted and fed from the host")
@@ -304,6 +305,8 @@ def main():
                    predicted_seconds_per_step=p.predicted_step_s)
         print(f"{name}: max batch {best} (layer-wise bound {row['layerwise_bound']}, PyTorch "
               f"reference {row['pytorch_12gib_reference']})", flush=True)
+        if not args.pytorch and "pytorch" in rows.get(name, {}):
+            row["pytorch"] = rows[name]["pytorch"]    # merged: PyTorch's, measured before
         rows[name] = row
         if real:
             reference = args.reference if ref_models is None or name in ref_models else None

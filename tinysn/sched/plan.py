@@ -654,28 +654,15 @@ def _rebuild_joins(search, base: Plan) -> Plan:
     distance chosen by `_ahead`: rebuilds change what must arrive when, and one step ahead
     ranks them differently. The search adds, in rounds, the one join or the two joins next
     to each other in forward order whose plan is predicted fastest, while that beats the
-    best so far: rebuilding two alternate block outputs can pay where neither does alone
-    (ResNet-50 under 12 GiB at batch 995, 60 GiB host, the H200's measured conv times: two
-    of layer2's adds, then layer3's first, 1.092 s predicted -> 0.990, and 1.002 -> 0.887 s
-    measured for a hand-picked set of three). At most JOIN_BUDGET plans, and TRADE_STEPS
-    plan steps' worth of them (a net too deep to trade at all is not searched).
-
-    Moving fewer bytes gains at most the time the compute stream waits; where the model
-    says that is under JOIN_WAITS of the step, the copies already hide behind compute and
-    the search is skipped (ResNet-152 at batch 256 under 12 GiB waits 0.6%: searching found
-    nothing and tripled its planning time)."""
-    from .timing import rebuild_order, simulate
-    if not (search.rebuild_joins and base.bytes_to_host and base.uses_recompute):
-        return base
-    timeline = simulate(search.write_back_early(base), search.device_model)
-    if sum(timeline.compute_waits().values()) < JOIN_WAITS * timeline.step_s:
+    best so far: rebuilding two alternate block outputs can pay where neither does alone.
+    ResNet-50 under 12 GiB at batch 995, 60 GiB host, the H200's measured conv times: layer2
+    block 2's add, then blocks 1 and 3's together, then layer3 block 0's; predicted 1.092 s
+    -> 0.988, measured on the H200 1.016 -> 0.913 s (bench/README.md). At most JOIN_BUDGET
+    plans, and TRADE_STEPS plan steps' worth of them (a net too deep to trade is skipped)."""
+    joins = _join_candidates(search, base)
+    if not joins:
         return base
     variant, chosen = recompute.split(base.drops)
-    joins = sorted(i for i in rebuild_order(base, search.device_model, through_cheap=True)
-                   if _is_join(base.net.layers[i]) and i not in chosen)
-    left = min(JOIN_BUDGET, TRADE_STEPS // max(1, len(base.steps)))
-    if not joins or _trades_for(base) == 0:
-        return base
 
     def as_run(layers):
         """The plan dropping `layers` as well, its distance chosen, and its seconds."""
@@ -688,12 +675,11 @@ def _rebuild_joins(search, base: Plan) -> Plan:
         return plan, search.step_seconds(plan)
 
     best, best_s, added = base, search.step_seconds(base), frozenset()
+    left = min(JOIN_BUDGET, TRADE_STEPS // max(1, len(base.steps)))
     while left > 0:
         rest = [i for i in joins if i not in added]
         moves = [{i} for i in rest] + [{a, b} for a, b in zip(rest, rest[1:])]
-        tried = []
-        for move in moves[:left]:
-            tried.append((*as_run(added | move), move))
+        tried = [(*as_run(added | move), move) for move in moves[:left]]
         left -= len(tried)
         if not tried:
             break
@@ -702,6 +688,26 @@ def _rebuild_joins(search, base: Plan) -> Plan:
             break
         best, best_s, added = plan, seconds, added | move
     return best
+
+
+def _join_candidates(search, base: Plan) -> list:
+    """Indices, in forward order, of the joins `_rebuild_joins` may add to `base`'s drops:
+    those whose copies it moves (directly or through the ReLU after them) and does not
+    rebuild yet; none where the search is off, nothing moves or the net is too deep to
+    trade, or where the model says the compute stream waits less than JOIN_WAITS of the
+    step: moving fewer bytes gains at most that wait, and the copies already hide behind
+    compute (ResNet-152 at batch 256 under 12 GiB waits 0.6%: searching found nothing and
+    tripled its planning time)."""
+    from .timing import rebuild_order, simulate
+    if not (search.rebuild_joins and base.bytes_to_host and base.uses_recompute) \
+            or _trades_for(base) == 0:
+        return []
+    timeline = simulate(search.write_back_early(base), search.device_model)
+    if sum(timeline.compute_waits().values()) < JOIN_WAITS * timeline.step_s:
+        return []
+    _, chosen = recompute.split(base.drops)
+    return sorted(i for i in rebuild_order(base, search.device_model, through_cheap=True)
+                  if _is_join(base.net.layers[i]) and i not in chosen)
 
 
 def _is_join(layer) -> bool:

@@ -200,6 +200,25 @@ def test_a_given_largest_batch_is_checked_against_the_planner():
         with pytest.raises(SystemExit, match="--batches"):
             parse_batches(bad)
 
+
+def test_merging_keeps_a_models_pytorch_batch_where_the_run_measures_none(tmp_path, monkeypatch):
+    """memory.py --merge replaces a model's row with the run's, but keeps the PyTorch largest
+    batch an earlier --pytorch run measured (PyTorch's does not depend on tinysn's planner),
+    and the other models' rows whole."""
+    import json
+    from bench import memory
+    out = tmp_path / "memory.json"
+    earlier = {"lenet": {"max_batch_all": 1, "pytorch": {"largest": 7}}, "vgg16": {"x": 1}}
+    out.write_text(json.dumps({"memory": "4MiB", "models": earlier}))
+    best = sn.max_batch(lambda batch: sn.models.lenet(batch=batch), "4MiB", "all")
+    monkeypatch.setattr("sys.argv", ["memory.py", "--memory", "4MiB", "--models", "lenet",
+                                     "--batches", f"lenet={best}", "--merge", "--out", str(out)])
+    monkeypatch.setattr(memory.torch.cuda, "is_available", lambda: False)
+    memory.main()
+    models = json.loads(out.read_text())["models"]
+    assert models["lenet"]["max_batch_all"] == best
+    assert models["lenet"]["pytorch"] == {"largest": 7} and models["vgg16"] == {"x": 1}
+
 # -- the batch ------------------------------------------------------------------------------
 def test_batch_checks_catch_every_non_finite_value_and_accept_huge_finite_ones():
     net = block_net(batch=2, p=0.0)

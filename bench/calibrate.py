@@ -15,7 +15,9 @@ the tracked GPU results, so the model's numbers come from measurements and not f
   plan's layer steps launch (`timing.kernel_launches`). Per kernel rather than per layer
   step: ResNet-50's and Inception-v4's steps launch more kernels each than AlexNet's
   (batch norm three, a backward pass one SGD update per parameter tensor), and their
-  host-bound eager steps take longer per layer step.
+  host-bound eager steps take longer per layer step. The run's own probe of the host
+  (`timing.measure_launch_s`, a bare Triton launch) is kept beside it: the model scales the
+  cost by another process's probe over this one, as hosts differ between calls.
 
 The model's error against every measured run is bench/predict.py's table.
 """
@@ -98,6 +100,13 @@ def kernel_launch_seconds(train: dict, conv_flops: float, conv_bytes: float) -> 
     return (lo + hi) / 2
 
 
+def launch_probe_seconds(train: dict):
+    """The bare launch time the host-bound run's process measured (timing.measure_launch_s;
+    None in runs from before the probe): the host the launch cost is fitted on."""
+    eager = next(r for r in train["tinysn"] if not r["cuda_graph"] and "ms_per_step" in r)
+    return eager.get("device_model", {}).get("launch_probe_s")
+
+
 def calibrate(folder: Path, gpu: str = "NVIDIA-H200") -> dict:
     """The fitted figures from `folder`'s results of `gpu`."""
     kernels = json.loads((folder / f"kernels-{gpu}.json").read_text())
@@ -107,7 +116,8 @@ def calibrate(folder: Path, gpu: str = "NVIDIA-H200") -> dict:
     errors = [(f / flops + b / nbytes) / t - 1 for _, _, f, b, t in samples]
     return {"gpu": gpu, "conv_flops_per_s": flops, "conv_bytes_per_s": nbytes,
             "conv_rows": len(samples), "conv_worst_error": max(errors, key=abs),
-            "kernel_launch_s": kernel_launch_seconds(train, flops, nbytes)}
+            "kernel_launch_s": kernel_launch_seconds(train, flops, nbytes),
+            "launch_probe_s": launch_probe_seconds(train)}
 
 
 def main(argv=None) -> dict:
@@ -120,7 +130,9 @@ def main(argv=None) -> dict:
     print(f"conv: {fit['conv_flops_per_s'] / 1e12:.1f} TFLOP/s + "
           f"{fit['conv_bytes_per_s'] / 1e12:.2f} TB/s over {fit['conv_rows']} rows "
           f"(worst {fit['conv_worst_error']:+.0%}); "
-          f"{fit['kernel_launch_s'] * 1e6:.0f} us per kernel launch")
+          f"{fit['kernel_launch_s'] * 1e6:.0f} us per kernel launch"
+          + (f" on a host whose bare launch takes {fit['launch_probe_s'] * 1e6:.1f} us"
+             if fit["launch_probe_s"] else ""))
     write(args.out, fit)
     return fit
 

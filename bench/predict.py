@@ -17,8 +17,9 @@ lookahead 1, a missing `in_place_gradients` False (every gradient in a block of 
 a missing `keep_pools` False (no pooling output kept), a missing `evict_by_next_use`
 False (the cache evicts the least recently used) and a missing `rebuild_joins` False (no
 join rebuilt by `plan._rebuild_joins`). The prediction itself always
-uses today's model (DeviceModel.h200, with the conv times the run measured, where it
-recorded them), so the table shows how well today's model explains every measured step.
+uses today's model (DeviceModel.h200, with the conv times the run measured and its probe
+of the host's launch cost, where it recorded them), so the table shows how well today's
+model explains every measured step.
 """
 import argparse
 import json
@@ -53,7 +54,9 @@ def compare(net, memory, policy, measured: dict, graphed=False, host_memory=None
     conv_times = plan_kw["device_model"].conv_times     # measured where the run had them
     plan = sn.plan(net, memory, policy, host_memory=host_memory,
                    rankings=conv_times and workspace.rankings_of(conv_times), **plan_kw)
-    timeline = simulate(plan, DeviceModel.h200(graphed=graphed, conv_times=conv_times))
+    probe = plan_kw["device_model"].launch_probe_s      # the run's host, where it probed it
+    timeline = simulate(plan, DeviceModel.h200(graphed=graphed, conv_times=conv_times,
+                                               launch_probe_s=probe))
     return {"batch": net.batch, "memory": memory, "policy": policy, "cuda_graph": graphed,
             "measured_s": measured["s"], "predicted_s": timeline.step_s,
             "bytes_moved_per_step": plan.bytes_to_host + plan.bytes_to_device,

@@ -15,6 +15,10 @@ def test_the_h200_model_carries_the_figures_fitted_on_the_tracked_results():
     assert model.conv_flops_per_s == pytest.approx(fit["conv_flops_per_s"], rel=0.01)
     assert model.conv_bytes_per_s == pytest.approx(fit["conv_bytes_per_s"], rel=0.01)
     assert model.kernel_launch_s == pytest.approx(fit["kernel_launch_s"], rel=0.01)
+    if fit["launch_probe_s"] is None:            # fitted on a run from before the probe
+        assert timing.H200_LAUNCH_PROBE_S is None
+    else:
+        assert timing.H200_LAUNCH_PROBE_S == pytest.approx(fit["launch_probe_s"], rel=0.01)
 
 
 def test_fit_recovers_the_rates_that_made_the_times():

@@ -54,7 +54,7 @@ from .pool.arena import Arena
 from .sched import liveness
 from .sched import plan as plan_mod
 from .sched import workspace
-from .sched.timing import DeviceModel
+from .sched.timing import DeviceModel, measure_launch_s
 from .sched.plan import (Alloc, Drop, Evict, Free, Hand, Launch, Mark, Offload, Prefetch,
                          Release, Sync, Wait)
 from .tensor import Tensor
@@ -159,6 +159,10 @@ class Runtime:
             and options["conv_algos"] is None
         self.rankings = workspace.cached_rankings(self.net, self.device) if dynamic else None
         timing = dynamic and self.rankings is None   # then this plan only checks the fit
+        # the host's launch cost, probed once before the pool exists (it allocates nothing);
+        # data-parallel ranks plan without it, so each plans with the same figures
+        probe = self.device.type == "cuda" and not cuda_graph and not options["data_parallel"]
+        self._launch_probe_s = measure_launch_s(self.device) if probe else None
         self.plan = plan_mod.plan(self.net, memory, self.policy, rankings=self.rankings,
                                   early_write_back=not timing, lookahead=1 if timing else None,
                                   trade_budget=0 if timing else plan_mod.TRADE_BUDGET,
@@ -178,10 +182,12 @@ class Runtime:
 
     def _device_model(self, dynamic: bool, cuda_graph: bool) -> DeviceModel:
         """The H200's step-time figures, replayed or eager, with the measured times of the
-        convs where the rankings were timed on this GPU (policy "all": `dynamic`)."""
+        convs where the rankings were timed on this GPU (policy "all": `dynamic`) and the
+        host's launch cost scaled by this process's probe of it, where it was probed."""
         times = workspace.cached_rankings(self.net, self.device, "conv-times") if dynamic \
             else None
-        return DeviceModel.h200(graphed=cuda_graph, conv_times=times)
+        return DeviceModel.h200(graphed=cuda_graph, conv_times=times,
+                                launch_probe_s=self._launch_probe_s)
 
     # -- the public surface -----------------------------------------------------------
     def close(self) -> None:

@@ -53,9 +53,13 @@ class DeviceModel:
     # host time per Triton kernel a layer step launches (eager Python launches:
     # kernel_launches); 0 in models recorded before it, whose launch_s held it all
     kernel_launch_s: float = 0.0
+    # this process's host seconds per bare Triton launch (measure_launch_s), which scaled
+    # kernel_launch_s; None: not measured (planned off the GPU, replayed, or recorded before)
+    launch_probe_s: float | None = None
 
     @classmethod
-    def h200(cls, graphed: bool = False, conv_times: dict | None = None) -> "DeviceModel":
+    def h200(cls, graphed: bool = False, conv_times: dict | None = None,
+             launch_probe_s: float | None = None) -> "DeviceModel":
         """An NVIDIA H200 with tinysn's kernels, from measurements on it (bench/calibrate.py
         derives the fitted figures from the tracked results and a test keeps them equal):
         convs at 91.9 TFLOP/s plus 2.28 TB/s, fitted over bench/kernels.py's conv rows
@@ -65,14 +69,17 @@ class DeviceModel:
         Python per Triton kernel a step launches, at which the model predicts the
         host-bound AlexNet batch-32 eager step (bench/train.py; per layer step that is
         165 us for AlexNet, whose steps launch 1.6 kernels each, and 227 us for ResNet-50,
-        2.2 each; the lent machines' hosts differ by up to 2x between calls), and 1 us per
-        layer step replayed from a graph. `conv_times`: the convs' own measured times, where
-        the runtime has them (it timed the rankings)."""
+        2.2 each), and 1 us per layer step replayed from a graph. `conv_times`: the convs' own
+        measured times, where the runtime has them (it timed the rankings).
+        `launch_probe_s`: this host's seconds per bare Triton launch (`measure_launch_s`); the
+        103 us then scale by it over the probe of the run they were fitted on (the lent
+        machines' hosts launch up to 2x faster or slower from one call to the next)."""
         return cls(flops_per_s=100e12, bytes_per_s=3.0e12, to_host_bytes_per_s=55e9,
                    to_device_bytes_per_s=55e9, launch_s=1e-6 if graphed else 0.0,
                    conv_flops_per_s=H200_CONV_FLOPS_PER_S, conv_bytes_per_s=H200_CONV_BYTES_PER_S,
                    conv_times=conv_times,
-                   kernel_launch_s=0.0 if graphed else H200_KERNEL_LAUNCH_S)
+                   kernel_launch_s=0.0 if graphed else host_launch_s(launch_probe_s),
+                   launch_probe_s=None if graphed else launch_probe_s)
 
     def record(self) -> dict:
         """The model as JSON-ready data (conv time keys as text); `from_record` reads it."""
@@ -93,6 +100,52 @@ class DeviceModel:
 H200_CONV_FLOPS_PER_S = 91.9e12
 H200_CONV_BYTES_PER_S = 2.28e12
 H200_KERNEL_LAUNCH_S = 103e-6
+H200_LAUNCH_PROBE_S = None      # measure_launch_s on the host H200_KERNEL_LAUNCH_S was fitted on
+
+
+def host_launch_s(probe_s: float | None) -> float:
+    """Host seconds per Triton kernel a layer step launches, on a host whose bare launch takes
+    `probe_s` (measure_launch_s): the fitted figure, scaled by how much faster or slower this
+    host launches than the one it was fitted on. Without a probe (on either side): the
+    fitted figure as it is."""
+    if probe_s is None or H200_LAUNCH_PROBE_S is None:
+        return H200_KERNEL_LAUNCH_S
+    return H200_KERNEL_LAUNCH_S * probe_s / H200_LAUNCH_PROBE_S
+
+
+def measure_launch_s(device, rounds: int = 5, launches: int = 50) -> float:
+    """This host's seconds per bare Triton kernel launch: the median over `rounds` of the mean
+    host time of `launches` launches of the ReLU kernel over no elements. The GPU finishes
+    each long before the host issues the next, so what is timed is Python, Triton's launcher
+    and the driver: the parts of every eager launch that vary with the host. Its arguments
+    are empty tensors, so it allocates no device memory (the cap is the process); its first
+    launch compiles it (or loads it from Triton's disk cache) outside the timing."""
+    import statistics
+    import time
+
+    import torch
+
+    from ..kernels import act
+    from ..kernels._common import run
+
+    empty = torch.empty(0, device=device)
+
+    def launch():
+        run(act._relu_fwd_kernel, (1,), empty, empty, 0, BLOCK=act.BLOCK,
+            num_warps=act.NUM_WARPS)
+
+    launch()
+    if empty.is_cuda:
+        torch.cuda.synchronize(device)
+    means = []
+    for _ in range(rounds):
+        start = time.perf_counter()
+        for _ in range(launches):
+            launch()
+        means.append((time.perf_counter() - start) / launches)
+    if empty.is_cuda:
+        torch.cuda.synchronize(device)
+    return statistics.median(means)
 
 
 _PHASE_ORDER = ["forward", "recompute", "backward"]

@@ -8,16 +8,16 @@ the tracked GPU results, so the model's numbers come from measurements and not f
   `kernels-<gpu>.json`'s conv rows: for each direction and shape the fastest algorithm (the
   one the planner's rankings pick), leaving out the first conv's data gradient, which
   training never computes.
-- **Launch cost.** AlexNet at batch 32 eager is bound by the host (its CUDA-graph replay
-  runs 1.7x as fast, and its kernels keep the GPU busy for under two thirds of the eager
-  step): the Python cost of one Triton kernel launch is the one at which the model
-  predicts its measured step (`train-alexnet-b32-<gpu>.json`), counting the kernels its
-  plan's layer steps launch (`timing.kernel_launches`). Per kernel rather than per layer
-  step: ResNet-50's and Inception-v4's steps launch more kernels each than AlexNet's
-  (batch norm three, a backward pass one SGD update per parameter tensor), and their
-  host-bound eager steps take longer per layer step. The run's own probe of the host
-  (`timing.measure_launch_s`, a bare Triton launch) is kept beside it: the model scales the
-  cost by another process's probe over this one, as hosts differ between calls.
+- **Host cost.** At batch 32 AlexNet's and ResNet-50's eager steps are bound by the host
+  (their CUDA-graph replays run 2-2.7x as fast). For each, the host seconds per layer step
+  at which the model predicts its measured eager step (`train-<model>-b32-<gpu>.json`,
+  planned as it ran, with its measured conv times) are divided by the run's own probe of
+  the host (`timing.measure_launch_s`, a bare Triton launch, taken beside the timed steps):
+  the model charges that multiple of a process's probe per layer step. The fit is the
+  geometric mean of the two runs' multiples, and the probe without one the mean of their
+  probes. Per layer step rather than per Triton kernel: on one host the two models' steps
+  cost the same per layer step (ResNet-50's launch 2.5 kernels each, AlexNet's 1.8), while
+  per kernel AlexNet's cost 1.4x ResNet-50's.
 
 The model's error against every measured run is bench/predict.py's table.
 """
@@ -35,7 +35,8 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import tinysn as sn  # noqa: E402
 from bench.common import add_out_argument, write  # noqa: E402
 from tinysn.sched.plan import Launch  # noqa: E402
-from tinysn.sched.timing import DeviceModel, kernel_launches, simulate  # noqa: E402
+from tinysn.sched import workspace  # noqa: E402
+from tinysn.sched.timing import DeviceModel, simulate  # noqa: E402
 
 # bench/kernels.py's conv shape: "7x7/2 3->64 @224 b32" (kernel/stride, channels, size, batch)
 SHAPE = re.compile(r"(\d+)x(\d+)(?:/(\d+))? (\d+)->(\d+) @(\d+) b(\d+)$")
@@ -80,44 +81,72 @@ def fit_conv(samples: list) -> tuple:
     return 1 / inverse[0], 1 / inverse[1]
 
 
-def kernel_launch_seconds(train: dict, conv_flops: float, conv_bytes: float) -> float:
-    """Host seconds per Triton kernel launch at which the model (with the fitted conv rates)
-    predicts a host-bound run's measured eager step: found by bisection, since the kernels
-    still running when the host has issued the last one add to the step."""
-    eager = next(r for r in train["tinysn"] if not r["cuda_graph"] and "ms_per_step" in r)
+HOST_BOUND = ("alexnet", "resnet50")     # the batch-32 runs the host cost is fitted on
+
+
+def eager_row(train: dict) -> dict:
+    """A train.py result's eager tinysn row."""
+    return next(r for r in train["tinysn"] if not r["cuda_graph"] and "ms_per_step" in r)
+
+
+def launch_probe_seconds(train: dict) -> float:
+    """The bare launch time an eager run's process measured beside its timed steps (or, in
+    runs from before that, when its Runtime planned)."""
+    row = eager_row(train)
+    probe = row.get("timed_launch_probe_s") or row.get("device_model", {}).get("launch_probe_s")
+    if not probe:
+        raise ValueError(f"calibrate: the {train['model']} batch-{train['batch']} eager run "
+                         "recorded no probe of its host (timing.measure_launch_s)")
+    return probe
+
+
+def host_step_seconds(train: dict, conv_flops: float, conv_bytes: float) -> float:
+    """Host seconds per layer step at which the model (with the fitted conv rates, and the
+    run's measured conv times where it has them) predicts the run's measured eager step:
+    by bisection, since the kernels still running when the host has issued the last one
+    add to the step."""
+    row = eager_row(train)
+    recorded = DeviceModel.from_record(row["device_model"])
+    base = dataclasses.replace(DeviceModel.h200(conv_times=recorded.conv_times),
+                               conv_flops_per_s=conv_flops, conv_bytes_per_s=conv_bytes)
     net = getattr(sn.models, train["model"])(batch=train["batch"])
-    plan = sn.plan(net, train.get("memory") or "40GiB", eager["policy"],
-                   momentum=train["sgd"]["momentum"])
-    measured = eager["ms_per_step"] / 1e3
-    base = dataclasses.replace(DeviceModel.h200(), conv_flops_per_s=conv_flops,
-                               conv_bytes_per_s=conv_bytes)
-    lo, hi = 0.0, measured / sum(kernel_launches(plan, op) for step in plan.steps
-                                 for op in step.ops if isinstance(op, Launch))
+    plan = sn.plan(net, train.get("memory") or "40GiB", row["policy"],
+                   momentum=train["sgd"]["momentum"], device_model=recorded,
+                   rankings=recorded.conv_times and workspace.rankings_of(recorded.conv_times),
+                   in_place_gradients=row.get("in_place_gradients", False),
+                   keep_pools=row.get("keep_pools", False),
+                   evict_by_next_use=row.get("evict_by_next_use", False))
+    measured = row["ms_per_step"] / 1e3
+    launches = sum(isinstance(op, Launch) for step in plan.steps for op in step.ops)
+    lo, hi = 0.0, measured / launches
     for _ in range(40):
         mid = (lo + hi) / 2
-        predicted = simulate(plan, dataclasses.replace(base, kernel_launch_s=mid)).step_s
+        predicted = simulate(plan, dataclasses.replace(base, launch_s=mid)).step_s
         lo, hi = (mid, hi) if predicted < measured else (lo, mid)
     return (lo + hi) / 2
 
 
-def launch_probe_seconds(train: dict):
-    """The bare launch time the host-bound run's process measured (timing.measure_launch_s;
-    None in runs from before the probe): the host the launch cost is fitted on."""
-    eager = next(r for r in train["tinysn"] if not r["cuda_graph"] and "ms_per_step" in r)
-    return eager.get("device_model", {}).get("launch_probe_s")
+def fit_host(runs: list, conv_flops: float, conv_bytes: float) -> dict:
+    """The host cost per layer step as a multiple of the probe (geometric mean over `runs`)
+    and the runs' mean probe, with each run's own multiple."""
+    multiples = {r["model"]: host_step_seconds(r, conv_flops, conv_bytes) / launch_probe_seconds(r)
+                 for r in runs}
+    probes = [launch_probe_seconds(r) for r in runs]
+    return {"launch_per_probe": float(np.exp(np.mean(np.log(list(multiples.values()))))),
+            "launch_probe_s": float(np.exp(np.mean(np.log(probes)))),
+            "launch_per_probe_by_model": multiples}
 
 
 def calibrate(folder: Path, gpu: str = "NVIDIA-H200") -> dict:
     """The fitted figures from `folder`'s results of `gpu`."""
     kernels = json.loads((folder / f"kernels-{gpu}.json").read_text())
-    train = json.loads((folder / f"train-alexnet-b32-{gpu}.json").read_text())
+    runs = [json.loads((folder / f"train-{m}-b32-{gpu}.json").read_text()) for m in HOST_BOUND]
     samples = conv_samples(kernels)
     flops, nbytes = fit_conv(samples)
     errors = [(f / flops + b / nbytes) / t - 1 for _, _, f, b, t in samples]
     return {"gpu": gpu, "conv_flops_per_s": flops, "conv_bytes_per_s": nbytes,
             "conv_rows": len(samples), "conv_worst_error": max(errors, key=abs),
-            "kernel_launch_s": kernel_launch_seconds(train, flops, nbytes),
-            "launch_probe_s": launch_probe_seconds(train)}
+            **fit_host(runs, flops, nbytes)}
 
 
 def main(argv=None) -> dict:
@@ -129,10 +158,10 @@ def main(argv=None) -> dict:
     fit = calibrate(Path(args.results), args.gpu)
     print(f"conv: {fit['conv_flops_per_s'] / 1e12:.1f} TFLOP/s + "
           f"{fit['conv_bytes_per_s'] / 1e12:.2f} TB/s over {fit['conv_rows']} rows "
-          f"(worst {fit['conv_worst_error']:+.0%}); "
-          f"{fit['kernel_launch_s'] * 1e6:.0f} us per kernel launch"
-          + (f" on a host whose bare launch takes {fit['launch_probe_s'] * 1e6:.1f} us"
-             if fit["launch_probe_s"] else ""))
+          f"(worst {fit['conv_worst_error']:+.0%}); an eager layer step's host time "
+          f"{fit['launch_per_probe']:.2f} bare launches ("
+          + ", ".join(f"{m} {v:.2f}" for m, v in fit["launch_per_probe_by_model"].items())
+          + f"), {fit['launch_probe_s'] * 1e6:.1f} us each on those hosts")
     write(args.out, fit)
     return fit
 

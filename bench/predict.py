@@ -18,8 +18,8 @@ a missing `keep_pools` False (no pooling output kept), a missing `evict_by_next_
 False (the cache evicts the least recently used) and a missing `rebuild_joins` False (no
 join rebuilt by `plan._rebuild_joins`). The prediction itself always
 uses today's model (DeviceModel.h200, with the conv times the run measured and its probe
-of the host's launch cost, where it recorded them), so the table shows how well today's
-model explains every measured step.
+of the host, beside its timed steps or else when it planned, where it recorded them), so
+the table shows how well today's model explains every measured step.
 """
 import argparse
 import json
@@ -49,12 +49,13 @@ def planned_with(row: dict) -> DeviceModel:
 def compare(net, memory, policy, measured: dict, graphed=False, host_memory=None,
             **plan_kw) -> dict:
     """One row: the prediction for `net` planned as it was measured (`measured`: the run's
-    seconds per step and the bytes it moved), and its error. Equal bytes moved say the plan
+    seconds per step, the bytes it moved and its probe of the host), and its error. Equal bytes moved say the plan
     made here is the one that ran."""
     conv_times = plan_kw["device_model"].conv_times     # measured where the run had them
     plan = sn.plan(net, memory, policy, host_memory=host_memory,
                    rankings=conv_times and workspace.rankings_of(conv_times), **plan_kw)
-    probe = plan_kw["device_model"].launch_probe_s      # the run's host, where it probed it
+    # the run's host, where it probed it: beside the timed steps, else when it planned
+    probe = measured.get("probe") or plan_kw["device_model"].launch_probe_s
     timeline = simulate(plan, DeviceModel.h200(graphed=graphed, conv_times=conv_times,
                                                launch_probe_s=probe))
     return {"batch": net.batch, "memory": memory, "policy": policy, "cuda_graph": graphed,
@@ -105,7 +106,8 @@ def train_rows(path: Path) -> list:
             continue
         net = getattr(sn.models, run["model"])(batch=run["batch"])
         memory = run.get("memory") or "40GiB"
-        measured = {"s": row["ms_per_step"] / 1e3, "moved": row["bytes_moved_per_step"]}
+        measured = {"s": row["ms_per_step"] / 1e3, "moved": row["bytes_moved_per_step"],
+                    "probe": row.get("timed_launch_probe_s")}
         rows.append({**compare(net, memory, row["policy"], measured,
                                row["cuda_graph"], momentum=run["sgd"]["momentum"],
                                in_place_gradients=row.get("in_place_gradients", False),

@@ -25,6 +25,7 @@ the same code runs on the CPU (Triton's interpreter) as a smoke test; torch.comp
 skipped there, and the JSON says so.
 """
 import argparse
+import dataclasses
 import gc
 import os
 import sys
@@ -38,7 +39,7 @@ import torch.nn.functional as F  # noqa: E402
 from bench import common  # noqa: E402
 from tinysn.cli import MODELS  # noqa: E402
 from tinysn.sched import recompute  # noqa: E402
-from tinysn.sched.timing import simulate  # noqa: E402
+from tinysn.sched.timing import host_launch_s, measure_launch_s, simulate  # noqa: E402
 
 PYTORCH_CONFIGS = ("eager NCHW", "eager channels-last", "torch.compile")
 
@@ -142,10 +143,22 @@ def torch_step(forward, opt, batch, device, fmt):
     return step
 
 
+def host_model(model, probe_s):
+    """The runtime's device model on the host as a probe found it (`probe_s`, None: as
+    it is): the host's time per eager layer step follows the host, which on the lent
+    machines speeds up or slows down by up to 1.6x within seconds (bench/README.md)."""
+    if probe_s is None:
+        return model
+    return dataclasses.replace(model, launch_s=host_launch_s(probe_s), launch_probe_s=probe_s)
+
+
 def tinysn_row(net, policy, cuda_graph, device, args, host_memory=None) -> dict:
     """Time tinysn's Runtime under `policy` (and `host_memory`, the pinned host arena's cap),
     eagerly or replaying the step as a CUDA graph; beside the measured step, the plan's
-    bytes moved each way and the step-time model's prediction for it (sched/timing.py)."""
+    bytes moved each way and the step-time model's prediction for it (sched/timing.py),
+    eager on a GPU with the host's speed probed before and after the timed steps
+    (`timed_launch_probe_s`, their mean), as the plan's own probe was taken seconds to
+    minutes before."""
     reset_peak(device)
     t0 = time.perf_counter()
     try:
@@ -156,9 +169,12 @@ def tinysn_row(net, policy, cuda_graph, device, args, host_memory=None) -> dict:
         raise Refused(str(err)) from None
     setup_s = time.perf_counter() - t0
     images, labels = host_batch(net, device)
+    probed = device.type == "cuda" and not cuda_graph
+    before = measure_launch_s(device) if probed else None
     row = timed(lambda: rt.step(images, labels), device, args.warmup, args.steps)
-    timeline = simulate(rt.plan, rt.plan.device_model)   # as the runtime planned with it
-    row.update(setup_s=setup_s, peak_bytes=rt.stats.peak_bytes,
+    probe = (before + measure_launch_s(device)) / 2 if probed else None
+    timeline = simulate(rt.plan, host_model(rt.plan.device_model, probe))
+    row.update(setup_s=setup_s, timed_launch_probe_s=probe, peak_bytes=rt.stats.peak_bytes,
                planned_peak_bytes=rt.plan.peak_bytes,
                peak_equals_plan=rt.stats.peak_bytes == rt.plan.peak_bytes,
                bytes_moved_per_step=rt.plan.bytes_to_host + rt.plan.bytes_to_device,

@@ -14,11 +14,25 @@ def test_the_h200_model_carries_the_figures_fitted_on_the_tracked_results():
     model = timing.DeviceModel.h200()
     assert model.conv_flops_per_s == pytest.approx(fit["conv_flops_per_s"], rel=0.01)
     assert model.conv_bytes_per_s == pytest.approx(fit["conv_bytes_per_s"], rel=0.01)
-    assert model.kernel_launch_s == pytest.approx(fit["kernel_launch_s"], rel=0.01)
-    if fit["launch_probe_s"] is None:            # fitted on a run from before the probe
-        assert timing.H200_LAUNCH_PROBE_S is None
-    else:
-        assert timing.H200_LAUNCH_PROBE_S == pytest.approx(fit["launch_probe_s"], rel=0.01)
+    assert timing.H200_LAUNCH_PER_PROBE == pytest.approx(fit["launch_per_probe"], rel=0.01)
+    assert timing.H200_LAUNCH_PROBE_S == pytest.approx(fit["launch_probe_s"], rel=0.01)
+
+
+def test_the_host_cost_fits_both_host_bound_runs_within_a_few_percent():
+    """Per layer step, AlexNet's and ResNet-50's eager batch-32 steps cost the same
+    multiple of their hosts' probes (the reason the model charges per layer step)."""
+    by_model = calibrate.calibrate(RESULTS)["launch_per_probe_by_model"]
+    assert set(by_model) == {"alexnet", "resnet50"}
+    assert max(by_model.values()) / min(by_model.values()) < 1.1
+
+
+def test_a_run_without_a_probe_is_refused():
+    run = {"model": "alexnet", "batch": 32,
+           "tinysn": [{"cuda_graph": False, "ms_per_step": 8.0, "device_model": {}}]}
+    with pytest.raises(ValueError, match="recorded no probe of its host"):
+        calibrate.launch_probe_seconds(run)
+    run["tinysn"][0]["timed_launch_probe_s"] = 2e-5
+    assert calibrate.launch_probe_seconds(run) == 2e-5
 
 
 def test_fit_recovers_the_rates_that_made_the_times():

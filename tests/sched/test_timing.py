@@ -195,34 +195,35 @@ def test_kernel_launches_counts_the_triton_kernels_each_launch_runs(monkeypatch,
         assert sum(r is op for r in ran) == timing.kernel_launches(rt.plan, op), op
 
 
-def test_the_launch_cost_scales_with_the_hosts_probe(monkeypatch):
-    """With the fitted run's probe known, a host whose bare launch takes twice as long pays
-    twice the fitted cost per kernel, half as long half; without a probe on either side the
-    fitted cost as it is. Replayed, no host cost and no probe. The probe survives JSON."""
+def test_the_host_cost_scales_with_the_hosts_probe(monkeypatch):
+    """An eager layer step costs the fitted multiple of the host's bare launch: a host whose
+    launch takes twice as long pays twice; without a probe, the fitted hosts' cost.
+    Replayed, 1 us per layer step and no probe. The probe survives JSON."""
     import json
-    fitted = timing.H200_KERNEL_LAUNCH_S
+    monkeypatch.setattr(timing, "H200_LAUNCH_PER_PROBE", 5.0)
     monkeypatch.setattr(timing, "H200_LAUNCH_PROBE_S", 20e-6)
-    assert timing.host_launch_s(40e-6) == pytest.approx(2 * fitted)
-    assert timing.host_launch_s(10e-6) == pytest.approx(fitted / 2)
-    assert timing.host_launch_s(None) == fitted
+    assert timing.host_launch_s(40e-6) == pytest.approx(200e-6)
+    assert timing.host_launch_s(None) == pytest.approx(100e-6)
     slow = timing.DeviceModel.h200(launch_probe_s=40e-6)
-    assert slow.kernel_launch_s == pytest.approx(2 * fitted) and slow.launch_probe_s == 40e-6
+    assert slow.launch_s == pytest.approx(200e-6) and slow.launch_probe_s == 40e-6
+    assert slow.kernel_launch_s == 0
+    assert timing.DeviceModel.h200().launch_s == pytest.approx(100e-6)
     replayed = timing.DeviceModel.h200(graphed=True, launch_probe_s=40e-6)
-    assert replayed.kernel_launch_s == 0 and replayed.launch_probe_s is None
+    assert replayed.launch_s == 1e-6 and replayed.launch_probe_s is None
     assert timing.DeviceModel.from_record(json.loads(json.dumps(slow.record()))) == slow
-    monkeypatch.setattr(timing, "H200_LAUNCH_PROBE_S", None)
-    assert timing.host_launch_s(40e-6) == fitted
 
 
-def test_a_faster_host_predicts_a_shorter_host_bound_step(monkeypatch):
-    """A small net's eager step is bound by its launches: a host probed at half the fitted
-    run's launch time predicts a step close to half, one at twice close to twice."""
-    monkeypatch.setattr(timing, "H200_LAUNCH_PROBE_S", 20e-6)
+def test_a_faster_host_predicts_a_shorter_host_bound_step():
+    """A small net's eager step is bound by its host: a host probed at half another's launch
+    time predicts a step close to half, one at twice close to twice, and no probe the
+    fitted hosts' step."""
     plan = sn.plan(sn.models.resnet(blocks=[1, 1, 1, 1], **NET), "1GiB", "liveness")
     step = {p: timing.simulate(plan, timing.DeviceModel.h200(launch_probe_s=p)).step_s
             for p in (10e-6, 20e-6, 40e-6)}
     assert step[10e-6] == pytest.approx(step[20e-6] / 2, rel=0.1)
     assert step[40e-6] == pytest.approx(step[20e-6] * 2, rel=0.1)
+    assert timing.simulate(plan, timing.DeviceModel.h200()).step_s == pytest.approx(
+        step[20e-6] * timing.H200_LAUNCH_PROBE_S / 20e-6, rel=0.1)
 
 
 def test_the_probe_times_bare_launches():
@@ -258,6 +259,6 @@ def test_an_eager_runtime_plans_with_its_hosts_probe_and_allocates_nothing_for_i
     net = sn.models.resnet(blocks=[1, 1, 1, 1], **NET)
     eager = sn.Runtime(net, "1GiB", "all", device="cuda")
     assert 0 < eager.plan.device_model.launch_probe_s < 1e-3
-    assert eager.plan.device_model.kernel_launch_s == \
+    assert eager.plan.device_model.launch_s == \
         timing.host_launch_s(eager.plan.device_model.launch_probe_s)
     eager.close()

@@ -50,11 +50,13 @@ class DeviceModel:
     # Measured conv times, {(x_shape, w_shape, stride, padding, phase): {algorithm: seconds
     # per image}} (workspace.measure_rankings keeps them): a conv they cover takes them.
     conv_times: dict | None = field(default=None, hash=False, repr=False)
-    # host time per Triton kernel a layer step launches (eager Python launches:
-    # kernel_launches); 0 in models recorded before it, whose launch_s held it all
+    # host time per Triton kernel a layer step launches (kernel_launches), on top of
+    # launch_s: what models of earlier runs charged (bench/predict.py plans them as they
+    # ran); DeviceModel.h200 charges per layer step instead, which fits AlexNet and
+    # ResNet-50 alike on one host (bench/calibrate.py)
     kernel_launch_s: float = 0.0
     # this process's host seconds per bare Triton launch (measure_launch_s), which scaled
-    # kernel_launch_s; None: not measured (planned off the GPU, replayed, or recorded before)
+    # launch_s; None: not measured (planned off the GPU, replayed, or recorded before)
     launch_probe_s: float | None = None
 
     @classmethod
@@ -65,21 +67,16 @@ class DeviceModel:
         convs at 91.9 TFLOP/s plus 2.28 TB/s, fitted over bench/kernels.py's conv rows
         (the fastest algorithm of each direction and shape); other memory-bound kernels at
         3 TB/s (69-102% of the copy bandwidth, bench/kernels.py) and fc arithmetic at
-        100 TFLOP/s; pinned copies at 55 GB/s each way (bench/memory.py); eager, 103 us of
-        Python per Triton kernel a step launches, at which the model predicts the
-        host-bound AlexNet batch-32 eager step (bench/train.py; per layer step that is
-        165 us for AlexNet, whose steps launch 1.6 kernels each, and 227 us for ResNet-50,
-        2.2 each), and 1 us per layer step replayed from a graph. `conv_times`: the convs' own
-        measured times, where the runtime has them (it timed the rankings).
-        `launch_probe_s`: this host's seconds per bare Triton launch (`measure_launch_s`); the
-        103 us then scale by it over the probe of the run they were fitted on (the lent
-        machines' hosts launch up to 2x faster or slower from one call to the next)."""
+        100 TFLOP/s; pinned copies at 55 GB/s each way (bench/memory.py); eager, the host's
+        time per layer step (`host_launch_s`), and 1 us per layer step replayed from a
+        graph. `conv_times`: the convs' own measured times, where the runtime has them (it
+        timed the rankings). `launch_probe_s`: this host's seconds per bare Triton launch
+        (`measure_launch_s`), which scales the host's time per layer step."""
         return cls(flops_per_s=100e12, bytes_per_s=3.0e12, to_host_bytes_per_s=55e9,
-                   to_device_bytes_per_s=55e9, launch_s=1e-6 if graphed else 0.0,
+                   to_device_bytes_per_s=55e9,
+                   launch_s=1e-6 if graphed else host_launch_s(launch_probe_s),
                    conv_flops_per_s=H200_CONV_FLOPS_PER_S, conv_bytes_per_s=H200_CONV_BYTES_PER_S,
-                   conv_times=conv_times,
-                   kernel_launch_s=0.0 if graphed else host_launch_s(launch_probe_s),
-                   launch_probe_s=None if graphed else launch_probe_s)
+                   conv_times=conv_times, launch_probe_s=None if graphed else launch_probe_s)
 
     def record(self) -> dict:
         """The model as JSON-ready data (conv time keys as text); `from_record` reads it."""
@@ -99,18 +96,18 @@ class DeviceModel:
 # The fitted figures of DeviceModel.h200 (bench/calibrate.py prints them from bench/results).
 H200_CONV_FLOPS_PER_S = 91.9e12
 H200_CONV_BYTES_PER_S = 2.28e12
-H200_KERNEL_LAUNCH_S = 103e-6
-H200_LAUNCH_PROBE_S = None      # measure_launch_s on the host H200_KERNEL_LAUNCH_S was fitted on
+H200_LAUNCH_PER_PROBE = 7.39    # an eager layer step's host time over a bare launch's
+H200_LAUNCH_PROBE_S = 19.1e-6    # the bare launch on the hosts of the runs it was fitted on
 
 
-def host_launch_s(probe_s: float | None) -> float:
-    """Host seconds per Triton kernel a layer step launches, on a host whose bare launch takes
-    `probe_s` (measure_launch_s): the fitted figure, scaled by how much faster or slower this
-    host launches than the one it was fitted on. Without a probe (on either side): the
-    fitted figure as it is."""
-    if probe_s is None or H200_LAUNCH_PROBE_S is None:
-        return H200_KERNEL_LAUNCH_S
-    return H200_KERNEL_LAUNCH_S * probe_s / H200_LAUNCH_PROBE_S
+def host_launch_s(probe_s: float | None = None) -> float:
+    """Host seconds to issue one eager layer step (its Python, its kernels' launches, its
+    pool operations) on a host whose bare Triton launch takes `probe_s` (measure_launch_s):
+    a fitted multiple of the probe. The lent machines' hosts run up to 1.6x faster or
+    slower from one call to the next, and within one process from one second to the next,
+    so the step's host time follows the host's probe, not a fixed figure. Without a probe:
+    the hosts' the figures were fitted on."""
+    return H200_LAUNCH_PER_PROBE * (probe_s or H200_LAUNCH_PROBE_S)
 
 
 def measure_launch_s(device, rounds: int = 5, launches: int = 50) -> float:

@@ -9,15 +9,17 @@ the tracked GPU results, so the model's numbers come from measurements and not f
   one the planner's rankings pick), leaving out the first conv's data gradient, which
   training never computes.
 - **Host cost.** At batch 32 AlexNet's and ResNet-50's eager steps are bound by the host
-  (their CUDA-graph replays run 2-2.7x as fast). For each, the host seconds per layer step
+  (their CUDA-graph replays run 2.8-2.9x as fast). For each, the host seconds per layer step
   at which the model predicts its measured eager step (`train-<model>-b32-<gpu>.json`,
   planned as it ran, with its measured conv times) are divided by the run's own probe of
-  the host (`timing.measure_launch_s`, a bare Triton launch, taken beside the timed steps):
-  the model charges that multiple of a process's probe per layer step. The fit is the
-  geometric mean of the two runs' multiples, and the probe without one the mean of their
-  probes. Per layer step rather than per Triton kernel: on one host the two models' steps
-  cost the same per layer step (ResNet-50's launch 2.5 kernels each, AlexNet's 1.8), while
-  per kernel AlexNet's cost 1.4x ResNet-50's.
+  the host (`timing.measure_launch_s`, a bare Triton launch, taken before and after the
+  timed steps): the model charges that multiple of a process's probe per layer step. The
+  fit is the geometric mean of the two runs' multiples, and the probe without one the
+  mean of their probes. Per layer step rather than per Triton kernel, and scaled by the
+  probe, because that is what varies least between the two models' runs: in one call
+  they cost 7.41 and 7.38 probes per layer step (per kernel, 1.55x apart); in the call
+  the tracked runs come from, 13.0 and 10.3 (per layer step without the probe 1.67x
+  apart, per kernel 2.3x).
 
 The model's error against every measured run is bench/predict.py's table.
 """

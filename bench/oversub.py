@@ -279,6 +279,7 @@ def curve_row(model, batch, capped, reference, bandwidth) -> dict:
                rebuild_joins=capped["rebuild_joins"], rebuilt_joins=capped["rebuilt_joins"],
                trade_budget=capped["trade_budget"],
                launch_probe_s=capped["device_model"]["launch_probe_s"],
+               timed_launch_probe_s=capped["timed_launch_probe_s"],
                no_move_images_per_s=None, fraction=None)
     if "ms_per_step" in reference:
         no_move = batch / reference["ms_per_step"] * 1e3

@@ -14,7 +14,8 @@ ROW_KEYS = {"model", "batch", "images_per_s", "no_move_images_per_s", "fraction"
             "pcie_floor_s", "bound_by", "bytes_moved_per_step", "process_peak_bytes",
             "peak_equals_plan", "bytes_to_host", "bytes_to_device", "predicted_step_s",
             "model_bound_by", "seconds_per_step", "predicted_compute_waits_s",
-            "recomputed_steps", "speed_centric_everywhere", "launch_probe_s"}
+            "recomputed_steps", "speed_centric_everywhere", "launch_probe_s",
+            "timed_launch_probe_s"}
 # LeNet's largest batch under 172,032 B is 8, and that plan copies 36,864 B each step
 SMOKE = ["--models", "lenet", "--memory", "149504", "--reference", "64MiB", "--first", "4",
          "--steps", "1", "--batches", "lenet=8"]
@@ -167,11 +168,11 @@ def test_a_failed_run_is_recorded_in_its_row():
               "recomputed_steps": 0, "speed_centric_everywhere": False,
               "in_place_gradients": True, "keep_pools": True, "evict_by_next_use": True,
               "rebuild_joins": True, "rebuilt_joins": ["add1"], "trade_budget": 48,
-              "device_model": {"launch_probe_s": 2e-5}}
+              "device_model": {"launch_probe_s": 2e-5}, "timed_launch_probe_s": 3e-5}
     row = oversub.curve_row("m", 4, capped, {"error": "OutOfMemory: no"}, bandwidth)
     assert row["images_per_s"] == 8.0 and row["pcie_floor_s"] == 3.0
     assert row["bound_by"] == "pcie" and row["fraction"] is None
-    assert row["launch_probe_s"] == 2e-5
+    assert row["launch_probe_s"] == 2e-5 and row["timed_launch_probe_s"] == 3e-5
     assert row["no_move_error"] == "OutOfMemory: no"
     failed = oversub.curve_row("m", 8, {"refused": "too small"}, {}, bandwidth)
     assert failed == {"model": "m", "batch": 8, "error": "too small"}

@@ -28,7 +28,8 @@ def starved(monkeypatch):
 
 def starve(mp):
     mp.setattr(timing.DeviceModel, "h200",
-               classmethod(lambda cls, graphed=False, conv_times=None: STARVED))
+               classmethod(lambda cls, graphed=False, conv_times=None, launch_probe_s=None:
+                           STARVED))
 
 
 def pointwise_net(batch=2):

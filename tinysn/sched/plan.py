@@ -659,7 +659,7 @@ def _rebuild_joins(search, base: Plan) -> Plan:
     block 2's add, then blocks 1 and 3's together, then layer3 block 0's; predicted 1.092 s
     -> 0.988, measured on the H200 1.016 -> 0.913 s (bench/README.md). At most JOIN_BUDGET
     plans, and TRADE_STEPS plan steps' worth of them (a net too deep to trade is skipped)."""
-    joins = _join_candidates(search, base)
+    joins, base_s = _join_candidates(search, base)
     if not joins:
         return base
     variant, chosen = recompute.split(base.drops)
@@ -674,7 +674,7 @@ def _rebuild_joins(search, base: Plan) -> Plan:
             return None, float("inf")
         return plan, search.step_seconds(plan)
 
-    best, best_s, added = base, search.step_seconds(base), frozenset()
+    best, best_s, added = base, base_s, frozenset()
     left = min(JOIN_BUDGET, TRADE_STEPS // max(1, len(base.steps)))
     while left > 0:
         rest = [i for i in joins if i not in added]
@@ -690,24 +690,25 @@ def _rebuild_joins(search, base: Plan) -> Plan:
     return best
 
 
-def _join_candidates(search, base: Plan) -> list:
-    """Indices, in forward order, of the joins `_rebuild_joins` may add to `base`'s drops:
-    those whose copies it moves (directly or through the ReLU after them) and does not
-    rebuild yet; none where the search is off, nothing moves or the net is too deep to
-    trade, or where the model says the compute stream waits less than JOIN_WAITS of the
-    step: moving fewer bytes gains at most that wait, and the copies already hide behind
-    compute (ResNet-152 at batch 256 under 12 GiB waits 0.6%: searching found nothing and
-    tripled its planning time)."""
+def _join_candidates(search, base: Plan) -> tuple:
+    """Indices, in forward order, of the joins `_rebuild_joins` may add to `base`'s drops,
+    and `base`'s predicted step (search.step_seconds; None where it was not needed). The
+    joins are those whose copies it moves (directly or through the ReLU after them) and
+    does not rebuild yet; none where the search is off, nothing moves or the net is too
+    deep to trade, or where the model says the compute stream waits less than JOIN_WAITS
+    of the step: moving fewer bytes gains at most that wait, and the copies already hide
+    behind compute (ResNet-152 at batch 256 under 12 GiB waits 0.6%: searching found
+    nothing and tripled its planning time)."""
     from .timing import rebuild_order, simulate
     if not (search.rebuild_joins and base.bytes_to_host and base.uses_recompute) \
             or _trades_for(base) == 0:
-        return []
+        return [], None
     timeline = simulate(search.write_back_early(base), search.device_model)
     if sum(timeline.compute_waits().values()) < JOIN_WAITS * timeline.step_s:
-        return []
+        return [], timeline.step_s
     _, chosen = recompute.split(base.drops)
     return sorted(i for i in rebuild_order(base, search.device_model, through_cheap=True)
-                  if _is_join(base.net.layers[i]) and i not in chosen)
+                  if _is_join(base.net.layers[i]) and i not in chosen), timeline.step_s
 
 
 def _is_join(layer) -> bool:

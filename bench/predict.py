@@ -49,8 +49,8 @@ def planned_with(row: dict) -> DeviceModel:
 def compare(net, memory, policy, measured: dict, graphed=False, host_memory=None,
             **plan_kw) -> dict:
     """One row: the prediction for `net` planned as it was measured (`measured`: the run's
-    seconds per step, the bytes it moved and its probe of the host), and its error. Equal bytes moved say the plan
-    made here is the one that ran."""
+    seconds per step, the bytes it moved and its probe of the host), and its error. Equal
+    bytes moved say the plan made here is the one that ran."""
     conv_times = plan_kw["device_model"].conv_times     # measured where the run had them
     plan = sn.plan(net, memory, policy, host_memory=host_memory,
                    rankings=conv_times and workspace.rankings_of(conv_times), **plan_kw)

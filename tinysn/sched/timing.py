@@ -52,8 +52,8 @@ class DeviceModel:
     conv_times: dict | None = field(default=None, hash=False, repr=False)
     # host time per Triton kernel a layer step launches (kernel_launches), on top of
     # launch_s: what models of earlier runs charged (bench/predict.py plans them as they
-    # ran); DeviceModel.h200 charges per layer step instead, which fits AlexNet and
-    # ResNet-50 alike on one host (bench/calibrate.py)
+    # ran); DeviceModel.h200 charges per layer step instead, where AlexNet's and
+    # ResNet-50's host costs lie closer together (bench/calibrate.py)
     kernel_launch_s: float = 0.0
     # this process's host seconds per bare Triton launch (measure_launch_s), which scaled
     # launch_s; None: not measured (planned off the GPU, replayed, or recorded before)
@@ -105,7 +105,8 @@ def host_launch_s(probe_s: float | None = None) -> float:
     pool operations) on a host whose bare Triton launch takes `probe_s` (measure_launch_s):
     a fitted multiple of the probe. The lent machines' hosts run up to 1.6x faster or
     slower from one call to the next, and within one process from one second to the next,
-    so the step's host time follows the host's probe, not a fixed figure. Without a probe:
+    so the step's host time follows the host's probe, not a fixed figure (the multiple
+    itself moved from 7.4 to 10-13 between two calls: bench/README.md). Without a probe:
     the hosts' the figures were fitted on."""
     return H200_LAUNCH_PER_PROBE * (probe_s or H200_LAUNCH_PROBE_S)
 

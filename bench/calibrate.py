@@ -17,9 +17,9 @@ the tracked GPU results, so the model's numbers come from measurements and not f
   fit is the geometric mean of the two runs' multiples, and the probe without one the
   mean of their probes. Per layer step rather than per Triton kernel, and scaled by the
   probe, because that is what varies least between the two models' runs: in one call
-  they cost 7.41 and 7.38 probes per layer step (per kernel, 1.55x apart); in the call
-  the tracked runs come from, 13.0 and 10.3 (per layer step without the probe 1.67x
-  apart, per kernel 2.3x).
+  they cost 7.41 and 7.38 probes per layer step (per kernel, 1.55x apart; commit
+  ac36b27's results); in the call the tracked runs come from, 13.0 and 10.3 (per layer
+  step without the probe 1.67x apart, per kernel 2.3x).
 
 The model's error against every measured run is bench/predict.py's table.
 """

@@ -2,14 +2,14 @@
 # Every GPU figure in few calls on the device machine; each stage has its own time limit and
 # writes its results straight into $OUT (never into the tracked bench/results/).
 #   PYTHONPATH=. OUT=/some/dir bash bench/gpu_run.sh STAGE...
-# stages: first-run streams tests runtime cap kernels conv-configs profile pool train memory-a memory-b deep-graph trace oversub ddp-b32 ddp-largest
+# stages: first-run streams tests runtime cap kernels conv-configs profile pool train host-probe memory-a memory-b deep-graph trace oversub ddp-b32 ddp-largest
 # (the ddp stages need two GPUs: bench/ddp.py, one file with both stages' configurations)
 # Copy a result into bench/results/ by hand once it is checked, one file per configuration.
 set -u
 export PYTHONPATH=${PYTHONPATH:-.}
 export PYTHONUNBUFFERED=1
 OUT=${OUT:-/tmp/tinysn-gpu}
-STAGES="first-run streams tests runtime cap kernels conv-configs profile pool train memory-a memory-b deep-graph trace oversub ddp-b32 ddp-largest"
+STAGES="first-run streams tests runtime cap kernels conv-configs profile pool train host-probe memory-a memory-b deep-graph trace oversub ddp-b32 ddp-largest"
 for stage in "$@"; do
   case " $STAGES " in *" $stage "*) ;; *) echo "unknown stage '$stage' (stages: $STAGES)"; exit 2 ;; esac
 done
@@ -47,6 +47,8 @@ for stage in "$@"; do
     train)    for model in ${TRAIN_MODELS:-resnet50 vgg16 alexnet inception_v4}; do
                 timeout ${TRAIN_S:-150} python3 bench/train.py --model "$model" --batch 32 --out "$OUT/train-$model-b32-$GPU.json" 2>&1 | tail -8
               done ;;
+    # the host probe against ResNet-50's and AlexNet's eager steps, paired over a minute (untuned)
+    host-probe) TINYSN_AUTOTUNE=0 timeout ${PROBE_S:-240} python3 bench/host_probe.py --out "$OUT/host-probe-$GPU.json" 2>&1 | tail -16 ;;
     memory-a) seed "memory-$GPU.json"; TINYSN_AUTOTUNE=0 timeout 420 python3 bench/memory.py $MEM --models resnet50,vgg16,inception_v4 --reference 120GiB --reference-models resnet50 2>&1 | tail -20 ;;
     memory-b) seed "memory-$GPU.json"; TINYSN_AUTOTUNE=0 timeout 480 python3 bench/memory.py $MEM --models resnet101,resnet152 --deep-n "${DEEP_N:-0}" 2>&1 | tail -20 ;;
     # the deep ResNet alone, its step replayed as a CUDA graph

@@ -148,3 +148,19 @@ def test_oversubscription_table_quotes_the_json():
     lines = set(BENCH_README.splitlines())
     for row in rows:
         assert row in lines, row
+
+
+def test_host_probe_figures_quote_the_json():
+    """bench/README.md's host-probe figures are host_probe.py's summary."""
+    s = load("host-probe-NVIDIA-H200.json")["summary"]
+    text = " ".join(BENCH_README.split())
+
+    def span(key, scale, digits):
+        return f"between {s[key]['min'] * scale:.{digits}f} and {s[key]['max'] * scale:.{digits}f}"
+    assert f"the bare launch moved {span('bare_launch_s', 1e6, 1)} us" in text
+    assert f"ResNet-50's step {span('resnet50_step_s', 1e3, 1)} ms" in text
+    assert f"AlexNet's {span('alexnet_step_s', 1e3, 1)} ms" in text
+    assert (f"(correlation {s['resnet50_correlation_with_bare_launch_s']:.2f}; the Python "
+            f"loop's {s['resnet50_correlation_with_python_loop_s']:.2f})") in text
+    assert (f"AlexNet's ({s['alexnet_correlation_with_bare_launch_s']:.2f}; "
+            f"{s['alexnet_correlation_with_python_loop_s']:.2f})") in text

@@ -35,9 +35,9 @@ import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import tinysn as sn  # noqa: E402
+from bench import predict  # noqa: E402
 from bench.common import add_out_argument, write  # noqa: E402
 from tinysn.sched.plan import Launch  # noqa: E402
-from tinysn.sched import workspace  # noqa: E402
 from tinysn.sched.timing import DeviceModel, simulate  # noqa: E402
 
 # bench/kernels.py's conv shape: "7x7/2 3->64 @224 b32" (kernel/stride, channels, size, batch)
@@ -108,16 +108,11 @@ def host_step_seconds(train: dict, conv_flops: float, conv_bytes: float) -> floa
     by bisection, since the kernels still running when the host has issued the last one
     add to the step."""
     row = eager_row(train)
-    recorded = DeviceModel.from_record(row["device_model"])
-    base = dataclasses.replace(DeviceModel.h200(conv_times=recorded.conv_times),
-                               conv_flops_per_s=conv_flops, conv_bytes_per_s=conv_bytes)
+    plan_kw = predict.train_plan_kw(train, row)
     net = getattr(sn.models, train["model"])(batch=train["batch"])
-    plan = sn.plan(net, train.get("memory") or "40GiB", row["policy"],
-                   momentum=train["sgd"]["momentum"], device_model=recorded,
-                   rankings=recorded.conv_times and workspace.rankings_of(recorded.conv_times),
-                   in_place_gradients=row.get("in_place_gradients", False),
-                   keep_pools=row.get("keep_pools", False),
-                   evict_by_next_use=row.get("evict_by_next_use", False))
+    plan = predict.plan_as_run(net, train.get("memory") or "40GiB", row["policy"], **plan_kw)
+    base = dataclasses.replace(DeviceModel.h200(conv_times=plan_kw["device_model"].conv_times),
+                               conv_flops_per_s=conv_flops, conv_bytes_per_s=conv_bytes)
     measured = row["ms_per_step"] / 1e3
     launches = sum(isinstance(op, Launch) for step in plan.steps for op in step.ops)
     lo, hi = 0.0, measured / launches

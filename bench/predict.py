@@ -46,14 +46,31 @@ def planned_with(row: dict) -> DeviceModel:
     return DeviceModel.from_record(recorded) if recorded else PLANNED_BEFORE
 
 
+def plan_as_run(net, memory, policy, host_memory=None, **plan_kw):
+    """`net` planned as a measured run planned it (`plan_kw` with the `device_model` it
+    chose with): with the rankings its measured conv times give, where it recorded them."""
+    conv_times = plan_kw["device_model"].conv_times
+    return sn.plan(net, memory, policy, host_memory=host_memory,
+                   rankings=conv_times and workspace.rankings_of(conv_times), **plan_kw)
+
+
+def train_plan_kw(run: dict, row: dict) -> dict:
+    """The planner options a train.py row ran with (a missing one as planners before it)."""
+    return dict(momentum=run["sgd"]["momentum"],
+                in_place_gradients=row.get("in_place_gradients", False),
+                keep_pools=row.get("keep_pools", False),
+                evict_by_next_use=row.get("evict_by_next_use", False),
+                rebuild_joins=row.get("rebuild_joins", False),
+                device_model=planned_with(row))
+
+
 def compare(net, memory, policy, measured: dict, graphed=False, host_memory=None,
             **plan_kw) -> dict:
     """One row: the prediction for `net` planned as it was measured (`measured`: the run's
     seconds per step, the bytes it moved and its probe of the host), and its error. Equal
     bytes moved say the plan made here is the one that ran."""
     conv_times = plan_kw["device_model"].conv_times     # measured where the run had them
-    plan = sn.plan(net, memory, policy, host_memory=host_memory,
-                   rankings=conv_times and workspace.rankings_of(conv_times), **plan_kw)
+    plan = plan_as_run(net, memory, policy, host_memory, **plan_kw)
     # the run's host, where it probed it: beside the timed steps, else when it planned
     probe = measured.get("probe") or plan_kw["device_model"].launch_probe_s
     timeline = simulate(plan, DeviceModel.h200(graphed=graphed, conv_times=conv_times,
@@ -108,13 +125,8 @@ def train_rows(path: Path) -> list:
         memory = run.get("memory") or "40GiB"
         measured = {"s": row["ms_per_step"] / 1e3, "moved": row["bytes_moved_per_step"],
                     "probe": row.get("timed_launch_probe_s")}
-        rows.append({**compare(net, memory, row["policy"], measured,
-                               row["cuda_graph"], momentum=run["sgd"]["momentum"],
-                               in_place_gradients=row.get("in_place_gradients", False),
-                               keep_pools=row.get("keep_pools", False),
-                               evict_by_next_use=row.get("evict_by_next_use", False),
-                               rebuild_joins=row.get("rebuild_joins", False),
-                               device_model=planned_with(row)),
+        rows.append({**compare(net, memory, row["policy"], measured, row["cuda_graph"],
+                               **train_plan_kw(run, row)),
                      "model": run["model"]})
     return rows
 

@@ -45,12 +45,19 @@ EXTRA_FWD = [
     cfg(128, 64, 32, 4, 3), cfg(64, 64, 64, 4, 4), cfg(128, 128, 32, 8, 3, False),
     cfg(64, 64, 32, 4, 4, False), cfg(128, 128, 32, 8, 3), cfg(128, 64, 32, 4, 4, False),
 ]
-EXTRA_WGT = [
+EXTRA_WGT = [conv._tap(c) for c in [
     cfg(128, 128, 64, 8, 3), cfg(64, 128, 64, 4, 3), cfg(128, 64, 64, 4, 3), cfg(64, 64, 128, 4, 3),
     cfg(128, 128, 32, 4, 4), cfg(64, 128, 32, 4, 4), cfg(128, 128, 32, 8, 4), cfg(64, 64, 64, 4, 4),
     cfg(128, 64, 32, 4, 3), cfg(128, 256, 32, 8, 3), cfg(64, 64, 64, 4, 3), cfg(128, 64, 32, 4, 4),
     cfg(128, 128, 32, 8, 3),
-]
+]]
+# the weight gradient's tap-major columns (conv's TAP flag) under the same tiles as the
+# list's and the extra configs that may pay for it
+TAP_WGT = [conv._tap(cfg(*c), True) for c in [
+    (128, 64, 32, 4, 3), (64, 64, 128, 4, 3), (64, 64, 32, 4, 4), (128, 128, 32, 8, 4),
+    (128, 128, 64, 8, 3), (64, 128, 64, 4, 3), (128, 64, 64, 4, 3), (128, 128, 32, 4, 4),
+    (64, 128, 32, 4, 4), (64, 64, 64, 4, 4), (128, 256, 32, 8, 3), (128, 128, 32, 8, 3),
+]]
 EXTRA_DATA = [
     cfg(128, 128, 16, 8, 5), cfg(128, 256, 32, 8, 4, False), cfg(128, 64, 32, 4, 3),
     cfg(64, 256, 32, 8, 4), cfg(128, 128, 32, 8, 4), cfg(128, 128, 64, 8, 3), cfg(64, 128, 64, 4, 4),
@@ -136,7 +143,8 @@ def tuners() -> dict:
                                        [conv._flat(c, f) for c in data for f in (False, True)]),
                             ("data_transposed",)),
         "weight": (conv._conv_bwd_weight, conv._WGT_CONFIGS,
-                   candidates(conv._WGT_CONFIGS, EXTRA_WGT), ("weight_splitk", "weight_onepass")),
+                   candidates(conv._WGT_CONFIGS, EXTRA_WGT + TAP_WGT),
+                   ("weight_splitk", "weight_onepass")),
     }
 
 
@@ -167,28 +175,30 @@ def time_configs(forced, fn, configs) -> list:
     return out
 
 
-def sweep(problems, tuned, shape_done=lambda rows: None) -> list:
+def sweep(problems, tuned, shape_done=lambda rows: None, shapes=None) -> list:
     """One row per (shape, phase): every candidate's ms, today's best, cuDNN's ms. conv's
     launches run the forced config meanwhile; `shape_done(rows)` runs after each shape, so
-    a run cut short by its time limit still leaves the rows it timed."""
+    a run cut short by its time limit still leaves the rows it timed. `shapes`: the
+    problems' shapes (SHAPES by default)."""
     forced = ForcedConfig({id(t): cands for t, _, cands, _ in tuned.values()})
     launch, conv._launch = conv._launch, forced
     try:
-        return _sweep(problems, tuned, forced, shape_done)
+        return _sweep(problems, tuned, forced, shape_done, shapes or SHAPES)
     finally:
         conv._launch = launch
 
 
-def _sweep(problems, tuned, forced, shape_done) -> list:
+def _sweep(problems, tuned, forced, shape_done, shapes) -> list:
     started = time.perf_counter()
     if not _common.INTERPRET:       # the interpreter compiles nothing
         with _common.compiling_in_parallel():
             for calls in problems:
-                for fn, _ in calls.values():
-                    fn()
+                for _, _, _, phases in tuned.values():
+                    for phase in phases:
+                        calls[phase][0]()
     print(f"compiled in {time.perf_counter() - started:.0f} s", flush=True)
     rows = []
-    for shape, calls in zip(SHAPES, problems):
+    for shape, calls in zip(shapes, problems):
         for name, (_, today, cands, phases) in tuned.items():
             for phase in phases:
                 fn, ref = calls[phase]
@@ -223,16 +233,20 @@ def pick_all(rows, tuned) -> dict:
 def main():
     ap = argparse.ArgumentParser()
     common.add_out_argument(ap)
+    ap.add_argument("--tuners", default="forward,data_implicit,data_transposed,weight",
+                    help="the autotuners to sweep (comma-separated)")
+    ap.add_argument("--kernel-size", type=int, help="only the shapes of this kernel size")
     args = ap.parse_args()
     if not torch.cuda.is_available():
         print("bench/conv_configs.py needs a CUDA GPU")
         return 1
     torch.backends.cudnn.allow_tf32 = True
-    tuned = tuners()
-    result = {"batch": BATCH, "shapes": [list(s) for s in SHAPES],
+    tuned = {n: t for n, t in tuners().items() if n in args.tuners.split(",")}
+    shapes = [s for s in SHAPES if args.kernel_size in (None, s[3])]
+    result = {"batch": BATCH, "shapes": [list(s) for s in shapes],
               "candidates": {n: [str(c) for c in t[2]] for n, t in tuned.items()}}
-    rows = sweep([problem(*s) for s in SHAPES], tuned,
-                 lambda rows: common.write(args.out, {**result, "rows": rows}))
+    rows = sweep([problem(*s) for s in shapes], tuned,
+                 lambda rows: common.write(args.out, {**result, "rows": rows}), shapes)
     common.write(args.out, {**result, "rows": rows, "picks": pick_all(rows, tuned)})
     return 0
 

@@ -218,9 +218,13 @@ def _bn_backward(program, lp):
 
 def _conv_launches(layer, phase, algos) -> int:
     """One or two kernels per algorithm the pass runs (conv_k.LAUNCHES), and the bias
-    gradient's in a backward pass."""
+    gradient's one or two in a backward pass (its partial sums sit in dW's room)."""
     own = sum(conv_k.LAUNCHES[(p, a)] for p, a in (algos or {}).items())
-    return own + (phase == "backward" and "bias" in layer.params)
+    if phase != "backward" or "bias" not in layer.params:
+        return own
+    n, k, p, q = layer.shape
+    c, r, s = layer.inputs[0].shape[1], *layer.attrs["kernel"]
+    return own + conv_k.bias_grad_launches(n, k, p * q, k * c * r * s)
 
 
 def _conv_cost(layer, phase) -> tuple:

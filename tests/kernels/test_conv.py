@@ -413,17 +413,30 @@ def test_backward_skips_missing_gradients():
 
 
 @pytest.mark.parametrize("tile", [0, 8, 64, conv.INTERP_TILE])
-def test_bias_grad_tile_layouts(tile, monkeypatch):
+@pytest.mark.parametrize("programs", [1, 4, 10 ** 6])
+def test_bias_grad_tile_layouts(tile, programs, monkeypatch):
     """The bias gradient in every tile layout: the GPU's (tile 0: one channel and image per
     step), small tiles (several programs, loops over images and pixels with masked tails) and
-    the interpreter's; K, N and P*Q are not powers of two."""
+    the interpreter's; K, N and P*Q are not powers of two. With the weight gradient it sums
+    image groups into dW's room first (as many groups as the program target and the room
+    allow: one, some, one per image), then adds the groups."""
     monkeypatch.setattr(conv, "_BIAS_TILE", tile)
+    monkeypatch.setattr(conv, "_BIAS_PROGRAMS", programs)
     gen = torch.Generator().manual_seed(tile)
-    for n, k, p in ((3, 5, 3), (5, 3, 7), (6, 3, 2), (1, 1, 1)):
+    for n, k, p in ((3, 5, 3), (5, 3, 7), (6, 3, 2), (1, 1, 1), (7, 2, 4)):
         x, dy = _rand((n, 2, p, p), gen, "cpu"), _rand((n, k, p, p), gen, "cpu")
+        db_ref = dy.double().sum((0, 2, 3))
         db = _nan((k,), "cpu")
         conv.backward_weight(x, dy, None, db, stride=1, padding=0)
-        _close(db, dy.double().sum((0, 2, 3)), n * p * p, "ieee", f"db tile {tile}")
+        _close(db, db_ref, n * p * p, "ieee", f"db tile {tile}")
+        dw, db = _nan((k, 2, 1, 1), "cpu"), _nan((k,), "cpu")
+        conv.backward_weight(x, dy, dw, db, stride=1, padding=0, precision="ieee")
+        _close(db, db_ref, n * p * p, "ieee", f"db tile {tile}, {programs} programs")
+        _close(dw, torch.nn.grad.conv2d_weight(x.double(), dw.shape, dy.double()), n * p * p,
+               "ieee", "dw after the partial sums")
+        groups = conv.bias_groups(n, k, p * p, dw.numel())
+        assert groups == {1: 1, 10 ** 6: min(n, 2)}.get(programs, groups)   # room: 2 per channel
+        assert conv.bias_grad_launches(n, k, p * p, dw.numel()) == 1 + (groups > 1)
 
 # --------------------------------------------------------------------------------------------
 # GPU (device machine)

@@ -52,8 +52,11 @@ workspace bytes, fastest-expected first:
     "splitk"     the N*P*Q reduction is cut into `splitk_splits()` chunks; each writes its
                  partial dW into the workspace [splits, K, C*R*S]; a second kernel sums the
                  chunks in a fixed order. More programs when K*C*R*S is small.
+                 Both take a column order from their config: (c, r, s) tiles, or (TAP) tiles
+                 of channels at one tap, whose bounds masks are per pixel, not per element.
   db (bias gradient) is a separate fixed-order reduce kernel over dY (one program per channel
-  on the GPU, per block of channels under the interpreter).
+  on the GPU, per block of channels under the interpreter); alongside dW it first sums groups
+  of images into dW's own memory, so that the GPU has more programs (`bias_groups`).
 
 Rules (docs/kernels.md): nothing is allocated here; workspace is a 1-D uint8 or
 float32 tensor of at least `workspace_bytes(...)` bytes; outputs are overwritten (dx is added
@@ -93,10 +96,11 @@ _ALGOS = {"forward": ("implicit", "im2col"),
 
 # split-K sizing: aim for about this many programs (two waves on a 132-SM H200; a constant so
 # that plans, workspaces and results do not depend on the device), chunks of whole 64s,
-# at most _MAX_SPLITS chunks.
+# at most _MAX_SPLITS chunks (VGG16's first conv, [64, 27] columns over 1.6M pixels, is one
+# tile: 256 chunks keep the whole GPU reading; the last 64 left half of it idle).
 _TARGET_PROGRAMS = 264
 _SPLIT_QUANTUM = 64
-_MAX_SPLITS = 64
+_MAX_SPLITS = 256
 # problems with fewer multiply-adds than this take the first config without autotuning
 _TUNE_MIN_MACS = 1 << 24
 
@@ -256,6 +260,12 @@ def _cfg(bm, bn, bk, warps, stages, pix=True, group_m=8):
                           "PIX": pix}, num_warps=warps, num_stages=stages)
 
 
+def _tap(cfg, tap=False):
+    """`cfg` with the weight-gradient kernel's column order (TAP) added."""
+    return triton.Config({**cfg.kwargs, "TAP": tap}, num_warps=cfg.num_warps,
+                         num_stages=cfg.num_stages)
+
+
 # Configs: (BLOCK_M, BLOCK_N, BLOCK_K, warps, stages, PIX). The forward and weight-gradient
 # lists are the eight (four) configs that together come closest to the best of a wider sweep
 # on 17 VGG16 / ResNet-50 shapes at batch 32 on the H200 (bench/conv_configs.py: greedy,
@@ -286,31 +296,38 @@ _DATA_CONFIGS = [
     _cfg(128, 128, 32, 8, 3, True),
     _cfg(128, 64, 32, 8, 4, True),
 ]
-# backward_weight: M = K, N = C*R*S, reduction over pixels (PIX=False never won here)
-_WGT_CONFIGS = [
-    _cfg(128, 64, 32, 4, 3, True),
-    _cfg(64, 64, 128, 4, 3, True),
-    _cfg(64, 64, 32, 4, 4, True),
-    _cfg(128, 128, 32, 8, 4, True),
-]
+# backward_weight: M = K, N = C*R*S, reduction over pixels (PIX=False never won here). The
+# first is the same tiles tap-major (TAP): on the nine VGG16 / ResNet-50 3x3 shapes it took
+# 14% off the best weight-gradient time of the other four (bench/conv_configs.py,
+# --kernel-size 3); a 1x1 conv has one tap, so there it is the second config
+_WGT_CONFIGS = [_tap(_cfg(*c[:6]), c[6]) for c in [
+    (128, 64, 32, 4, 3, True, True),
+    (128, 64, 32, 4, 3, True, False),
+    (64, 64, 128, 4, 3, True, False),
+    (64, 64, 32, 4, 4, True, False),
+    (128, 128, 32, 8, 4, True, False),
+]]
 # Under the interpreter (which pays per operation and per program, see INTERP_TILE) each
 # phase runs one config with large tiles: a LeNet layer on 8x8 digits is one or a few
 # programs of a few reduction steps. The GPU configs above still run on the CPU in the
 # tests that pin every config (tests/kernels/configs.py), which reach the loop tails.
 _INTERP_FWD = _cfg(2048, 32, 32, 1, 1, group_m=2)       # M = pixels, N = K, BLOCK_K = C*R*S
 _INTERP_DATA = _cfg(1024, 16, 64, 1, 1, group_m=2)      # M = pixels, N = C, BLOCK_K = K*taps
-_INTERP_WGT = _cfg(32, 64, 512, 1, 1, group_m=2)        # M = K, N = C*R*S, BLOCK_K = pixels
+_INTERP_WGT = _tap(_cfg(32, 64, 512, 1, 1, group_m=2))  # M = K, N = C*R*S, BLOCK_K = pixels
 
 
 def _prune(macs_fn):
     """Early config prune: a problem too small to be worth timing keeps the first config;
     where the pixel axis is provably contiguous (1x1 stride-1 convs over a pixel count that
-    is a multiple of 4) the PIX flag changes nothing, so only PIX=True configs are timed."""
+    is a multiple of 4) the PIX flag changes nothing, so only PIX=True configs are timed; a
+    1x1 conv has one tap, so the TAP flag changes nothing there either."""
     def prune(configs, named_args, **kwargs):
         a = dict(named_args)
         a.update(kwargs)
         if macs_fn(a) < _TUNE_MIN_MACS:
             return configs[:1]
+        if a["IS_1X1"]:
+            configs = [c for c in configs if not c.kwargs.get("TAP")] or configs[:1]
         if a["IS_1X1"] and (a["P"] * a["Q"]) % 4 == 0:
             return [c for c in configs if c.kwargs["PIX"]]
         return configs
@@ -849,12 +866,16 @@ def _conv_bwd_weight_kernel(x_ptr, dy_ptr, dw_ptr,
                             R: tl.constexpr, S: tl.constexpr, IS_1X1: tl.constexpr,
                             PRECISION: tl.constexpr,
                             BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                            GROUP_M: tl.constexpr, PIX: tl.constexpr):
+                            GROUP_M: tl.constexpr, PIX: tl.constexpr, TAP: tl.constexpr):
     """dW[k, (c,r,s)] = sum over pixels j in chunk program_id(1) of dY[j, k] * Xcol[j, (c,r,s)].
 
     Both tiles are [rows, BLOCK_K pixels] with the pixel axis fast. Writes chunk `split` to
     dw_ptr + split*K*C*R*S (one chunk: dW itself; several: the split-K workspace, summed by
     _splitk_reduce_kernel).
+
+    TAP (a config flag): a program's columns are BLOCK_N channels of one tap (r, s) instead of
+    BLOCK_N consecutive (c, r, s); the tap is then a scalar, so the x gather's bounds mask is
+    a vector over the pixels (see _conv_fwd_kernel) and the columns a vector over channels.
     """
     pid = tl.program_id(0)
     split = tl.program_id(1)
@@ -863,14 +884,25 @@ def _conv_bwd_weight_kernel(x_ptr, dy_ptr, dw_ptr,
     RS: tl.constexpr = R * S
     CRS = C * RS
     NPQ = N * PQ
-    pid_m, pid_n = _tile_ids(pid, K, CRS, BLOCK_M, BLOCK_N, GROUP_M)
+    if TAP:     # column tiles: (channel block, tap), the tap fastest
+        n_tiles = tl.cdiv(C, BLOCK_N) * RS
+        pid_m, pid_n = _tile_ids(pid, K, n_tiles * BLOCK_N, BLOCK_M, BLOCK_N, GROUP_M)
+        tap = pid_n % RS
+        offs_c = (pid_n // RS) * BLOCK_N + tl.arange(0, BLOCK_N)
+        r_t = tap // S
+        s_t = tap - r_t * S
+        n_ok = offs_c < C
+        offs_n = offs_c * RS + tap                       # dW columns (c, r, s)
+        x_n = offs_c * HW
+    else:
+        pid_m, pid_n = _tile_ids(pid, K, CRS, BLOCK_M, BLOCK_N, GROUP_M)
+        offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)     # (c, r, s)
+        n_ok = offs_n < CRS
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)     # output channel k
-    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)     # (c, r, s)
     m_ok = offs_m < K
-    n_ok = offs_n < CRS
     if IS_1X1:
         x_n = offs_n * HW
-    else:
+    elif not TAP:
         nu = offs_n.to(tl.uint32)
         c = nu // RS
         rs = nu - c * RS
@@ -908,12 +940,17 @@ def _conv_bwd_weight_kernel(x_ptr, dy_ptr, dw_ptr,
             oh = pqu // Q
             ih0 = tl.where(j_ok, oh.to(tl.int32) * SH - PH, -(H + PH + R))
             iw0 = (pqu - oh * Q).to(tl.int32) * SW - PW
+            if TAP:
+                ih0 += r_t
+                iw0 += s_t
             x_j = dimg * (C * HW) + ih0 * W + iw0
             if PIX:
                 x_j = tl.max_contiguous(tl.multiple_of(x_j, 1), BLOCK_K)
-            bt = tl.load(x_base + (x_j[None, :] + x_n[:, None]),
-                         mask=_ult(ih0[None, :] + r[:, None], H)
-                         & _ult(iw0[None, :] + s[:, None], W),
+            if TAP:
+                mask = n_ok[:, None] & (_ult(ih0, H) & _ult(iw0, W))[None, :]
+            else:
+                mask = _ult(ih0[None, :] + r[:, None], H) & _ult(iw0[None, :] + s[:, None], W)
+            bt = tl.load(x_base + (x_j[None, :] + x_n[:, None]), mask=mask,
                          other=0.0)                                          # [BN, BK]
         acc = tl.dot(a, tl.trans(bt), acc, input_precision=PRECISION)
 
@@ -941,9 +978,10 @@ def _splitk_reduce_kernel(ws_ptr, dw_ptr, TOTAL, SPLITS, BLOCK: tl.constexpr):
 
 
 @triton.jit
-def _bias_grad_kernel(dy_ptr, db_ptr, N, K, PQ, BLOCK_C: tl.constexpr, BLOCK_I: tl.constexpr,
-                      BLOCK: tl.constexpr):
-    """db[k] = sum_{n, pq} dY[n, k, pq] for BLOCK_C channels per program, in a fixed order.
+def _bias_grad_kernel(dy_ptr, db_ptr, N, K, PQ, IMGS, BLOCK_C: tl.constexpr,
+                      BLOCK_I: tl.constexpr, BLOCK: tl.constexpr):
+    """db[g, k] = sum_{n in group g, pq} dY[n, k, pq] for BLOCK_C channels per program and the
+    images [g*IMGS, (g+1)*IMGS) of group g = program_id(1), in a fixed order.
 
     Each step adds a [BLOCK_C channels, BLOCK_I images, BLOCK pixels] tile of dY into the
     accumulator; the sum over images and pixels comes last. On the GPU a program takes one
@@ -952,18 +990,21 @@ def _bias_grad_kernel(dy_ptr, db_ptr, N, K, PQ, BLOCK_C: tl.constexpr, BLOCK_I: 
     """
     offs_c = tl.program_id(0) * BLOCK_C + tl.arange(0, BLOCK_C)
     c_ok = offs_c < K
+    n_lo = tl.program_id(1) * IMGS
+    n_hi = tl.minimum(n_lo + IMGS, N)
     imgs = tl.arange(0, BLOCK_I)
     pix = tl.arange(0, BLOCK)
     acc = tl.zeros((BLOCK_C, BLOCK_I, BLOCK), dtype=tl.float32)
-    for n0 in range(0, N, BLOCK_I):
+    for n0 in range(n_lo, n_hi, BLOCK_I):
         rows = n0 + imgs
         row = (rows[None, :].to(tl.int64) * K + offs_c[:, None]) * PQ        # [BC, BI]
-        row_ok = c_ok[:, None] & (rows < N)[None, :]
+        row_ok = c_ok[:, None] & (rows < n_hi)[None, :]
         for p0 in range(0, PQ, BLOCK):
             offs = p0 + pix
             acc += tl.load(dy_ptr + row[:, :, None] + offs[None, None, :],
                            mask=row_ok[:, :, None] & (offs < PQ)[None, None, :], other=0.0)
-    tl.store(db_ptr + offs_c, tl.sum(tl.sum(acc, axis=2), axis=1), mask=c_ok)
+    tl.store(db_ptr + tl.program_id(1) * K + offs_c, tl.sum(tl.sum(acc, axis=2), axis=1),
+             mask=c_ok)
 
 
 # --------------------------------------------------------------------------------------------
@@ -972,6 +1013,7 @@ def _bias_grad_kernel(dy_ptr, db_ptr, N, K, PQ, BLOCK_C: tl.constexpr, BLOCK_I: 
 
 _ELEM_BLOCK = 16 if INTERPRET else 1024
 _BIAS_TILE = INTERP_TILE if INTERPRET else 0     # see _bias_blocks
+_BIAS_PROGRAMS = 1 if INTERPRET else 1056         # see bias_groups (8 per SM on an H200)
 
 
 def _check_4d(name, t, shape=None):
@@ -1005,7 +1047,7 @@ def _geometry_cached(x_shape, w_shape, stride, padding):
     per_image = max(c * h * w, k * p * q, c * r * s * p * q, k * (h + r - 1) * (w + s - 1))
     span = 256 // max(1, min(p * q, (h // sh) * (w // sw))) + 2
     if span * per_image >= 2 ** 31 or n * max(p * q, h * w) >= 2 ** 31 or \
-            _MAX_SPLITS * k * c * r * s >= 2 ** 31:
+            _splitk_splits(x_shape, w_shape, (sh, sw), (ph, pw)) * k * c * r * s >= 2 ** 31:
         raise ValueError(f"conv: shapes x {tuple(x_shape)}, w {tuple(w_shape)} exceed the "
                          "kernels' 32-bit in-tile offsets")
     return sh, sw, ph, pw, p, q
@@ -1021,6 +1063,16 @@ def _tile_grid(m, n, depth=1):
     """Grid of a GEMM over [m, n] tiles (axis 0, grouped by _tile_ids) times `depth` (axis 1:
     residue classes of the data gradient, split-K chunks of the weight gradient)."""
     return lambda meta: (triton.cdiv(m, meta["BLOCK_M"]) * triton.cdiv(n, meta["BLOCK_N"]), depth)
+
+
+def _weight_grid(k, c, rs, splits):
+    """The weight gradient's grid: [K, C*R*S] tiles, or [K, (channel block, tap)] tiles under
+    the TAP flag, times the split-K chunks."""
+    def grid(meta):
+        bn = meta["BLOCK_N"]
+        cols = triton.cdiv(c, bn) * rs if meta["TAP"] else triton.cdiv(c * rs, bn)
+        return triton.cdiv(k, meta["BLOCK_M"]) * cols, splits
+    return grid
 
 
 def _launch_fwd(x, w, b, y, n, c, h, wd, k, p, q, sh, sw, ph, pw, r, s, prec,
@@ -1152,19 +1204,41 @@ def _bias_blocks(n, k, pq, tile):
     return bc, min(triton.next_power_of_2(n), max(1, tile // (blk * bc))), blk
 
 
-def _launch_bias_grad(dy, db, n, k, pq):
-    """db = dY summed over images and pixels, BLOCK_C channels per program."""
+def bias_groups(n, k, pq, room) -> int:
+    """Image groups the bias gradient of dY [n, k, pq] is cut into, given room for `room`
+    float32 partial sums (0: none). One program per channel leaves most of the GPU idle
+    (64 programs over ResNet's or VGG16's largest activations), so, where there is room,
+    each (channel, group) program sums its images into a partial and a second kernel adds
+    the groups in order; enough groups for about _BIAS_PROGRAMS programs. The interpreter
+    (1 program target) takes one group: one kernel, as few programs as its tiles allow."""
+    bc = _bias_blocks(n, k, pq, _BIAS_TILE)[0]
+    return max(1, min(n, room // k, triton.cdiv(_BIAS_PROGRAMS, triton.cdiv(k, bc))))
+
+
+def bias_grad_launches(n, k, pq, room) -> int:
+    """Triton kernels one bias gradient launches (see bias_groups)."""
+    return 1 if bias_groups(n, k, pq, room) == 1 else 2
+
+
+def _launch_bias_grad(dy, db, n, k, pq, scratch=None):
+    """db = dY summed over images and pixels, BLOCK_C channels per program; with `scratch`
+    (float32 room for partial sums) in image groups, then the groups summed in order."""
+    groups = bias_groups(n, k, pq, 0 if scratch is None else scratch.numel())
     bc, bi, blk = _bias_blocks(n, k, pq, _BIAS_TILE)
-    run(_bias_grad_kernel, (triton.cdiv(k, bc),), dy, db, n, k, pq, BLOCK_C=bc, BLOCK_I=bi, BLOCK=blk,
-        num_warps=4)
+    out = db if groups == 1 else scratch
+    run(_bias_grad_kernel, (triton.cdiv(k, bc), groups), dy, out, n, k, pq,
+        triton.cdiv(n, groups), BLOCK_C=bc, BLOCK_I=bi, BLOCK=blk, num_warps=4)
+    if groups > 1:
+        run(_splitk_reduce_kernel, (triton.cdiv(k, _ELEM_BLOCK),), scratch, db, k, groups,
+            BLOCK=_ELEM_BLOCK, num_warps=4)
 
 
 def _run_bwd_weight(x, dy, dw, db, geo, algo, ws, prec):
     sh, sw, ph, pw, p, q = geo
     n, c, h, wd = x.shape
     k = dy.shape[1]
-    if db is not None:
-        _launch_bias_grad(dy, db, n, k, p * q)
+    if db is not None:      # first: dW is not written yet, so it holds the partial sums
+        _launch_bias_grad(dy, db, n, k, p * q, None if dw is None else dw.view(-1))
     if dw is None:
         return
     _, _, r, s = dw.shape
@@ -1176,7 +1250,7 @@ def _run_bwd_weight(x, dy, dw, db, geo, algo, ws, prec):
         splits, out = splitk_splits(x.shape, dw.shape, (sh, sw), (ph, pw)), ws
     split_len = _split_len(npq, splits)
     crs = c * r * s
-    _launch(_conv_bwd_weight, _tile_grid(k, crs, splits),
+    _launch(_conv_bwd_weight, _weight_grid(k, c, r * s, splits),
             (x, dy, out, n, c, k, sh, sw, ph, pw, split_len),
             dict(H=h, W=wd, P=p, Q=q, R=r, S=s, IS_1X1=is_1x1, PRECISION=prec))
     if algo == "splitk":

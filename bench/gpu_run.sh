@@ -35,7 +35,8 @@ for stage in "$@"; do
     cap)      timeout -k 30 ${CAP_S:-300} python3 bench/gpu_tests.py --out "$OUT/gpu-tests-cap-$GPU.json" -- -q -s -rfE -p no:benchmark -m gpu -p no:cacheprovider tests/test_cap.py 2>&1 | tail -30 ;;
     kernels)  timeout ${KERNELS_S:-330} python3 bench/kernels.py ${KERNELS_ONLY:+--only $KERNELS_ONLY} --out "$OUT/kernels-$GPU.json" 2>&1 | tail -70 ;;
     # the conv autotuners' config lists: every tuner under a wider sweep on VGG16 / ResNet-50 shapes, greedy pick
-    conv-configs) timeout ${CONFIGS_S:-300} python3 bench/conv_configs.py --out "$OUT/conv-configs-$GPU.json" 2>&1 | tail -34 ;;
+    # (CONFIGS_ARGS="--tuners weight --kernel-size 3" CONFIGS_NAME=weight-3x3: one tuner's 3x3 rows)
+    conv-configs) timeout ${CONFIGS_S:-300} python3 bench/conv_configs.py ${CONFIGS_ARGS:-} --out "$OUT/conv-configs${CONFIGS_NAME:+-$CONFIGS_NAME}-$GPU.json" 2>&1 | tail -34 ;;
     # device time per kernel of an eager step at batch 32 (PROFILE_MODELS picks models)
     profile)  for model in ${PROFILE_MODELS:-alexnet vgg16 resnet50}; do
                 timeout ${PROFILE_S:-120} python3 bench/step_profile.py --model "$model" --out "$OUT/profile-$model-b32-$GPU.json" 2>&1 | tail -22

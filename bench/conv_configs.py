@@ -45,7 +45,7 @@ EXTRA_FWD = [
     cfg(128, 64, 32, 4, 3), cfg(64, 64, 64, 4, 4), cfg(128, 128, 32, 8, 3, False),
     cfg(64, 64, 32, 4, 4, False), cfg(128, 128, 32, 8, 3), cfg(128, 64, 32, 4, 4, False),
 ]
-EXTRA_WGT = [conv._tap(c) for c in [
+EXTRA_WGT = [conv._with(c, TAP=False) for c in [
     cfg(128, 128, 64, 8, 3), cfg(64, 128, 64, 4, 3), cfg(128, 64, 64, 4, 3), cfg(64, 64, 128, 4, 3),
     cfg(128, 128, 32, 4, 4), cfg(64, 128, 32, 4, 4), cfg(128, 128, 32, 8, 4), cfg(64, 64, 64, 4, 4),
     cfg(128, 64, 32, 4, 3), cfg(128, 256, 32, 8, 3), cfg(64, 64, 64, 4, 3), cfg(128, 64, 32, 4, 4),
@@ -53,7 +53,7 @@ EXTRA_WGT = [conv._tap(c) for c in [
 ]]
 # the weight gradient's tap-major columns (conv's TAP flag) under the same tiles as the
 # list's and the extra configs that may pay for it
-TAP_WGT = [conv._tap(cfg(*c), True) for c in [
+TAP_WGT = [conv._with(cfg(*c), TAP=True) for c in [
     (128, 64, 32, 4, 3), (64, 64, 128, 4, 3), (64, 64, 32, 4, 4), (128, 128, 32, 8, 4),
     (128, 128, 64, 8, 3), (64, 128, 64, 4, 3), (128, 64, 64, 4, 3), (128, 128, 32, 4, 4),
     (64, 128, 32, 4, 4), (64, 64, 64, 4, 4), (128, 256, 32, 8, 3), (128, 128, 32, 8, 3),
@@ -140,7 +140,7 @@ def tuners() -> dict:
         "data_implicit": (conv._conv_bwd_data, conv._DATA_CONFIGS, data, ("data_implicit",)),
         "data_transposed": (conv._conv_bwd_data_t, conv._T_CONFIGS,
                             candidates(conv._T_CONFIGS,
-                                       [conv._flat(c, f) for c in data for f in (False, True)]),
+                                       [conv._with(c, FLAT=f) for c in data for f in (False, True)]),
                             ("data_transposed",)),
         "weight": (conv._conv_bwd_weight, conv._WGT_CONFIGS,
                    candidates(conv._WGT_CONFIGS, EXTRA_WGT + TAP_WGT),

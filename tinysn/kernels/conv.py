@@ -260,9 +260,10 @@ def _cfg(bm, bn, bk, warps, stages, pix=True, group_m=8):
                           "PIX": pix}, num_warps=warps, num_stages=stages)
 
 
-def _tap(cfg, tap=False):
-    """`cfg` with the weight-gradient kernel's column order (TAP) added."""
-    return triton.Config({**cfg.kwargs, "TAP": tap}, num_warps=cfg.num_warps,
+def _with(cfg, **flags):
+    """`cfg` with one kernel's own flags added: the weight gradient's column order (TAP),
+    the "transposed" data gradient's loop form (FLAT)."""
+    return triton.Config({**cfg.kwargs, **flags}, num_warps=cfg.num_warps,
                          num_stages=cfg.num_stages)
 
 
@@ -300,7 +301,7 @@ _DATA_CONFIGS = [
 # first is the same tiles tap-major (TAP): on the nine VGG16 / ResNet-50 3x3 shapes it took
 # 14% off the best weight-gradient time of the other four (bench/conv_configs.py,
 # --kernel-size 3); a 1x1 conv has one tap, so there it is the second config
-_WGT_CONFIGS = [_tap(_cfg(*c[:6]), c[6]) for c in [
+_WGT_CONFIGS = [_with(_cfg(*c[:6]), TAP=c[6]) for c in [
     (128, 64, 32, 4, 3, True, True),
     (128, 64, 32, 4, 3, True, False),
     (64, 64, 128, 4, 3, True, False),
@@ -313,7 +314,7 @@ _WGT_CONFIGS = [_tap(_cfg(*c[:6]), c[6]) for c in [
 # tests that pin every config (tests/kernels/configs.py), which reach the loop tails.
 _INTERP_FWD = _cfg(2048, 32, 32, 1, 1, group_m=2)       # M = pixels, N = K, BLOCK_K = C*R*S
 _INTERP_DATA = _cfg(1024, 16, 64, 1, 1, group_m=2)      # M = pixels, N = C, BLOCK_K = K*taps
-_INTERP_WGT = _tap(_cfg(32, 64, 512, 1, 1, group_m=2))  # M = K, N = C*R*S, BLOCK_K = pixels
+_INTERP_WGT = _with(_cfg(32, 64, 512, 1, 1, group_m=2), TAP=False)   # M = K, N = C*R*S
 
 
 def _prune(macs_fn):
@@ -815,15 +816,9 @@ def _conv_bwd_data_t_kernel(dy_ptr, wt_ptr, dx_ptr,
               STRIDE1, ACCUMULATE, BLOCK_M)
 
 
-def _flat(cfg, flat):
-    """`cfg` with the "transposed" kernel's loop form (FLAT) added."""
-    return triton.Config({**cfg.kwargs, "FLAT": flat}, num_warps=cfg.num_warps,
-                         num_stages=cfg.num_stages)
-
-
 # "transposed": the sweep's pick among the data configs, each as nested and as flat loop
 # (26% less time than the first four implicit-GEMM data configs in both forms)
-_T_CONFIGS = [_flat(_cfg(*c[:6]), c[6]) for c in [
+_T_CONFIGS = [_with(_cfg(*c[:6]), FLAT=c[6]) for c in [
     (256, 128, 32, 8, 3, True, True),
     (64, 256, 32, 8, 4, True, True),
     (128, 64, 32, 4, 3, True, True),
@@ -838,9 +833,9 @@ _T_CONFIGS = [_flat(_cfg(*c[:6]), c[6]) for c in [
 # tests cover both forms
 _T_INTERP = _cfg(128, 32, 16, 1, 1, group_m=2)
 _conv_bwd_data_t = _autotune(_T_CONFIGS, _KEY, _bwd_data_macs,
-                             interp=_flat(_T_INTERP, False))(_conv_bwd_data_t_kernel)
+                             interp=_with(_T_INTERP, FLAT=False))(_conv_bwd_data_t_kernel)
 _conv_bwd_data_t_acc = _autotune(_T_CONFIGS, _KEY, _bwd_data_macs, restore=["dx_ptr"],
-                                 interp=_flat(_T_INTERP, True))(_conv_bwd_data_t_kernel)
+                                 interp=_with(_T_INTERP, FLAT=True))(_conv_bwd_data_t_kernel)
 
 
 @triton.jit
@@ -1207,7 +1202,7 @@ def _bias_blocks(n, k, pq, tile):
 def bias_groups(n, k, pq, room) -> int:
     """Image groups the bias gradient of dY [n, k, pq] is cut into, given room for `room`
     float32 partial sums (0: none). One program per channel leaves most of the GPU idle
-    (64 programs over ResNet's or VGG16's largest activations), so, where there is room,
+    (64 programs over VGG16's largest activations), so, where there is room,
     each (channel, group) program sums its images into a partial and a second kernel adds
     the groups in order; enough groups for about _BIAS_PROGRAMS programs. The interpreter
     (1 program target) takes one group: one kernel, as few programs as its tiles allow."""

@@ -148,6 +148,22 @@ def tuners() -> dict:
     }
 
 
+def selection(names, kernel_size=None) -> tuple:
+    """(tuners, shapes) one run sweeps: the autotuners named in `names` (comma-separated) over
+    the shapes of one kernel size (None: every shape). ValueError names an unknown tuner or a
+    kernel size no shape has."""
+    every = tuners()
+    wanted = names.split(",")
+    unknown = [n for n in wanted if n not in every]
+    if unknown:
+        raise ValueError(f"unknown tuner {', '.join(unknown)} (tuners: {', '.join(every)})")
+    shapes = [s for s in SHAPES if kernel_size in (None, s[3])]
+    if not shapes:
+        raise ValueError(f"no shape has kernel size {kernel_size} "
+                         f"(sizes: {', '.join(str(r) for r in sorted({s[3] for s in SHAPES}))})")
+    return {n: every[n] for n in wanted}, shapes
+
+
 def greedy(rows, count) -> list:
     """Indices of `count` configs, each added where it lowers the total of the per-shape best
     times the most (the first: the best single config)."""
@@ -237,12 +253,14 @@ def main():
                     help="the autotuners to sweep (comma-separated)")
     ap.add_argument("--kernel-size", type=int, help="only the shapes of this kernel size")
     args = ap.parse_args()
+    try:
+        tuned, shapes = selection(args.tuners, args.kernel_size)
+    except ValueError as err:
+        ap.error(str(err))
     if not torch.cuda.is_available():
         print("bench/conv_configs.py needs a CUDA GPU")
         return 1
     torch.backends.cudnn.allow_tf32 = True
-    tuned = {n: t for n, t in tuners().items() if n in args.tuners.split(",")}
-    shapes = [s for s in SHAPES if args.kernel_size in (None, s[3])]
     result = {"batch": BATCH, "shapes": [list(s) for s in shapes],
               "candidates": {n: [str(c) for c in t[2]] for n, t in tuned.items()}}
     rows = sweep([problem(*s) for s in shapes], tuned,

@@ -1,6 +1,10 @@
 """bench/conv_configs.py's choices (the GPU timing itself runs only on the device machine)."""
+import contextlib
+
+import pytest
+
 from bench import conv_configs
-from tinysn.kernels import conv
+from tinysn.kernels import _common, conv
 
 
 def test_greedy_first_takes_the_best_single_config_then_what_lowers_the_total_most():
@@ -54,3 +58,33 @@ def test_a_sweep_on_the_cpu_times_every_phase_under_every_candidate(monkeypatch)
     assert len(calls) == 5 * 3                      # two configs and cuDNN per phase
     picks = conv_configs.pick_all(rows, tuned)      # the stand-in timer: earlier is faster
     assert picks == {name: [str(cands[0])] for name, (_, _, cands, _) in tuned.items()}
+
+
+def test_a_run_selects_tuners_and_kernel_sizes_and_names_what_does_not_exist():
+    tuned, shapes = conv_configs.selection("weight", 3)
+    assert list(tuned) == ["weight"]
+    assert shapes and all(s[3] == 3 for s in shapes)
+    assert len(shapes) == sum(s[3] == 3 for s in conv_configs.SHAPES)
+    tuned, shapes = conv_configs.selection("forward,data_implicit")
+    assert list(tuned) == ["forward", "data_implicit"] and shapes == conv_configs.SHAPES
+    with pytest.raises(ValueError, match="unknown tuner wieght"):
+        conv_configs.selection("weight,wieght")
+    with pytest.raises(ValueError, match="no shape has kernel size 5"):
+        conv_configs.selection("weight", 5)
+
+
+def test_a_sweep_of_one_tuner_runs_only_its_phases(monkeypatch):
+    """A subset of the tuners (--tuners) compiles and times only the phases they serve: each
+    phase of the shape's problem here records its calls instead of launching."""
+    called = []
+    monkeypatch.setattr(conv_configs, "median_ms", lambda fn: (fn(), 1.0)[1])
+    monkeypatch.setattr(_common, "INTERPRET", False)     # the compile pass runs too
+    monkeypatch.setattr(_common, "compiling_in_parallel", contextlib.nullcontext)
+    phases = ["forward", "data_implicit", "data_transposed", "weight_splitk", "weight_onepass"]
+    problem = {p: (lambda p=p: called.append(p), lambda: None) for p in phases}
+    t, today, _, served = conv_configs.tuners()["weight"]
+    rows = conv_configs.sweep([problem], {"weight": (t, today[:1], today[:2], served)},
+                              shapes=[(3, 4, 5, 3)])
+    assert [r["phase"] for r in rows] == ["weight_splitk", "weight_onepass"]
+    assert called == ["weight_splitk", "weight_onepass"] + ["weight_splitk"] * 2 + \
+        ["weight_onepass"] * 2          # compiled once, then timed under both configs

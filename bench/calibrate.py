@@ -18,8 +18,8 @@ the tracked GPU results, so the model's numbers come from measurements and not f
   mean of their probes. Per layer step rather than per Triton kernel, and scaled by the
   probe, because that is what varies least between the two models' runs: in one call
   they cost 7.41 and 7.38 probes per layer step (per kernel, 1.55x apart; commit
-  ac36b27's results); in the call the tracked runs come from, 13.0 and 10.3 (per layer
-  step without the probe 1.67x apart, per kernel 2.3x).
+  ac36b27's results); in the calls of the tracked runs 7.7 and 10.0 (this script prints
+  them), in an earlier call 13.0 and 10.3.
 
 The model's error against every measured run is bench/predict.py's table.
 """
@@ -126,11 +126,11 @@ def host_step_seconds(train: dict, conv_flops: float, conv_bytes: float) -> floa
 def fit_host(runs: list, conv_flops: float, conv_bytes: float) -> dict:
     """The host cost per layer step as a multiple of the probe (geometric mean over `runs`)
     and the runs' mean probe, with each run's own multiple."""
-    multiples = {r["model"]: host_step_seconds(r, conv_flops, conv_bytes) / launch_probe_seconds(r)
+    probes = {r["model"]: launch_probe_seconds(r) for r in runs}
+    multiples = {r["model"]: host_step_seconds(r, conv_flops, conv_bytes) / probes[r["model"]]
                  for r in runs}
-    probes = [launch_probe_seconds(r) for r in runs]
     return {"launch_per_probe": float(np.exp(np.mean(np.log(list(multiples.values()))))),
-            "launch_probe_s": float(np.exp(np.mean(np.log(probes)))),
+            "launch_probe_s": float(np.exp(np.mean(np.log(list(probes.values()))))),
             "launch_per_probe_by_model": multiples}
 
 

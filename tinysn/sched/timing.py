@@ -106,8 +106,8 @@ def host_launch_s(probe_s: float | None = None) -> float:
     a fitted multiple of the probe. The lent machines' hosts run up to 1.6x faster or
     slower from one call to the next, and within one process from one second to the next,
     so the step's host time follows the host's probe, not a fixed figure (the multiple
-    itself moved from 7.4 to 10-13 between two calls: bench/README.md). Without a probe:
-    the hosts' the figures were fitted on."""
+    itself moves between calls, from 7.4 to 13: bench/README.md). Without a probe: the
+    mean probe of the runs the multiple was fitted on."""
     return H200_LAUNCH_PER_PROBE * (probe_s or H200_LAUNCH_PROBE_S)
 
 

@@ -103,3 +103,31 @@ def test_bench_ms_times_the_gpu_not_a_slow_host():
         x.mul_(1.0)
 
     assert _common.bench_ms(slow_launch, rep_ms=2) < 0.1
+
+
+def test_config_hook_gives_descriptors_their_config_boxes():
+    """A kernel that takes a TMA descriptor gets the box of its config from `config_hook`: on
+    the autotuner's launch and on the later direct ones (`launch` keys its cache without the
+    descriptor, and hands the kernel a copy with the box set, whatever box the caller's has)."""
+    import triton
+    import triton.language as tl
+    from triton.tools.tensor_descriptor import TensorDescriptor
+
+    @triton.jit
+    def copy_rows(x_desc, y_ptr, n, BLOCK: tl.constexpr):
+        rows = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+        v = x_desc.load([tl.program_id(0) * BLOCK, 0])                    # [BLOCK, 4]
+        tl.store(y_ptr + rows[:, None] * 4 + tl.arange(0, 4)[None, :], v, mask=(rows < n)[:, None])
+
+    def boxes(nargs):
+        nargs["x_desc"].block_shape = [nargs["BLOCK"], 4]
+
+    cfg = triton.Config({"BLOCK": 8})
+    tuner = _common.autotune([cfg], cfg, key=["n"], config_hook=boxes)(copy_rows)
+    x = torch.randn(32, 4)
+    for _ in range(2):
+        desc = TensorDescriptor(x, [32, 4], [4, 1], [1, 4])
+        y = torch.zeros(32, 4)
+        _common.launch(tuner, lambda meta: (32 // meta["BLOCK"],), (desc, y, 32), {})
+        assert torch.equal(y, x)
+    assert desc.block_shape == [1, 4]           # the direct launch boxed a copy

@@ -17,9 +17,13 @@ from configs import config_count, pinned
 GPU = torch.cuda.is_available()
 gpu = pytest.mark.skipif(not GPU, reason="needs a CUDA GPU")
 
-ALL_ALGOS = {"forward": ("implicit", "im2col"),
-             "backward_data": ("implicit", "flipped", "transposed", "zero_insert"),
+ALL_ALGOS = {"forward": ("implicit", "im2col", "nhwc"),
+             "backward_data": ("implicit", "flipped", "transposed", "zero_insert",
+                               "flipped_nhwc"),
              "backward_weight": ("onepass", "splitk")}
+# algorithms that run only some convs (conv.algos() leaves them out elsewhere; asked for
+# there, they raise ValueError before any write)
+RESTRICTED = {"flipped", "nhwc", "flipped_nhwc"}
 
 
 # --------------------------------------------------------------------------------------------
@@ -88,6 +92,12 @@ def _check(case, device="cpu", precision="ieee", seed=0, bias=True, accumulate=F
         need = conv.workspace_bytes(x.shape, wt.shape, stride, padding, "forward", algo)
         assert offered.get(algo, need) == need
         y = _nan(shp, device)
+        if algo in RESTRICTED and algo not in offered:
+            with pytest.raises(ValueError, match=f"'{algo}' needs stride 1"):
+                conv.forward(x, wt, b, y, stride=stride, padding=padding, algo=algo,
+                             workspace=_workspace(need, device))
+            assert torch.isnan(y).all()
+            continue
         conv.forward(x, wt, b, y, stride=stride, padding=padding, algo=algo,
                      workspace=_workspace(need, device), precision=precision)
         _close(y, y_ref, red_fwd, precision, f"forward/{algo}")
@@ -98,8 +108,8 @@ def _check(case, device="cpu", precision="ieee", seed=0, bias=True, accumulate=F
         need = conv.workspace_bytes(x.shape, wt.shape, stride, padding, "backward_data", algo)
         assert offered.get(algo, need) == need
         dx = before.clone() if accumulate else _nan(x.shape, device)
-        if algo == "flipped" and algo not in offered:     # stride > 1 or padding >= kernel
-            with pytest.raises(ValueError, match="'flipped' needs stride 1"):
+        if algo in RESTRICTED and algo not in offered:
+            with pytest.raises(ValueError, match=f"'{algo}' needs stride 1"):
                 conv.backward_data(dy, wt, dx, stride=stride, padding=padding, algo=algo,
                                    workspace=_workspace(need, device))
             continue
@@ -123,9 +133,9 @@ def _check(case, device="cpu", precision="ieee", seed=0, bias=True, accumulate=F
             _close(db, db_ref, red_wgt, precision, "db")
 
     # backward (both phases through one workspace); the algorithm pair rotates with the seed
-    algo_data = ALL_ALGOS["backward_data"][seed % 4]
+    algo_data = ALL_ALGOS["backward_data"][seed % 5]
     if algo_data not in conv.algos(x.shape, wt.shape, stride, padding, "backward_data"):
-        algo_data = "implicit" if algo_data == "flipped" else algo_data
+        algo_data = "implicit" if algo_data in RESTRICTED else algo_data
     algo_weight = ALL_ALGOS["backward_weight"][(seed // 3) % 2]
     need = conv.backward_workspace_bytes(x.shape, wt.shape, stride, padding, algo_data,
                                          algo_weight, not dx_none, True)
@@ -173,6 +183,8 @@ EDGE_CASES = [
     (1, 2, 4, 5, 3, 1, 1, 3, 2),            # padding larger than the kernel
     (1, 2, 8, 8, 3, 3, 3, 3, 0),            # uncovered rows/cols of x: zero gradient there
     (2, 3, 9, 7, 2, 7, 7, (2, 3), (3, 2)),  # 7x7 with asymmetric stride and padding
+    (2, 8, 5, 6, 12, 3, 3, 1, 1),           # channels-last ("nhwc", "flipped_nhwc")
+    (1, 4, 7, 9, 8, 1, 7, 1, (0, 3)),       # channels-last 1x7, patches wider than Q
 ]
 
 
@@ -198,7 +210,7 @@ def test_conv_edge_cases(case):
 # and several reduction blocks, a strided 7x7 (the data gradient's residue classes), a 1x1 on
 # the GEMM fast path
 CONFIG_CASES = [
-    (2, 9, 12, 12, 20, 3, 3, 1, 1),
+    (2, 12, 12, 12, 20, 3, 3, 1, 1),
     (1, 3, 9, 9, 5, 7, 7, 2, 3),
     (2, 40, 6, 6, 36, 1, 1, 1, 0),
 ]
@@ -236,9 +248,16 @@ def test_algos_and_workspaces():
     assert conv.out_shape((1, 3, 224, 224), (64, 3, 7, 7), (2, 2), (3, 3)) == (1, 64, 112, 112)
     assert conv.out_shape((1, 3, 17, 17), (4, 3, 1, 7), 1, (0, 3)) == (1, 4, 17, 17)
     f = conv.algos(xs, ws, 1, 1, "forward")
-    assert f == {"implicit": 0, "im2col": 4 * 32 * 64 * 9 * 56 * 56}
+    # "nhwc": a channels-last copy of x and of the weight
+    assert f == {"implicit": 0, "im2col": 4 * 32 * 64 * 9 * 56 * 56,
+                 "nhwc": 4 * (32 * 64 * 56 * 56 + 64 * 64 * 9)}
     assert conv.algos(xs, ws, 1, 1, "backward_data") == {
-        "implicit": 0, "flipped": 4 * 64 * 64 * 9, "transposed": 4 * 64 * 64 * 9}
+        "implicit": 0, "flipped": 4 * 64 * 64 * 9, "transposed": 4 * 64 * 64 * 9,
+        "flipped_nhwc": 4 * (32 * 64 * 56 * 56 + 64 * 64 * 9)}
+    # channels-last needs stride 1 and channel counts divisible by 4
+    assert "nhwc" not in conv.algos((32, 3, 56, 56), (64, 3, 3, 3), 1, 1, "forward")
+    assert "flipped_nhwc" not in conv.algos((32, 64, 56, 56), (66, 64, 3, 3), 1, 1,
+                                            "backward_data")
     # "flipped" needs stride 1 and padding below the kernel size
     assert list(conv.algos(xs, ws, 1, 3, "backward_data")) == ["implicit", "transposed"]
     assert list(conv.algos(xs, ws, (1, 2), 1, "backward_data")) == [
@@ -322,6 +341,42 @@ def test_flipped_matches_implicit():
             conv.backward(x, w, dy, dx, None, None, stride=stride, padding=padding,
                           algo_data="flipped", workspace=wsp)
         assert bool((dx == 7.0).all())
+
+
+def test_nhwc_workspace_holds_channels_last_copies():
+    """"nhwc" leaves x as [N, H, W, C] in the workspace, then the weight as [K, R, S, C];
+    "flipped_nhwc" dY as [N, P, Q, K], then the flipped weight as [C, R, S, K] (W[k, c, R-1-r,
+    S-1-s]); both results agree with "implicit" (the data gradient accumulating)."""
+    gen = torch.Generator().manual_seed(9)
+    xs, ws, padding = (2, 8, 5, 6), (12, 8, 3, 2), (1, 0)
+    x, w, before = _rand(xs, gen, "cpu"), _rand(ws, gen, "cpu"), _rand(xs, gen, "cpu")
+    shp = conv.out_shape(xs, ws, 1, padding)
+    dy = _rand(shp, gen, "cpu")
+    n, c, h, wd = xs
+    k, _, r, s = ws
+    need = conv.workspace_bytes(xs, ws, 1, padding, "forward", "nhwc")
+    wsp = _workspace(need, "cpu")
+    y, y_ref = _nan(shp, "cpu"), _nan(shp, "cpu")
+    conv.forward(x, w, None, y, stride=1, padding=padding, algo="nhwc", workspace=wsp,
+                 precision="ieee")
+    conv.forward(x, w, None, y_ref, stride=1, padding=padding, precision="ieee")
+    _close(y, y_ref, c * r * s, "ieee", "nhwc vs implicit")
+    held = wsp[:need].view(torch.float32)
+    assert torch.equal(held[:x.numel()].view(n, h, wd, c), x.permute(0, 2, 3, 1))
+    assert torch.equal(held[x.numel():].view(k, r, s, c), w.permute(0, 2, 3, 1))
+
+    need = conv.workspace_bytes(xs, ws, 1, padding, "backward_data", "flipped_nhwc")
+    wsp = _workspace(need, "cpu")
+    dx, dx_ref = before.clone(), before.clone()
+    conv.backward_data(dy, w, dx, stride=1, padding=padding, algo="flipped_nhwc", workspace=wsp,
+                       accumulate=True, precision="ieee")
+    conv.backward_data(dy, w, dx_ref, stride=1, padding=padding, accumulate=True,
+                       precision="ieee")
+    _close(dx, dx_ref, k * r * s, "ieee", "flipped_nhwc vs implicit")
+    held = wsp[:need].view(torch.float32)
+    assert torch.equal(held[:dy.numel()].view(n, shp[2], shp[3], k), dy.permute(0, 2, 3, 1))
+    assert torch.equal(held[dy.numel():].view(c, r, s, k),
+                       w.flip(2, 3).permute(1, 2, 3, 0))
 
 
 def test_bad_input_raises():
@@ -449,6 +504,7 @@ GPU_CASES = EDGE_CASES + [
     (2, 17, 12, 11, 19, 1, 7, 1, (0, 3)),   # 1x7
     (4, 40, 13, 13, 24, 3, 3, 2, 1),        # strided 3x3
     (2, 130, 6, 6, 70, 3, 3, 1, 1),         # reduction over several K blocks
+    (2, 36, 14, 14, 44, 3, 3, 1, 1),        # channels-last: several patches, channel blocks
 ]
 
 
@@ -478,7 +534,7 @@ def test_conv_gpu_random_shapes(precision, case, seed, accumulate, dx_none):
 @pytest.mark.parametrize("index", range(config_count(conv)))
 def test_conv_gpu_every_config(index, precision):
     with pinned(conv, index):
-        for j, case in enumerate(CONFIG_CASES + GPU_CASES[-6:]):
+        for j, case in enumerate(CONFIG_CASES + GPU_CASES[-7:]):
             _check(case, "cuda", precision, seed=index, bias=j != 1,
                    accumulate=(index + j) % 2 == 1)
 

@@ -5,6 +5,7 @@ Kernels take torch views of the arena (contiguous float32) and write into output
 caller preallocated; nothing here allocates device memory.
 """
 import contextlib
+import copy
 import hashlib
 import inspect
 import os
@@ -12,6 +13,7 @@ import time
 
 import torch
 import triton
+from triton.tools.tensor_descriptor import TensorDescriptor
 
 from .. import cache
 
@@ -67,10 +69,15 @@ def autotune_configs(configs, interpreted_config):
     return list(configs) if TUNE else list(configs[:1])
 
 
-def autotune(configs, interpreted_config, restore=(), **kwargs):
+def autotune(configs, interpreted_config, restore=(), config_hook=None, **kwargs):
     """`triton.autotune` over `autotune_configs(configs, interpreted_config)`. The autotuner
     keeps the full GPU list as `all_configs`, so that tests can pin each config in turn
     (tests/kernels/configs.py) whatever this run tunes over.
+
+    `config_hook(named_args)` readies a launch's arguments for one config (named_args holds
+    the config's meta-parameters too): a kernel that takes TMA descriptors sets their boxes
+    to its tiles there. Every config gets it as its pre_hook (triton's tuning and single
+    config runs), and `launch` calls it before each direct launch (`_hooked`).
 
     Tuning allocates no device memory (tinysn's cap covers every device byte): `restore`
     names the arguments a kernel updates in place (tuning runs it many times), which
@@ -83,12 +90,22 @@ def autotune(configs, interpreted_config, restore=(), **kwargs):
     if not INTERPRET and "do_bench" in inspect.signature(triton.autotune).parameters:
         kwargs.setdefault("do_bench", tuning_bench_ms)
 
+    if config_hook is not None:
+        configs = [_hook_config(c, config_hook) for c in configs]
+        interpreted_config = _hook_config(interpreted_config, config_hook)
+
     def wrap(fn):
         tuner = triton.autotune(configs=autotune_configs(configs, interpreted_config),
                                 **kwargs)(fn)
         tuner.all_configs = list(configs)
+        tuner.config_hook = config_hook
         return tuner
     return wrap
+
+
+def _hook_config(cfg, hook):
+    return triton.Config(dict(cfg.kwargs), num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+                         pre_hook=hook)
 
 
 class HostRestore:
@@ -298,7 +315,8 @@ def launch(tuner, grid, args, kwargs):
     if _COMPILE_ONLY and not INTERPRET:
         _compile_configs(tuner, grid, args, kwargs)
         return
-    key = (id(tuner), tuple(a for a in args if not isinstance(a, torch.Tensor)),
+    key = (id(tuner), tuple(a for a in args if not isinstance(a, (torch.Tensor,
+                                                                   TensorDescriptor))),
            tuple(kwargs.items()))
     cfg = _TUNED.get(key)
     if cfg is None:
@@ -307,16 +325,35 @@ def launch(tuner, grid, args, kwargs):
             _TUNED[key] = cfg
         if launched:
             return
-    tuner.fn[grid(cfg.kwargs)](*args, **kwargs, **cfg.all_kwargs())
+    tuner.fn[grid(cfg.kwargs)](*_hooked(tuner, args, kwargs, cfg), **kwargs, **cfg.all_kwargs())
+
+
+def _hooked(tuner, args, kwargs, cfg):
+    """`args` readied for `cfg` by the tuner's config_hook (see `autotune`): TMA descriptors
+    copied, with the config's boxes. Without a hook, `args` unchanged."""
+    hook = getattr(tuner, "config_hook", None)
+    if hook is None:
+        return args
+    args = [copy.copy(a) if isinstance(a, TensorDescriptor) else a for a in args]
+    hook({**dict(zip(tuner.arg_names, args)), **kwargs, **cfg.kwargs})
+    return args
 
 
 def _compile_configs(tuner, grid, args, kwargs) -> None:
     """Compile (queue on the pool) the configs a launch would consider: the autotuner's
     pruned list, or its only config, which triton runs unpruned."""
-    if len(tuner.configs) > 1:
+    if len(tuner.configs) < 2:
+        configs = tuner.configs
+    elif getattr(tuner, "config_hook", None) is None:
         tuner.warmup(*args, grid=grid, **kwargs)
-    else:
-        tuner.fn.warmup(*args, grid=grid, **kwargs, **tuner.configs[0].all_kwargs())
+        return
+    else:           # triton's warmup does not run config hooks
+        tuner.nargs = dict(zip(tuner.arg_names, args))
+        configs = tuner.prune_configs(kwargs)
+        tuner.nargs = None
+    for cfg in configs:
+        tuner.fn.warmup(*_hooked(tuner, args, kwargs, cfg), grid=grid, **kwargs,
+                        **cfg.all_kwargs())
 
 
 def _first_launch(tuner, grid, args, kwargs):

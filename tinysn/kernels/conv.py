@@ -21,6 +21,14 @@ workspace bytes, fastest-expected first:
                  no tap arithmetic, no bounds masks beyond the tile edges).
     "im2col"     unfold x into a workspace col [N, C*R*S, P, Q] (one gather kernel), then the
                  same kernel's 1x1 GEMM path on col with w viewed as [K, C*R*S, 1, 1].
+    "nhwc"       stride 1, C divisible by 4: copy x channels-last (Xt [N, H, W, C]) and the
+                 weight as [K, R, S, C] into the workspace, then a tap-major GEMM whose
+                 operand tiles the GPU's TMA unit copies into shared memory as boxes: for each
+                 tap, the output patch's window shifted by the tap (zeros outside the image
+                 are the padding). Both operands have the reduction axis (channels)
+                 contiguous, as the MMA wants, and no address or mask is computed per element.
+                 (In NCHW a tap's shift moves along the contiguous axis, and a TMA box must
+                 start 16-byte aligned there, so the copy is what makes the boxes possible.)
   backward_data
     "implicit"   implicit GEMM, no workspace. The dx pixels are split into sh*sw residue
                  classes ((h+ph) % sh, (w+pw) % sw); each class has its own fixed set of
@@ -42,6 +50,8 @@ workspace bytes, fastest-expected first:
                  kernel runs on dY (its weight tile read along (k, r, s), contiguous in wF;
                  a 1x1 conv keeps the GEMM fast path). `algos()` offers it only where it
                  applies; asking for it elsewhere raises ValueError.
+    "flipped_nhwc" "flipped" through the "nhwc" kernel: dY copied channels-last, the flipped
+                 weight as [C, R, S, K] (needs K divisible by 4).
     "zero_insert" build dY with (sh-1) zeros inserted between pixels and R-1-ph / S-1-pw
                  zeros around it in the workspace ([N, K, H+R-1, W+S-1]), then run the
                  stride-1 implicit kernel on it (a stride-1 conv with the flipped weight). It
@@ -68,8 +78,8 @@ workspace_bytes(.., "backward_weight", algo_weight)) bytes (`backward_workspace_
 Precision: tl.dot input_precision = dot_precision(precision) ("tf32" by default on the GPU,
 "ieee" exact float32). The autotuner picks tile sizes per shape on the GPU (the K-block size
 and so the rounding may differ between configs; a process keeps its choice); under the
-interpreter each phase runs one large-tile config (`_INTERP_*`). Problems too small to be worth timing skip autotuning
-and take the first config. After a shape's first launch its pick is launched directly
+interpreter each phase runs one large-tile config (`_INTERP_*`). Problems too small to be
+worth timing skip autotuning and take the first config. After a shape's first launch its pick is launched directly
 (`_launch`), and the shape arithmetic is cached, to keep host time per call low.
 
 Compile-time constants: kernel size (R, S) and the spatial sizes (H, W, P, Q), so every
@@ -84,14 +94,15 @@ import functools
 
 import triton
 import triton.language as tl
+from triton.tools.tensor_descriptor import TensorDescriptor
 
 from ._common import _TUNED, INTERP_TILE, INTERPRET, autotune, check_device  # noqa: F401
 from ._common import check_no_overlap, check_tensor, dot_precision, float_workspace, pair, run
 from ._common import launch as _launch
 
 PHASES = ("forward", "backward_data", "backward_weight")
-_ALGOS = {"forward": ("implicit", "im2col"),
-          "backward_data": ("implicit", "flipped", "transposed", "zero_insert"),
+_ALGOS = {"forward": ("implicit", "im2col", "nhwc"),
+          "backward_data": ("implicit", "flipped", "transposed", "zero_insert", "flipped_nhwc"),
           "backward_weight": ("onepass", "splitk")}
 
 # split-K sizing: aim for about this many programs (two waves on a 132-SM H200; a constant so
@@ -110,9 +121,10 @@ _TUNE_MIN_MACS = 1 << 24
 # --------------------------------------------------------------------------------------------
 # Triton kernels one call of each (phase, algorithm) launches; a backward pass with a bias
 # adds one (_bias_grad_kernel). The step-time model charges the host per launch (eager).
-LAUNCHES = {("forward", "implicit"): 1, ("forward", "im2col"): 2,
+LAUNCHES = {("forward", "implicit"): 1, ("forward", "im2col"): 2, ("forward", "nhwc"): 3,
             ("backward_data", "implicit"): 1, ("backward_data", "transposed"): 2,
             ("backward_data", "flipped"): 2, ("backward_data", "zero_insert"): 2,
+            ("backward_data", "flipped_nhwc"): 3,
             ("backward_weight", "onepass"): 1, ("backward_weight", "splitk"): 2}
 
 
@@ -195,6 +207,10 @@ def _workspace_bytes(x_shape, w_shape, stride, padding, phase, algo) -> int:
         return 4 * n * k * (h + r - 1) * (w + s - 1)
     if algo in ("transposed", "flipped"):
         return 4 * k * c * r * s
+    if algo == "nhwc":
+        return 4 * (n * c * h * w + k * c * r * s)
+    if algo == "flipped_nhwc":
+        return 4 * (n * k * p * q + k * c * r * s)
     # splitk
     return 4 * splitk_splits(x_shape, w_shape, stride, padding) * k * c * r * s
 
@@ -212,18 +228,16 @@ def _algos(x_shape, w_shape, stride, padding, phase) -> dict:
         raise ValueError(f"conv: phase must be one of {PHASES}, got {phase!r}")
     sh, sw = pair(stride, "conv: stride", 1)
     ws = lambda a: workspace_bytes(x_shape, w_shape, stride, padding, phase, a)  # noqa: E731
-    if phase == "forward":
-        return {"implicit": 0, "im2col": ws("im2col")}
-    if phase == "backward_data":
-        # the workspace algorithms after "implicit" until the GPU has measured them
-        if _flipped_applies(w_shape, (sh, sw), padding):
-            return {"implicit": 0, "flipped": ws("flipped"), "transposed": ws("transposed")}
-        if sh == 1 and sw == 1:
-            return {"implicit": 0, "transposed": ws("transposed")}
-        return {"implicit": 0, "transposed": ws("transposed"), "zero_insert": ws("zero_insert")}
-    if splitk_splits(x_shape, w_shape, stride, padding) > 1:
-        return {"splitk": ws("splitk"), "onepass": 0}
-    return {"onepass": 0, "splitk": ws("splitk")}
+    if phase == "backward_weight":
+        if splitk_splits(x_shape, w_shape, stride, padding) > 1:
+            return {"splitk": ws("splitk"), "onepass": 0}
+        return {"onepass": 0, "splitk": ws("splitk")}
+    # the workspace algorithms after "implicit" until the GPU has measured them
+    offered = {a: ws(a) for a in _ALGOS[phase]
+               if _applies(a, x_shape, w_shape, (sh, sw), padding)}
+    if phase == "backward_data" and (sh, sw) == (1, 1):
+        del offered["zero_insert"]          # a padded copy of dY: never faster at stride 1
+    return offered
 
 
 def _flipped_applies(w_shape, stride, padding) -> bool:
@@ -234,11 +248,34 @@ def _flipped_applies(w_shape, stride, padding) -> bool:
     return sh == 1 and sw == 1 and ph < w_shape[2] and pw < w_shape[3]
 
 
-def _check_flipped(algo, w_shape, geo):
-    if algo == "flipped" and not _flipped_applies(w_shape, geo[:2], geo[2:4]):
-        raise ValueError(f"conv: backward_data algo 'flipped' needs stride 1 and padding "
-                         f"smaller than the kernel; got stride {geo[:2]}, padding {geo[2:4]}, "
-                         f"kernel {tuple(w_shape[2:])}")
+def _nhwc_applies(channels, stride) -> bool:
+    """The channels-last kernels ("nhwc", "flipped_nhwc") need stride 1 and an input channel
+    count divisible by 4: each pixel's channels start a TMA box row, 16-byte aligned."""
+    return pair(stride, "conv: stride", 1) == (1, 1) and channels % 4 == 0
+
+
+def _applies(algo, x_shape, w_shape, stride, padding) -> bool:
+    """Whether `algo` can run this conv (the rest of the algorithms run any conv)."""
+    if algo == "nhwc":
+        return _nhwc_applies(x_shape[1], stride)
+    if algo == "flipped_nhwc":
+        return _nhwc_applies(w_shape[0], stride) and _flipped_applies(w_shape, stride, padding)
+    if algo == "flipped":
+        return _flipped_applies(w_shape, stride, padding)
+    return True
+
+
+def _check_applies(phase, algo, x_shape, w_shape, geo):
+    """One line naming what `algo` needs, where it cannot run this conv."""
+    if _applies(algo, x_shape, w_shape, geo[:2], geo[2:4]):
+        return
+    need = {"flipped": "stride 1 and padding smaller than the kernel",
+            "nhwc": "stride 1 and input channels divisible by 4",
+            "flipped_nhwc": "stride 1, padding smaller than the kernel and output channels "
+                            "divisible by 4"}[algo]
+    raise ValueError(f"conv: {phase} algo '{algo}' needs {need}; got stride {geo[:2]}, "
+                     f"padding {geo[2:4]}, kernel {tuple(w_shape[2:])}, "
+                     f"{x_shape[1]} input and {w_shape[0]} output channels")
 
 
 def backward_workspace_bytes(x_shape, w_shape, stride, padding, algo_data="implicit",
@@ -327,9 +364,9 @@ def _prune(macs_fn):
         a.update(kwargs)
         if macs_fn(a) < _TUNE_MIN_MACS:
             return configs[:1]
-        if a["IS_1X1"]:
+        if a.get("IS_1X1"):
             configs = [c for c in configs if not c.kwargs.get("TAP")] or configs[:1]
-        if a["IS_1X1"] and (a["P"] * a["Q"]) % 4 == 0:
+        if a.get("IS_1X1") and (a["P"] * a["Q"]) % 4 == 0:
             return [c for c in configs if c.kwargs["PIX"]]
         return configs
     return prune
@@ -339,8 +376,8 @@ def _fwd_macs(a):
     return a["N"] * a["P"] * a["Q"] * a["K"] * a["C"] * a["R"] * a["S"]
 
 
-def _autotune(configs, key, macs_fn, restore=None, interp=_INTERP_FWD):
-    kw = dict(key=key, restore=restore or ())
+def _autotune(configs, key, macs_fn, restore=None, interp=_INTERP_FWD, config_hook=None):
+    kw = dict(key=key, restore=restore or (), config_hook=config_hook)
     if not INTERPRET:
         kw["prune_configs_by"] = {"early_config_prune": _prune(macs_fn)}
     return autotune(configs, interp, **kw)
@@ -838,6 +875,127 @@ _conv_bwd_data_t_acc = _autotune(_T_CONFIGS, _KEY, _bwd_data_macs, restore=["dx_
                                  interp=_with(_T_INTERP, FLAT=True))(_conv_bwd_data_t_kernel)
 
 
+# --------------------------------------------------------------------------------------------
+# channels-last through the TMA unit ("nhwc" forward, "flipped_nhwc" data gradient)
+# --------------------------------------------------------------------------------------------
+
+@triton.jit
+def _to_nhwc_kernel(x_ptr, xt_ptr, C, HW, BLOCK_C: tl.constexpr, BLOCK_P: tl.constexpr):
+    """Xt[n, p, c] = X[n, c, p] (p: flat pixel). A [BLOCK_C, BLOCK_P] tile is read along the
+    pixels and written along the channels; Triton transposes it through shared memory."""
+    base = tl.program_id(2).to(tl.int64) * C * HW
+    offs_p = tl.program_id(0) * BLOCK_P + tl.arange(0, BLOCK_P)
+    offs_c = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
+    ok = (offs_c < C)[:, None] & (offs_p < HW)[None, :]
+    v = tl.load(x_ptr + base + (offs_c[:, None] * HW + offs_p[None, :]), mask=ok)
+    tl.store(xt_ptr + base + (offs_p[None, :] * C + offs_c[:, None]), v, mask=ok)
+
+
+@triton.jit
+def _weight_ohwi_kernel(w_ptr, wt_ptr, K, C, RS: tl.constexpr, FLIP: tl.constexpr,
+                        BLOCK_O: tl.constexpr, BLOCK_I: tl.constexpr):
+    """The channels-last kernel's weight Wt[o, t, i] (out channel, flat tap, in channel):
+    W[o, i, t] for the forward; under FLIP, the data gradient's (a conv of dY, so out = C,
+    in = K, taps reversed): W[i, o, RS-1-t]. One tap per program column (grid axis 2)."""
+    t = tl.program_id(2)
+    offs_o = tl.program_id(0) * BLOCK_O + tl.arange(0, BLOCK_O)
+    offs_i = tl.program_id(1) * BLOCK_I + tl.arange(0, BLOCK_I)
+    if FLIP:
+        ok = (offs_o < C)[:, None] & (offs_i < K)[None, :]
+        src = offs_i[None, :] * (C * RS) + offs_o[:, None] * RS + (RS - 1 - t)
+        dst = (offs_o[:, None] * RS + t) * K + offs_i[None, :]
+    else:
+        ok = (offs_o < K)[:, None] & (offs_i < C)[None, :]
+        src = offs_o[:, None] * (C * RS) + offs_i[None, :] * RS + t
+        dst = (offs_o[:, None] * RS + t) * C + offs_i[None, :]
+    tl.store(wt_ptr + dst, tl.load(w_ptr + src, mask=ok), mask=ok)
+
+
+@triton.jit
+def _conv_nhwc_kernel(x_desc, w_desc, b_ptr, y_ptr, N, C, K, PH, PW,
+                      H: tl.constexpr, W: tl.constexpr, P: tl.constexpr, Q: tl.constexpr,
+                      R: tl.constexpr, S: tl.constexpr, TW: tl.constexpr,
+                      HAS_BIAS: tl.constexpr, ACCUMULATE: tl.constexpr, PRECISION: tl.constexpr,
+                      BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                      GROUP_M: tl.constexpr):
+    """Stride 1: Y[n, k, p, q] (+)= sum_(r,s,c) Xt[n, p-PH+r, q-PW+s, c] Wt[k, (r,s,c)] (+ b[k])
+    from the channels-last copies Xt [N, H, W, C] and Wt [K, R*S*C] (descriptors x_desc and
+    w_desc; Y stays NCHW).
+
+    A program's pixels are a [BLOCK_M // TW, TW] patch of one image. For each tap and block of
+    channels the TMA unit copies the patch's window, shifted by the tap, as a [1, TH, TW,
+    BLOCK_K] box of Xt, and a [BLOCK_N, BLOCK_K] box of Wt, into shared memory: both have the
+    reduction axis contiguous (the MMA's K-major operands), and no address or mask is computed
+    per element. Box elements outside Xt read as zeros: outside the image that is the padding;
+    past channel C they cancel the weight box's run into the next tap.
+    """
+    TH: tl.constexpr = BLOCK_M // TW
+    TP: tl.constexpr = (P + TH - 1) // TH
+    TQ: tl.constexpr = (Q + TW - 1) // TW
+    pid_m, pid_n = _tile_ids(tl.program_id(0), N * (TP * TQ * BLOCK_M), K, BLOCK_M, BLOCK_N,
+                             GROUP_M)
+    img = pid_m // (TP * TQ)
+    patch = pid_m - img * (TP * TQ)
+    p0 = (patch // TQ) * TH
+    q0 = (patch % TQ) * TW
+    k0 = pid_n * BLOCK_N
+    blocks = tl.cdiv(C, BLOCK_K)
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for i in range(R * S * blocks):
+        tap = i // blocks
+        c0 = (i - tap * blocks) * BLOCK_K
+        r = tap // S
+        a = x_desc.load([img, p0 - PH + r, q0 - PW + (tap - r * S), c0])
+        b = w_desc.load([k0, tap * C + c0])                                  # [BN, BK]
+        acc = tl.dot(a.reshape(BLOCK_M, BLOCK_K), tl.trans(b), acc, input_precision=PRECISION)
+
+    offs_m = tl.arange(0, BLOCK_M)
+    offs_n = k0 + tl.arange(0, BLOCK_N)
+    n_ok = offs_n < K
+    if HAS_BIAS:
+        acc += tl.load(b_ptr + offs_n, mask=n_ok, other=0.0)[None, :]
+    p = p0 + offs_m // TW
+    q = q0 + offs_m % TW
+    PQ: tl.constexpr = P * Q
+    y_ptrs = y_ptr + img.to(tl.int64) * (K * PQ) + ((p * Q + q)[None, :] + (offs_n * PQ)[:, None])
+    mask = n_ok[:, None] & ((p < P) & (q < Q))[None, :]
+    out = tl.trans(acc)                                                      # [BN, BM]
+    if ACCUMULATE:
+        out += tl.load(y_ptrs, mask=mask, other=0.0)
+    tl.store(y_ptrs, out, mask=mask)
+
+
+def _nhwc_boxes(nargs):
+    """The TMA boxes of one config's tiles (a box shape is part of a descriptor): the
+    autotuner's config hook."""
+    tw = nargs["TW"]
+    nargs["x_desc"].block_shape = [1, nargs["BLOCK_M"] // tw, tw, nargs["BLOCK_K"]]
+    nargs["w_desc"].block_shape = [nargs["BLOCK_N"], nargs["BLOCK_K"]]
+
+
+def _nhwc_cfg(bm, bn, bk, warps, stages):
+    return triton.Config({"BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": bk, "GROUP_M": 8},
+                         num_warps=warps, num_stages=stages)
+
+
+# the best configs of a sweep over 9 VGG16 3x3 shapes at batch 32 on the H200 (the first:
+# most shapes' best)
+_NHWC_CONFIGS = [
+    _nhwc_cfg(128, 128, 32, 8, 3),
+    _nhwc_cfg(128, 64, 32, 4, 4),
+    _nhwc_cfg(64, 128, 32, 4, 4),
+    _nhwc_cfg(128, 256, 32, 8, 3),
+    _nhwc_cfg(256, 128, 32, 8, 3),
+]
+_INTERP_NHWC = _nhwc_cfg(256, 32, 32, 1, 1)
+_NHWC_KEY = [a for a in _KEY if a not in ("SH", "SW")]     # stride 1
+_conv_nhwc = _autotune(_NHWC_CONFIGS, _NHWC_KEY, _fwd_macs, interp=_INTERP_NHWC,
+                       config_hook=_nhwc_boxes)(_conv_nhwc_kernel)
+# "flipped_nhwc" into a gradient that accumulates (the autotuner restores dx after timing)
+_conv_nhwc_acc = _autotune(_NHWC_CONFIGS, _NHWC_KEY, _fwd_macs, restore=["y_ptr"],
+                           interp=_INTERP_NHWC, config_hook=_nhwc_boxes)(_conv_nhwc_kernel)
+
+
 @triton.jit
 def _zero_insert_kernel(dy_ptr, z_ptr, P, Q, HZ, WZ, SH, SW, OFFH, OFFW, BLOCK: tl.constexpr):
     """z[n, k, a, b] = dY[n, k, (a-OFFH)/SH, (b-OFFW)/SW] where the division is exact and in
@@ -1015,6 +1173,8 @@ def _check_4d(name, t, shape=None):
     check_tensor(name, t, shape)
     if t.dim() != 4:
         raise ValueError(f"conv: {name} must be 4-D, got shape {tuple(t.shape)}")
+
+
 def _workspace(workspace, need, device):
     """The first `need` bytes of `workspace` as float32 (None when need is 0)."""
     if need == 0:
@@ -1081,12 +1241,13 @@ def _launch_fwd(x, w, b, y, n, c, h, wd, k, p, q, sh, sw, ph, pw, r, s, prec,
 
 def forward(x, w, b, y, *, stride, padding, algo="implicit", workspace=None, precision=None):
     """y = conv2d(x, w, b, stride, padding). x [N,C,H,W], w [K,C,R,S], b [K] or None,
-    y [N,K,P,Q] (overwritten). algo "implicit" (no workspace) or "im2col" (workspace)."""
+    y [N,K,P,Q] (overwritten). algo "implicit" (no workspace), "im2col" or "nhwc" (workspace)."""
     prec = dot_precision(precision)
     _algo("forward", algo)
     _check_4d("x", x)
     _check_4d("w", w)
     sh, sw, ph, pw, p, q = _geometry(x.shape, w.shape, stride, padding)
+    _check_applies("forward", algo, x.shape, w.shape, (sh, sw, ph, pw))
     n, c, h, wd = x.shape
     k, _, r, s = w.shape
     _check_4d("y", y, (n, k, p, q))
@@ -1099,6 +1260,9 @@ def forward(x, w, b, y, *, stride, padding, algo="implicit", workspace=None, pre
     if algo == "implicit":
         _launch_fwd(x, w, b, y, n, c, h, wd, k, p, q, sh, sw, ph, pw, r, s, prec)
         return
+    if algo == "nhwc":
+        _launch_nhwc(x, w, b, y, ws, ph, pw, prec)
+        return
     # im2col: col [N, C*R*S, P, Q], then a 1x1 conv of col with w as [K, C*R*S, 1, 1]
     crs = c * r * s
     bm, bk = (16, 16) if INTERPRET else (128, 32)
@@ -1106,6 +1270,42 @@ def forward(x, w, b, y, *, stride, padding, algo="implicit", workspace=None, pre
         x, ws, n, c, sh, sw, ph, pw, H=h, W=wd, P=p, Q=q, R=r, S=s, BLOCK_M=bm, BLOCK_K=bk,
         num_warps=4)
     _launch_fwd(ws, w, b, y, n, crs, p, q, k, p, q, 1, 1, 0, 0, 1, 1, prec)
+
+
+def _tile_w(q):
+    """The patch width of the channels-last kernel: the power of two up to 32 that wastes the
+    fewest columns of a Q-wide output (the widest of equals: 32 for 224, 4 for 28)."""
+    return min((32, 16, 8, 4, 2, 1), key=lambda tw: triton.cdiv(q, tw) * tw - q)
+
+
+def _launch_nhwc(x, w, b, y, ws, ph, pw, prec, flip=False, accumulate=False):
+    """"nhwc": X [N, C, H, W] -> Xt [N, H, W, C] and w -> Wt [O, R*S, C] in the workspace
+    `ws`, then the TMA kernel into Y [N, O, P, Q] (stride 1, padding (ph, pw)). flip: the
+    "flipped_nhwc" data gradient, X = dY, Y = dX, Wt from the flipped weight."""
+    n, c, h, wd = x.shape
+    _, o, p, q = y.shape
+    r, s = w.shape[2:]
+    xt = ws[:n * h * wd * c]
+    wt = ws[n * h * wd * c:n * h * wd * c + o * r * s * c]
+    bc, bp = (min(64, triton.next_power_of_2(c)), 256) if INTERPRET else (64, 64)
+    run(_to_nhwc_kernel, (triton.cdiv(h * wd, bp), triton.cdiv(c, bc), n),
+        x, xt, c, h * wd, BLOCK_C=bc, BLOCK_P=bp, num_warps=4)
+    bo, bi = (min(64, triton.next_power_of_2(o)), min(64, triton.next_power_of_2(c)))
+    run(_weight_ohwi_kernel, (triton.cdiv(o, bo), triton.cdiv(c, bi), r * s),
+        w, wt, w.shape[0], w.shape[1], RS=r * s, FLIP=flip, BLOCK_O=bo, BLOCK_I=bi,
+        num_warps=4)
+    tw = _tile_w(q)
+    # boxes: placeholders, set per config by _nhwc_boxes
+    x_desc = TensorDescriptor(xt, [n, h, wd, c], [h * wd * c, wd * c, c, 1], [1, 1, 1, 4])
+    w_desc = TensorDescriptor(wt, [o, r * s * c], [r * s * c, 1], [1, 4])
+    tq = triton.cdiv(q, tw)
+
+    def grid(meta):
+        return (n * triton.cdiv(p, meta["BLOCK_M"] // tw) * tq * triton.cdiv(o, meta["BLOCK_N"]),)
+    _launch(_conv_nhwc_acc if accumulate else _conv_nhwc, grid,
+            (x_desc, w_desc, b if b is not None else y, y, n, c, o, ph, pw),
+            dict(H=h, W=wd, P=p, Q=q, R=r, S=s, TW=tw, HAS_BIAS=b is not None,
+                 ACCUMULATE=accumulate, PRECISION=prec))
 
 
 def _launch_bwd_data(dy, w, dx, n, c, h, wd, k, p, q, sh, sw, ph, pw, r, s, accumulate, prec,
@@ -1144,6 +1344,10 @@ def _run_bwd_data(dy, w, dx, x_shape, geo, algo, ws, accumulate, prec):
         _launch_bwd_data_t(dy, w, ws, dx, n, c, h, wd, k, p, q, sh, sw, ph, pw, r, s,
                            accumulate, prec)
         return
+    if algo == "flipped_nhwc":
+        _launch_nhwc(dy, w, None, dx, ws, r - 1 - ph, s - 1 - pw, prec, flip=True,
+                     accumulate=accumulate)
+        return
     if algo == "flipped":
         # dx = conv(dY, wF [C, K, R, S], stride 1, padding (R-1-ph, S-1-pw)): the forward
         # kernel with C <-> K and (H, W) <-> (P, Q)
@@ -1171,7 +1375,8 @@ def _check_dy(dy, x_shape, w_shape, stride, padding):
 def backward_data(dy, w, dx, *, stride, padding, algo="implicit", workspace=None,
                   accumulate=False, precision=None):
     """dx (+)= conv2d_input(dx.shape, w, dy). dy [N,K,P,Q], w [K,C,R,S], dx [N,C,H,W].
-    algo "implicit" (no workspace), "flipped", "transposed" or "zero_insert" (workspace)."""
+    algo "implicit" (no workspace), "flipped", "transposed", "zero_insert" or "flipped_nhwc"
+    (workspace)."""
     prec = dot_precision(precision)
     _algo("backward_data", algo)
     if not isinstance(accumulate, bool):
@@ -1179,7 +1384,7 @@ def backward_data(dy, w, dx, *, stride, padding, algo="implicit", workspace=None
     _check_4d("w", w)
     _check_4d("dx", dx)
     geo = _check_dy(dy, dx.shape, w.shape, stride, padding)
-    _check_flipped(algo, w.shape, geo)
+    _check_applies("backward_data", algo, dx.shape, w.shape, geo)
     check_device("conv", dx, dy=dy, w=w, workspace=workspace)
     ws = _workspace(workspace, workspace_bytes(dx.shape, w.shape, geo[:2], geo[2:4],
                                                "backward_data", algo), dx.device)
@@ -1296,7 +1501,7 @@ def backward(x, w, dy, dx, dw, db, *, stride, padding, algo_data="implicit",
     geo = _check_dy(dy, x.shape, w.shape, stride, padding)
     if dx is not None:
         _check_4d("dx", dx, tuple(x.shape))
-        _check_flipped(algo_data, w.shape, geo)
+        _check_applies("backward_data", algo_data, x.shape, w.shape, geo)
     if dw is not None:
         _check_4d("dw", dw, tuple(w.shape))
     if db is not None:

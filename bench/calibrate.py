@@ -9,7 +9,7 @@ the tracked GPU results, so the model's numbers come from measurements and not f
   one the planner's rankings pick), leaving out the first conv's data gradient, which
   training never computes.
 - **Host cost.** At batch 32 AlexNet's and ResNet-50's eager steps are bound by the host
-  (their CUDA-graph replays run 2.8-2.9x as fast). For each, the host seconds per layer step
+  (their CUDA-graph replays run 1.5x and 3.8x as fast). For each, the host seconds per layer step
   at which the model predicts its measured eager step (`train-<model>-b32-<gpu>.json`,
   planned as it ran, with its measured conv times) are divided by the run's own probe of
   the host (`timing.measure_launch_s`, a bare Triton launch, taken before and after the
@@ -18,8 +18,8 @@ the tracked GPU results, so the model's numbers come from measurements and not f
   mean of their probes. Per layer step rather than per Triton kernel, and scaled by the
   probe, because that is what varies least between the two models' runs: in one call
   they cost 7.41 and 7.38 probes per layer step (per kernel, 1.55x apart; commit
-  ac36b27's results); in the calls of the tracked runs 7.7 and 10.0 (this script prints
-  them), in an earlier call 13.0 and 10.3.
+  ac36b27's results); in the call of the tracked runs 5.8 and 10.2 (this script prints
+  them), in earlier calls 7.7 and 10.0, and 13.0 and 10.3.
 
 The model's error against every measured run is bench/predict.py's table.
 """

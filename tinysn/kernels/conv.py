@@ -978,13 +978,13 @@ def _nhwc_cfg(bm, bn, bk, warps, stages):
                          num_warps=warps, num_stages=stages)
 
 
-# the best configs of a sweep over 9 VGG16 3x3 shapes at batch 32 on the H200 (the first:
-# most shapes' best)
+# from a sweep of 8 configs over 9 VGG16 3x3 shapes at batch 32 on the H200: the winners
+# (the first: most shapes' best) and a larger tile. [128, 256] tiles never won, and on the
+# H200 one gave a wrong accumulating data gradient (relative error 6e-2), so none is offered.
 _NHWC_CONFIGS = [
     _nhwc_cfg(128, 128, 32, 8, 3),
     _nhwc_cfg(128, 64, 32, 4, 4),
     _nhwc_cfg(64, 128, 32, 4, 4),
-    _nhwc_cfg(128, 256, 32, 8, 3),
     _nhwc_cfg(256, 128, 32, 8, 3),
 ]
 _INTERP_NHWC = _nhwc_cfg(256, 32, 32, 1, 1)

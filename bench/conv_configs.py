@@ -6,12 +6,14 @@ For 17 conv shapes at batch 32 (every VGG16 3x3 size, ResNet-50's 3x3 and 1x1 si
 stride 1), times each autotuned conv kernel under every candidate config (today's list plus
 wider and deeper tiles), median of triton's do_bench, beside cuDNN's time for the same
 direction: the forward kernel (also the "flipped" data gradient), the implicit and the
-"transposed" data-gradient kernels, and the weight-gradient kernel as "splitk" and as
-"onepass" (one tuner, one list for both). Then picks, per tuner, greedily the configs whose
+"transposed" data-gradient kernels, the weight-gradient kernel as "splitk" and as "onepass"
+(one tuner, one list for both), and the channels-last kernel as "nhwc" and "flipped_nhwc"
+(one list too; its copies included in the time). Then picks, per tuner, greedily the configs whose
 best-per-shape total time is smallest, first the best single config (what
 TINYSN_AUTOTUNE=0 runs), as many as today's list holds. The forward and weight-gradient lists
-in tinysn/kernels/conv.py are such a pick, and so are the two data-gradient lists. Every
-candidate is compiled first, in parallel, then timed.
+in tinysn/kernels/conv.py are such a pick, and so are the two data-gradient lists (the
+channels-last list was picked by hand from a smaller one-off sweep). Every candidate is
+compiled first, in parallel, then timed.
 """
 import argparse
 import os
@@ -63,6 +65,12 @@ EXTRA_DATA = [
     cfg(64, 256, 32, 8, 4), cfg(128, 128, 32, 8, 4), cfg(128, 128, 64, 8, 3), cfg(64, 128, 64, 4, 4),
     cfg(256, 128, 32, 8, 3), cfg(128, 64, 64, 4, 4),
 ]
+# the channels-last kernel's (conv._nhwc_cfg): the tiles of its first sweep that its list
+# does not hold ([128, 256] tiles left out: one gave a wrong accumulating data gradient)
+EXTRA_NHWC = [conv._nhwc_cfg(*c) for c in [
+    (128, 128, 32, 4, 4), (128, 128, 64, 8, 3), (128, 128, 16, 4, 5), (64, 64, 32, 4, 4),
+    (128, 64, 64, 4, 3), (256, 64, 32, 8, 3),
+]]
 SMEM_BYTES = 200 * 1024   # what a config's pipeline stages may hold (H200: 227 KiB per SM)
 
 
@@ -93,14 +101,17 @@ class ForcedConfig:
     def __call__(self, tuner, grid, args, kwargs):
         if _common._COMPILE_ONLY:
             for c in self.by_tuner[id(tuner)]:
-                tuner.fn.warmup(*args, grid=grid(c.kwargs), **kwargs, **c.all_kwargs())
+                tuner.fn.warmup(*_common._hooked(tuner, args, kwargs, c), grid=grid(c.kwargs),
+                                **kwargs, **c.all_kwargs())
             return
-        tuner.fn[grid(self.config.kwargs)](*args, **kwargs, **self.config.all_kwargs())
+        tuner.fn[grid(self.config.kwargs)](*_common._hooked(tuner, args, kwargs, self.config),
+                                           **kwargs, **self.config.all_kwargs())
 
 
 def problem(c, k, hw, r) -> dict:
     """{phase: (tinysn call, cuDNN call)} for one shape, on random inputs. Phases:
-    "forward", "data_implicit", "data_transposed", "weight_splitk", "weight_onepass"."""
+    "forward", "data_implicit", "data_transposed", "weight_splitk", "weight_onepass",
+    "forward_nhwc", "data_nhwc"."""
     pad = r // 2
     x = torch.randn(BATCH, c, hw, hw, device=DEVICE)
     w = torch.randn(k, c, r, r, device=DEVICE) * 0.05
@@ -109,7 +120,9 @@ def problem(c, k, hw, r) -> dict:
     dx, dw = torch.empty_like(x), torch.empty_like(w)
     ws = torch.empty(max(conv.workspace_bytes(x.shape, w.shape, 1, pad, phase, algo)
                          for phase, algo in (("backward_weight", "splitk"),
-                                             ("backward_data", "transposed"))) // 4 + 1,
+                                             ("backward_data", "transposed"),
+                                             ("forward", "nhwc"),
+                                             ("backward_data", "flipped_nhwc"))) // 4 + 1,
                      device=DEVICE)
 
     def cudnn(mask):
@@ -128,6 +141,11 @@ def problem(c, k, hw, r) -> dict:
                                                        algo="splitk", workspace=ws), weight),
         "weight_onepass": (lambda: conv.backward_weight(x, dy, dw, None, stride=1, padding=pad),
                            weight),
+        "forward_nhwc": (lambda: conv.forward(x, w, None, y, stride=1, padding=pad, algo="nhwc",
+                                              workspace=ws),
+                         lambda: torch.nn.functional.conv2d(x, w, None, 1, pad)),
+        "data_nhwc": (lambda: conv.backward_data(dy, w, dx, stride=1, padding=pad,
+                                                 algo="flipped_nhwc", workspace=ws), data),
     }
 
 
@@ -145,6 +163,8 @@ def tuners() -> dict:
         "weight": (conv._conv_bwd_weight, conv._WGT_CONFIGS,
                    candidates(conv._WGT_CONFIGS, EXTRA_WGT + TAP_WGT),
                    ("weight_splitk", "weight_onepass")),
+        "nhwc": (conv._conv_nhwc, conv._NHWC_CONFIGS, candidates(conv._NHWC_CONFIGS, EXTRA_NHWC),
+                 ("forward_nhwc", "data_nhwc")),
     }
 
 
@@ -249,7 +269,7 @@ def pick_all(rows, tuned) -> dict:
 def main():
     ap = argparse.ArgumentParser()
     common.add_out_argument(ap)
-    ap.add_argument("--tuners", default="forward,data_implicit,data_transposed,weight",
+    ap.add_argument("--tuners", default="forward,data_implicit,data_transposed,weight,nhwc",
                     help="the autotuners to sweep (comma-separated)")
     ap.add_argument("--kernel-size", type=int, help="only the shapes of this kernel size")
     args = ap.parse_args()

@@ -7,6 +7,10 @@ from bench import conv_configs
 from tinysn.kernels import _common, conv
 
 
+PHASES = ["forward", "data_implicit", "data_transposed", "weight_splitk", "weight_onepass",
+          "forward_nhwc", "data_nhwc"]
+
+
 def test_greedy_first_takes_the_best_single_config_then_what_lowers_the_total_most():
     rows = [{"ms": [2.0, 1.0, 3.0, 1.5]},      # config 1 is best alone (total 4.0)
             {"ms": [2.0, 3.0, 1.0, 1.5]}]
@@ -27,10 +31,9 @@ def test_candidates_keep_todays_configs_first_and_drop_repeats_and_oversized_til
 
 def test_every_conv_autotuner_is_swept_from_its_own_list():
     tuned = conv_configs.tuners()
-    assert set(tuned) == {"forward", "data_implicit", "data_transposed", "weight"}
+    assert set(tuned) == {"forward", "data_implicit", "data_transposed", "weight", "nhwc"}
     phases = [p for _, _, _, served in tuned.values() for p in served]
-    assert sorted(phases) == sorted(["forward", "data_implicit", "data_transposed",
-                                     "weight_splitk", "weight_onepass"])
+    assert sorted(phases) == sorted(PHASES)
     for tuner, today, cands, _ in tuned.values():
         assert [str(c) for c in tuner.all_configs] == [str(c) for c in today]
         assert cands[:len(today)] == list(today) and len(cands) > len(today)
@@ -44,7 +47,7 @@ def test_a_sweep_on_the_cpu_times_every_phase_under_every_candidate(monkeypatch)
     calls = []
     monkeypatch.setattr(conv_configs, "DEVICE", "cpu")
     monkeypatch.setattr(conv_configs, "BATCH", 1)
-    monkeypatch.setattr(conv_configs, "SHAPES", [(3, 4, 5, 3)])
+    monkeypatch.setattr(conv_configs, "SHAPES", [(4, 8, 5, 3)])   # C % 4 == 0: "nhwc" runs
     monkeypatch.setattr(conv_configs, "median_ms",
                         lambda fn: (fn(), calls.append(1), float(len(calls)))[2])
     tuned = {name: (t, list(today)[:1], list(today)[:2], phases)
@@ -52,10 +55,9 @@ def test_a_sweep_on_the_cpu_times_every_phase_under_every_candidate(monkeypatch)
     launch = conv._launch
     rows = conv_configs.sweep([conv_configs.problem(*s) for s in conv_configs.SHAPES], tuned)
     assert conv._launch is launch
-    assert [r["phase"] for r in rows] == ["forward", "data_implicit", "data_transposed",
-                                          "weight_splitk", "weight_onepass"]
+    assert [r["phase"] for r in rows] == PHASES
     assert all(len(r["ms"]) == 2 and r["today_ms"] == r["ms"][0] for r in rows)
-    assert len(calls) == 5 * 3                      # two configs and cuDNN per phase
+    assert len(calls) == 7 * 3                      # two configs and cuDNN per phase
     picks = conv_configs.pick_all(rows, tuned)      # the stand-in timer: earlier is faster
     assert picks == {name: [str(cands[0])] for name, (_, _, cands, _) in tuned.items()}
 
@@ -80,8 +82,7 @@ def test_a_sweep_of_one_tuner_runs_only_its_phases(monkeypatch):
     monkeypatch.setattr(conv_configs, "median_ms", lambda fn: (fn(), 1.0)[1])
     monkeypatch.setattr(_common, "INTERPRET", False)     # the compile pass runs too
     monkeypatch.setattr(_common, "compiling_in_parallel", contextlib.nullcontext)
-    phases = ["forward", "data_implicit", "data_transposed", "weight_splitk", "weight_onepass"]
-    problem = {p: (lambda p=p: called.append(p), lambda: None) for p in phases}
+    problem = {p: (lambda p=p: called.append(p), lambda: None) for p in PHASES}
     t, today, _, served = conv_configs.tuners()["weight"]
     rows = conv_configs.sweep([problem], {"weight": (t, today[:1], today[:2], served)},
                               shapes=[(3, 4, 5, 3)])

@@ -79,8 +79,9 @@ Precision: tl.dot input_precision = dot_precision(precision) ("tf32" by default 
 "ieee" exact float32). The autotuner picks tile sizes per shape on the GPU (the K-block size
 and so the rounding may differ between configs; a process keeps its choice); under the
 interpreter each phase runs one large-tile config (`_INTERP_*`). Problems too small to be
-worth timing skip autotuning and take the first config. After a shape's first launch its pick is launched directly
-(`_launch`), and the shape arithmetic is cached, to keep host time per call low.
+worth timing skip autotuning and take the first config. After a shape's first launch its
+pick is launched directly (`_launch`), and the shape arithmetic is cached, to keep host time
+per call low.
 
 Compile-time constants: kernel size (R, S) and the spatial sizes (H, W, P, Q), so every
 division in the index math is by a constant; a network has few distinct sizes. Strides and
@@ -978,9 +979,10 @@ def _nhwc_cfg(bm, bn, bk, warps, stages):
                          num_warps=warps, num_stages=stages)
 
 
-# from a sweep of 8 configs over 9 VGG16 3x3 shapes at batch 32 on the H200: the winners
-# (the first: most shapes' best) and a larger tile. [128, 256] tiles never won, and on the
-# H200 one gave a wrong accumulating data gradient (relative error 6e-2), so none is offered.
+# picked by hand from a one-off sweep of 8 configs over 9 3x3 shapes (VGG16's and 512@7) at
+# batch 32 on the H200 (bench/conv_configs.py's "nhwc" tuner redoes it): the winners (the
+# first: most shapes' best) and a larger tile. [128, 256] tiles never won, and on the H200
+# one gave a wrong accumulating data gradient (relative error 6e-2), so none is offered.
 _NHWC_CONFIGS = [
     _nhwc_cfg(128, 128, 32, 8, 3),
     _nhwc_cfg(128, 64, 32, 4, 4),

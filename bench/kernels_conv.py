@@ -39,7 +39,8 @@ PHASES = ("forward", "backward_data", "backward_weight")
 _TUNED = {"forward": "_conv_fwd", "backward_data": "_conv_bwd_data",
           "backward_weight": "_conv_bwd_weight"}
 # algorithms whose GEMM runs under another phase's autotuner
-_TUNED_ALGO = {"transposed": "_conv_bwd_data_t", "flipped": "_conv_fwd"}
+_TUNED_ALGO = {"transposed": "_conv_bwd_data_t", "flipped": "_conv_fwd", "nhwc": "_conv_nhwc",
+               "flipped_nhwc": "_conv_nhwc"}
 
 
 _do_bench, _rel = common.do_bench, common.rel_err

@@ -152,14 +152,13 @@ def problem(c, k, hw, r) -> dict:
 def tuners() -> dict:
     """{tuner name: (the autotuner, today's configs, candidates, the phases it serves)}."""
     data = candidates(conv._DATA_CONFIGS, EXTRA_DATA)
+    data_t = [conv._with(c, FLAT=f) for c in data for f in (False, True)]
     return {
         "forward": (conv._conv_fwd, conv._FWD_CONFIGS,
                     candidates(conv._FWD_CONFIGS, EXTRA_FWD), ("forward",)),
         "data_implicit": (conv._conv_bwd_data, conv._DATA_CONFIGS, data, ("data_implicit",)),
         "data_transposed": (conv._conv_bwd_data_t, conv._T_CONFIGS,
-                            candidates(conv._T_CONFIGS,
-                                       [conv._with(c, FLAT=f) for c in data for f in (False, True)]),
-                            ("data_transposed",)),
+                            candidates(conv._T_CONFIGS, data_t), ("data_transposed",)),
         "weight": (conv._conv_bwd_weight, conv._WGT_CONFIGS,
                    candidates(conv._WGT_CONFIGS, EXTRA_WGT + TAP_WGT),
                    ("weight_splitk", "weight_onepass")),

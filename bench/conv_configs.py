@@ -8,11 +8,12 @@ wider and deeper tiles), median of triton's do_bench, beside cuDNN's time for th
 direction: the forward kernel (also the "flipped" data gradient), the implicit and the
 "transposed" data-gradient kernels, the weight-gradient kernel as "splitk" and as "onepass"
 (one tuner, one list for both), and the channels-last kernel as "nhwc" and "flipped_nhwc"
-(one list too; its copies included in the time). Then picks, per tuner, greedily the configs whose
+(one list too; its copies included in the time), and the channels-last weight gradient as
+"weight_nhwc" (where it applies: output widths divisible by 4). Then picks, per tuner, greedily the configs whose
 best-per-shape total time is smallest, first the best single config (what
 TINYSN_AUTOTUNE=0 runs), as many as today's list holds. The forward and weight-gradient lists
 in tinysn/kernels/conv.py are such a pick, and so are the two data-gradient lists (the
-channels-last list was picked by hand from a smaller one-off sweep). Every candidate is
+channels-last lists were picked by hand from smaller one-off sweeps). Every candidate is
 compiled first, in parallel, then timed.
 """
 import argparse
@@ -71,6 +72,12 @@ EXTRA_NHWC = [conv._nhwc_cfg(*c) for c in [
     (128, 128, 32, 4, 4), (128, 128, 64, 8, 3), (128, 128, 16, 4, 5), (64, 64, 32, 4, 4),
     (128, 64, 64, 4, 3), (256, 64, 32, 8, 3),
 ]]
+# the channels-last weight gradient's ([BLOCK_M channels, BLOCK_N output channels], BLOCK_K
+# pixels): the rest of its first sweep's tiles
+EXTRA_WGT_NHWC = [conv._nhwc_cfg(*c) for c in [
+    (128, 64, 32, 4, 4), (128, 128, 32, 8, 3), (128, 64, 64, 4, 3), (64, 128, 32, 4, 4),
+    (128, 128, 32, 8, 4), (128, 128, 32, 4, 4), (64, 64, 128, 4, 3),
+]]
 SMEM_BYTES = 200 * 1024   # what a config's pipeline stages may hold (H200: 227 KiB per SM)
 
 
@@ -111,7 +118,7 @@ class ForcedConfig:
 def problem(c, k, hw, r) -> dict:
     """{phase: (tinysn call, cuDNN call)} for one shape, on random inputs. Phases:
     "forward", "data_implicit", "data_transposed", "weight_splitk", "weight_onepass",
-    "forward_nhwc", "data_nhwc"."""
+    "forward_nhwc", "data_nhwc", and "weight_nhwc" where it applies."""
     pad = r // 2
     x = torch.randn(BATCH, c, hw, hw, device=DEVICE)
     w = torch.randn(k, c, r, r, device=DEVICE) * 0.05
@@ -122,7 +129,8 @@ def problem(c, k, hw, r) -> dict:
                          for phase, algo in (("backward_weight", "splitk"),
                                              ("backward_data", "transposed"),
                                              ("forward", "nhwc"),
-                                             ("backward_data", "flipped_nhwc"))) // 4 + 1,
+                                             ("backward_data", "flipped_nhwc"),
+                                             ("backward_weight", "nhwc"))) // 4 + 1,
                      device=DEVICE)
 
     def cudnn(mask):
@@ -131,7 +139,7 @@ def problem(c, k, hw, r) -> dict:
 
     data = cudnn((True, False, False))
     weight = cudnn((False, True, False))
-    return {
+    calls = {
         "forward": (lambda: conv.forward(x, w, None, y, stride=1, padding=pad),
                     lambda: torch.nn.functional.conv2d(x, w, None, 1, pad)),
         "data_implicit": (lambda: conv.backward_data(dy, w, dx, stride=1, padding=pad), data),
@@ -147,6 +155,10 @@ def problem(c, k, hw, r) -> dict:
         "data_nhwc": (lambda: conv.backward_data(dy, w, dx, stride=1, padding=pad,
                                                  algo="flipped_nhwc", workspace=ws), data),
     }
+    if "nhwc" in conv.algos(x.shape, w.shape, 1, pad, "backward_weight"):
+        calls["weight_nhwc"] = (lambda: conv.backward_weight(
+            x, dy, dw, None, stride=1, padding=pad, algo="nhwc", workspace=ws), weight)
+    return calls
 
 
 def tuners() -> dict:
@@ -164,6 +176,8 @@ def tuners() -> dict:
                    ("weight_splitk", "weight_onepass")),
         "nhwc": (conv._conv_nhwc, conv._NHWC_CONFIGS, candidates(conv._NHWC_CONFIGS, EXTRA_NHWC),
                  ("forward_nhwc", "data_nhwc")),
+        "weight_nhwc": (conv._conv_bwd_weight_nhwc, conv._WGT_NHWC_CONFIGS,
+                        candidates(conv._WGT_NHWC_CONFIGS, EXTRA_WGT_NHWC), ("weight_nhwc",)),
     }
 
 
@@ -230,12 +244,13 @@ def _sweep(problems, tuned, forced, shape_done, shapes) -> list:
             for calls in problems:
                 for _, _, _, phases in tuned.values():
                     for phase in phases:
-                        calls[phase][0]()
+                        if phase in calls:      # "weight_nhwc" runs only some shapes
+                            calls[phase][0]()
     print(f"compiled in {time.perf_counter() - started:.0f} s", flush=True)
     rows = []
     for shape, calls in zip(shapes, problems):
         for name, (_, today, cands, phases) in tuned.items():
-            for phase in phases:
+            for phase in (p for p in phases if p in calls):
                 fn, ref = calls[phase]
                 ms = time_configs(forced, fn, cands)
                 r = {"shape": list(shape), "tuner": name, "phase": phase, "ms": ms,
@@ -268,7 +283,8 @@ def pick_all(rows, tuned) -> dict:
 def main():
     ap = argparse.ArgumentParser()
     common.add_out_argument(ap)
-    ap.add_argument("--tuners", default="forward,data_implicit,data_transposed,weight,nhwc",
+    ap.add_argument("--tuners",
+                    default="forward,data_implicit,data_transposed,weight,nhwc,weight_nhwc",
                     help="the autotuners to sweep (comma-separated)")
     ap.add_argument("--kernel-size", type=int, help="only the shapes of this kernel size")
     args = ap.parse_args()

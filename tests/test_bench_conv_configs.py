@@ -8,7 +8,7 @@ from tinysn.kernels import _common, conv
 
 
 PHASES = ["forward", "data_implicit", "data_transposed", "weight_splitk", "weight_onepass",
-          "forward_nhwc", "data_nhwc"]
+          "forward_nhwc", "data_nhwc", "weight_nhwc"]
 
 
 def test_greedy_first_takes_the_best_single_config_then_what_lowers_the_total_most():
@@ -31,7 +31,8 @@ def test_candidates_keep_todays_configs_first_and_drop_repeats_and_oversized_til
 
 def test_every_conv_autotuner_is_swept_from_its_own_list():
     tuned = conv_configs.tuners()
-    assert set(tuned) == {"forward", "data_implicit", "data_transposed", "weight", "nhwc"}
+    assert set(tuned) == {"forward", "data_implicit", "data_transposed", "weight", "nhwc",
+                          "weight_nhwc"}
     phases = [p for _, _, _, served in tuned.values() for p in served]
     assert sorted(phases) == sorted(PHASES)
     for tuner, today, cands, _ in tuned.values():
@@ -47,7 +48,7 @@ def test_a_sweep_on_the_cpu_times_every_phase_under_every_candidate(monkeypatch)
     calls = []
     monkeypatch.setattr(conv_configs, "DEVICE", "cpu")
     monkeypatch.setattr(conv_configs, "BATCH", 1)
-    monkeypatch.setattr(conv_configs, "SHAPES", [(4, 8, 5, 3)])   # C % 4 == 0: "nhwc" runs
+    monkeypatch.setattr(conv_configs, "SHAPES", [(4, 8, 8, 3)])   # C, Q % 4 == 0: "nhwc" runs
     monkeypatch.setattr(conv_configs, "median_ms",
                         lambda fn: (fn(), calls.append(1), float(len(calls)))[2])
     tuned = {name: (t, list(today)[:1], list(today)[:2], phases)
@@ -57,7 +58,7 @@ def test_a_sweep_on_the_cpu_times_every_phase_under_every_candidate(monkeypatch)
     assert conv._launch is launch
     assert [r["phase"] for r in rows] == PHASES
     assert all(len(r["ms"]) == 2 and r["today_ms"] == r["ms"][0] for r in rows)
-    assert len(calls) == 7 * 3                      # two configs and cuDNN per phase
+    assert len(calls) == 8 * 3                      # two configs and cuDNN per phase
     picks = conv_configs.pick_all(rows, tuned)      # the stand-in timer: earlier is faster
     assert picks == {name: [str(cands[0])] for name, (_, _, cands, _) in tuned.items()}
 
@@ -89,3 +90,17 @@ def test_a_sweep_of_one_tuner_runs_only_its_phases(monkeypatch):
     assert [r["phase"] for r in rows] == ["weight_splitk", "weight_onepass"]
     assert called == ["weight_splitk", "weight_onepass"] + ["weight_splitk"] * 2 + \
         ["weight_onepass"] * 2          # compiled once, then timed under both configs
+
+
+def test_the_channels_last_weight_gradient_is_swept_only_where_it_applies(monkeypatch):
+    """A shape whose output width is not divisible by 4 has no "weight_nhwc" phase, and a sweep
+    of its tuner over it times nothing."""
+    monkeypatch.setattr(conv_configs, "DEVICE", "cpu")
+    monkeypatch.setattr(conv_configs, "BATCH", 1)
+    assert "weight_nhwc" in conv_configs.problem(4, 8, 8, 3)
+    odd = conv_configs.problem(4, 8, 6, 3)
+    assert "weight_nhwc" not in odd and "forward_nhwc" in odd
+    monkeypatch.setattr(conv_configs, "median_ms", lambda fn: 1 / 0)    # never called
+    t, today, _, served = conv_configs.tuners()["weight_nhwc"]
+    assert conv_configs.sweep([odd], {"weight_nhwc": (t, today[:1], today[:2], served)},
+                              shapes=[(4, 8, 6, 3)]) == []

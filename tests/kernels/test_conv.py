@@ -20,7 +20,7 @@ gpu = pytest.mark.skipif(not GPU, reason="needs a CUDA GPU")
 ALL_ALGOS = {"forward": ("implicit", "im2col", "nhwc"),
              "backward_data": ("implicit", "flipped", "transposed", "zero_insert",
                                "flipped_nhwc"),
-             "backward_weight": ("onepass", "splitk")}
+             "backward_weight": ("onepass", "splitk", "nhwc")}
 # algorithms that run only some convs (conv.algos() leaves them out elsewhere; asked for
 # there, they raise ValueError before any write)
 RESTRICTED = {"flipped", "nhwc", "flipped_nhwc"}
@@ -120,12 +120,18 @@ def _check(case, device="cpu", precision="ieee", seed=0, bias=True, accumulate=F
 
     # backward_weight
     offered = conv.algos(x.shape, wt.shape, stride, padding, "backward_weight")
-    assert set(offered) == set(ALL_ALGOS["backward_weight"])
+    assert {"onepass", "splitk"} <= set(offered) <= set(ALL_ALGOS["backward_weight"])
     for algo in ALL_ALGOS["backward_weight"]:
         need = conv.workspace_bytes(x.shape, wt.shape, stride, padding, "backward_weight", algo)
-        assert offered[algo] == need
+        assert offered.get(algo, need) == need
         dw = _nan(wt.shape, device)
         db = None if db_none else _nan((k,), device)
+        if algo in RESTRICTED and algo not in offered:
+            with pytest.raises(ValueError, match=f"'{algo}' needs stride 1"):
+                conv.backward_weight(x, dy, dw, db, stride=stride, padding=padding, algo=algo,
+                                     workspace=_workspace(need, device))
+            assert torch.isnan(dw).all() and (db is None or torch.isnan(db).all())
+            continue
         conv.backward_weight(x, dy, dw, db, stride=stride, padding=padding, algo=algo,
                              workspace=_workspace(need, device), precision=precision)
         _close(dw, dw_ref, red_wgt, precision, f"backward_weight/{algo}")
@@ -136,7 +142,9 @@ def _check(case, device="cpu", precision="ieee", seed=0, bias=True, accumulate=F
     algo_data = ALL_ALGOS["backward_data"][seed % 5]
     if algo_data not in conv.algos(x.shape, wt.shape, stride, padding, "backward_data"):
         algo_data = "implicit" if algo_data in RESTRICTED else algo_data
-    algo_weight = ALL_ALGOS["backward_weight"][(seed // 3) % 2]
+    algo_weight = ALL_ALGOS["backward_weight"][(seed // 3) % 3]
+    if algo_weight not in conv.algos(x.shape, wt.shape, stride, padding, "backward_weight"):
+        algo_weight = "onepass"
     need = conv.backward_workspace_bytes(x.shape, wt.shape, stride, padding, algo_data,
                                          algo_weight, not dx_none, True)
     dx = None if dx_none else (before.clone() if accumulate else _nan(x.shape, device))
@@ -185,6 +193,8 @@ EDGE_CASES = [
     (2, 3, 9, 7, 2, 7, 7, (2, 3), (3, 2)),  # 7x7 with asymmetric stride and padding
     (2, 8, 5, 6, 12, 3, 3, 1, 1),           # channels-last ("nhwc", "flipped_nhwc")
     (1, 4, 7, 9, 8, 1, 7, 1, (0, 3)),       # channels-last 1x7, patches wider than Q
+    (2, 8, 6, 8, 12, 3, 3, 1, 1),           # channels-last weight gradient (Q % 4 == 0)
+    (1, 4, 9, 12, 8, 5, 5, 1, (2, 0)),      # ... 5x5, patches taller than P, no side padding
 ]
 
 
@@ -269,6 +279,10 @@ def test_algos_and_workspaces():
     wg = conv.algos(xs, ws, 1, 1, "backward_weight")
     assert list(wg)[0] == "splitk" and wg["onepass"] == 0
     assert wg["splitk"] == 4 * conv.splitk_splits(xs, ws, 1, 1) * 64 * 64 * 9
+    # "nhwc": x channels-last, then the split-K chunks; it needs Q divisible by 4 too
+    assert wg["nhwc"] == 4 * 32 * 64 * 56 * 56 + wg["splitk"]
+    assert "nhwc" not in conv.algos((32, 64, 14, 14), ws, 1, 1, "backward_weight")
+    assert "nhwc" not in conv.algos((32, 64, 56, 56), ws, 2, 1, "backward_weight")
     # a conv with many output tiles gains nothing from split-K
     assert list(conv.algos((32, 512, 7, 7), (2048, 512, 3, 3), 1, 1,
                            "backward_weight"))[0] == "onepass"
@@ -379,6 +393,29 @@ def test_nhwc_workspace_holds_channels_last_copies():
                        w.flip(2, 3).permute(1, 2, 3, 0))
 
 
+def test_nhwc_weight_gradient_workspace_holds_x_channels_last_and_the_chunks():
+    """The "nhwc" weight gradient leaves x as [N, H, W, C] in the workspace, then its split-K
+    chunks [splits, K, C, R, S], which sum (in order) to dW, equal to "splitk"'s."""
+    gen = torch.Generator().manual_seed(4)
+    xs, ws, padding = (2, 8, 5, 8), (12, 8, 3, 3), (1, 1)
+    x, w = _rand(xs, gen, "cpu"), _rand(ws, gen, "cpu")
+    dy = _rand(conv.out_shape(xs, ws, 1, padding), gen, "cpu")
+    splits = conv.splitk_splits(xs, ws, 1, padding)
+    assert splits > 1
+    need = conv.workspace_bytes(xs, ws, 1, padding, "backward_weight", "nhwc")
+    wsp = _workspace(need, "cpu")
+    dw, dw_ref = _nan(ws, "cpu"), _nan(ws, "cpu")
+    conv.backward_weight(x, dy, dw, None, stride=1, padding=padding, algo="nhwc",
+                         workspace=wsp, precision="ieee")
+    conv.backward_weight(x, dy, dw_ref, None, stride=1, padding=padding, algo="splitk",
+                         workspace=_workspace(need, "cpu"), precision="ieee")
+    _close(dw, dw_ref, dy.numel() // ws[0], "ieee", "nhwc vs splitk")
+    held = wsp[:need].view(torch.float32)
+    assert torch.equal(held[:x.numel()].view(2, 5, 8, 8), x.permute(0, 2, 3, 1))
+    chunks = held[x.numel():].view(splits, *ws)
+    assert torch.equal(sum(chunks[i] for i in range(splits)), dw)
+
+
 def test_bad_input_raises():
     x = torch.randn(1, 3, 5, 5)
     w = torch.randn(4, 3, 3, 3)
@@ -443,6 +480,14 @@ def test_bad_input_raises():
                              workspace=torch.empty(need - 1, dtype=torch.uint8), **kw)
     with pytest.raises(ValueError, match="shape"):
         conv.backward_weight(x, dy, torch.empty(4, 3, 3, 3), torch.empty(3), **kw)
+    x4, w4 = torch.randn(1, 4, 8, 8), torch.randn(4, 4, 3, 3)
+    dy_odd = torch.randn(257)[1:].view(1, 4, 8, 8)         # 4 bytes past a 16-byte boundary
+    need = conv.workspace_bytes(x4.shape, w4.shape, 1, 1, "backward_weight", "nhwc")
+    dw4, db4 = torch.full((4, 4, 3, 3), 7.0), torch.full((4,), 7.0)
+    with pytest.raises(ValueError, match="'nhwc' needs dy 16-byte aligned"):
+        conv.backward_weight(x4, dy_odd, dw4, db4, algo="nhwc",
+                             workspace=torch.empty(need, dtype=torch.uint8), **kw)
+    assert bool((dw4 == 7.0).all() and (db4 == 7.0).all())
     with pytest.raises(ValueError, match="shape"):
         conv.backward(x, w, dy, torch.empty(1, 3, 4, 5), None, None, **kw)
     with pytest.raises(ValueError, match="input channels"):

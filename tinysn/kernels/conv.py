@@ -64,6 +64,11 @@ workspace bytes, fastest-expected first:
                  chunks in a fixed order. More programs when K*C*R*S is small.
                  Both take a column order from their config: (c, r, s) tiles, or (TAP) tiles
                  of channels at one tap, whose bounds masks are per pixel, not per element.
+    "nhwc"       stride 1, C and Q divisible by 4: copy x channels-last into the workspace,
+                 then "splitk"'s chunks (after the copy) from a kernel whose operand tiles the
+                 TMA unit copies: per tap and patch of output pixels, dY's box (NCHW, pixels
+                 contiguous, so Q % 4 == 0 keeps its rows 16-byte aligned) and the copy's
+                 box of the patch shifted by the tap (zeros outside the image).
   db (bias gradient) is a separate fixed-order reduce kernel over dY (one program per channel
   on the GPU, per block of channels under the interpreter); alongside dW it first sums groups
   of images into dW's own memory, so that the GPU has more programs (`bias_groups`).
@@ -104,13 +109,16 @@ from ._common import launch as _launch
 PHASES = ("forward", "backward_data", "backward_weight")
 _ALGOS = {"forward": ("implicit", "im2col", "nhwc"),
           "backward_data": ("implicit", "flipped", "transposed", "zero_insert", "flipped_nhwc"),
-          "backward_weight": ("onepass", "splitk")}
+          "backward_weight": ("onepass", "splitk", "nhwc")}
 
-# split-K sizing: aim for about this many programs (two waves on a 132-SM H200; a constant so
-# that plans, workspaces and results do not depend on the device), chunks of whole 64s,
-# at most _MAX_SPLITS chunks (VGG16's first conv, [64, 27] columns over 1.6M pixels, is one
-# tile: 256 chunks keep the whole GPU reading; the last 64 left half of it idle).
-_TARGET_PROGRAMS = 264
+# split-K sizing: aim for about this many programs, counted in [64, 64] tiles (8 per SM of a
+# 132-SM H200; a constant so that plans, workspaces and results do not depend on the device).
+# On the H200 at batch 32, nine 3x3 "splitk" weight gradients (VGG16's, ResNet-50's 64@56, 128@28)
+# took 7.2 ms in all at 264 programs, 5.9 at 528, 5.3 at 1056 and 5.5 at 2112: larger tiles
+# leave fewer programs than the count assumes, and more per SM hide the gathers' latency.
+# Chunks are whole 64s, at most _MAX_SPLITS of them (VGG16's first conv, [64, 27] columns
+# over 1.6M pixels, is one tile: 256 chunks keep the whole GPU reading).
+_TARGET_PROGRAMS = 1056
 _SPLIT_QUANTUM = 64
 _MAX_SPLITS = 256
 # problems with fewer multiply-adds than this take the first config without autotuning
@@ -126,7 +134,8 @@ LAUNCHES = {("forward", "implicit"): 1, ("forward", "im2col"): 2, ("forward", "n
             ("backward_data", "implicit"): 1, ("backward_data", "transposed"): 2,
             ("backward_data", "flipped"): 2, ("backward_data", "zero_insert"): 2,
             ("backward_data", "flipped_nhwc"): 3,
-            ("backward_weight", "onepass"): 1, ("backward_weight", "splitk"): 2}
+            ("backward_weight", "onepass"): 1, ("backward_weight", "splitk"): 2,
+            ("backward_weight", "nhwc"): 3}
 
 
 def _hashable(v):
@@ -208,6 +217,9 @@ def _workspace_bytes(x_shape, w_shape, stride, padding, phase, algo) -> int:
         return 4 * n * k * (h + r - 1) * (w + s - 1)
     if algo in ("transposed", "flipped"):
         return 4 * k * c * r * s
+    if phase == "backward_weight" and algo == "nhwc":      # Xt, then the chunks
+        splits = splitk_splits(x_shape, w_shape, stride, padding)
+        return 4 * (n * c * h * w + splits * k * c * r * s)
     if algo == "nhwc":
         return 4 * (n * c * h * w + k * c * r * s)
     if algo == "flipped_nhwc":
@@ -231,8 +243,12 @@ def _algos(x_shape, w_shape, stride, padding, phase) -> dict:
     ws = lambda a: workspace_bytes(x_shape, w_shape, stride, padding, phase, a)  # noqa: E731
     if phase == "backward_weight":
         if splitk_splits(x_shape, w_shape, stride, padding) > 1:
-            return {"splitk": ws("splitk"), "onepass": 0}
-        return {"onepass": 0, "splitk": ws("splitk")}
+            offered = {"splitk": ws("splitk"), "onepass": 0}
+        else:
+            offered = {"onepass": 0, "splitk": ws("splitk")}
+        if _applies("nhwc", x_shape, w_shape, (sh, sw), padding, phase):
+            offered["nhwc"] = ws("nhwc")
+        return offered
     # the workspace algorithms after "implicit" until the GPU has measured them
     offered = {a: ws(a) for a in _ALGOS[phase]
                if _applies(a, x_shape, w_shape, (sh, sw), padding)}
@@ -255,8 +271,12 @@ def _nhwc_applies(channels, stride) -> bool:
     return pair(stride, "conv: stride", 1) == (1, 1) and channels % 4 == 0
 
 
-def _applies(algo, x_shape, w_shape, stride, padding) -> bool:
-    """Whether `algo` can run this conv (the rest of the algorithms run any conv)."""
+def _applies(algo, x_shape, w_shape, stride, padding, phase="forward") -> bool:
+    """Whether `algo` can run this conv in `phase` (the rest of the algorithms run any
+    conv)."""
+    if algo == "nhwc" and phase == "backward_weight":
+        q = out_shape(x_shape, w_shape, stride, padding)[3]
+        return _nhwc_applies(x_shape[1], stride) and q % 4 == 0
     if algo == "nhwc":
         return _nhwc_applies(x_shape[1], stride)
     if algo == "flipped_nhwc":
@@ -268,15 +288,19 @@ def _applies(algo, x_shape, w_shape, stride, padding) -> bool:
 
 def _check_applies(phase, algo, x_shape, w_shape, geo):
     """One line naming what `algo` needs, where it cannot run this conv."""
-    if _applies(algo, x_shape, w_shape, geo[:2], geo[2:4]):
+    if _applies(algo, x_shape, w_shape, geo[:2], geo[2:4], phase):
         return
+    nhwc = "stride 1 and input channels divisible by 4"
+    if phase == "backward_weight":
+        nhwc += " and an output width divisible by 4"
     need = {"flipped": "stride 1 and padding smaller than the kernel",
-            "nhwc": "stride 1 and input channels divisible by 4",
+            "nhwc": nhwc,
             "flipped_nhwc": "stride 1, padding smaller than the kernel and output channels "
                             "divisible by 4"}[algo]
     raise ValueError(f"conv: {phase} algo '{algo}' needs {need}; got stride {geo[:2]}, "
                      f"padding {geo[2:4]}, kernel {tuple(w_shape[2:])}, "
-                     f"{x_shape[1]} input and {w_shape[0]} output channels")
+                     f"{x_shape[1]} input and {w_shape[0]} output channels, output width "
+                     f"{out_shape(x_shape, w_shape, geo[:2], geo[2:4])[3]}")
 
 
 def backward_workspace_bytes(x_shape, w_shape, stride, padding, algo_data="implicit",
@@ -998,6 +1022,85 @@ _conv_nhwc_acc = _autotune(_NHWC_CONFIGS, _NHWC_KEY, _fwd_macs, restore=["y_ptr"
                            interp=_INTERP_NHWC, config_hook=_nhwc_boxes)(_conv_nhwc_kernel)
 
 
+
+@triton.jit
+def _conv_bwd_weight_nhwc_kernel(x_desc, dy_desc, ws_ptr, N, C, K, PH, PW,
+                                 P: tl.constexpr, Q: tl.constexpr, R: tl.constexpr,
+                                 S: tl.constexpr, TW: tl.constexpr, PRECISION: tl.constexpr,
+                                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                                 BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr):
+    """Stride 1: chunk program_id(1) of dW[k, c, r, s] = sum over pixels (n, p, q) of
+    dY[n, k, p, q] Xt[n, p-PH+r, q-PW+s, c], into ws[chunk] ([K, C, R, S] each; summed in
+    order by _splitk_reduce_kernel). Xt is x channels-last [N, H, W, C] (x_desc), dY stays
+    NCHW (dy_desc).
+
+    A program owns BLOCK_M channels c, BLOCK_N output channels k and one tap (the fastest
+    grid index, so neighbouring programs read the same dY boxes). Its reduction walks
+    [BLOCK_K // TW, TW] patches of output pixels: per patch the TMA unit copies dY's
+    [BLOCK_N, patch] box (pixels contiguous: the MMA's K-major operand) and Xt's
+    [patch shifted by the tap, BLOCK_M] box; coordinates outside either tensor read as zeros
+    (the padding; a patch's overhang past P or Q meets dY's zeros). Xt's box, channels
+    contiguous, is the MMA's first operand (taken through registers, which accept any
+    layout), so the program accumulates dW^T [BLOCK_M, BLOCK_N]; as the second operand it
+    ran 1.5-4x slower on the H200 (a TF32 MMA reads only K-major operands from shared
+    memory).
+    """
+    TH: tl.constexpr = BLOCK_K // TW
+    TP: tl.constexpr = (P + TH - 1) // TH
+    TQ: tl.constexpr = (Q + TW - 1) // TW
+    RS: tl.constexpr = R * S
+    pid = tl.program_id(0)
+    tap = pid % RS
+    pid_m, pid_n = _tile_ids(pid // RS, C, K, BLOCK_M, BLOCK_N, GROUP_M)
+    r = tap // S
+    s = tap - r * S
+    c0 = pid_m * BLOCK_M
+    k0 = pid_n * BLOCK_N
+    total = N * (TP * TQ)
+    per = tl.cdiv(total, tl.num_programs(1))
+    lo = tl.program_id(1) * per
+    hi = tl.minimum(lo + per, total)
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for t in range(lo, hi):
+        img = t // (TP * TQ)
+        patch = t - img * (TP * TQ)
+        p0 = (patch // TQ) * TH
+        q0 = (patch % TQ) * TW
+        xa = x_desc.load([img, p0 - PH + r, q0 - PW + s, c0]).reshape(BLOCK_K, BLOCK_M)
+        dyb = dy_desc.load([img, k0, p0, q0]).reshape(BLOCK_N, BLOCK_K)
+        acc = tl.dot(tl.trans(xa), tl.trans(dyb), acc, input_precision=PRECISION)
+
+    offs_c = c0 + tl.arange(0, BLOCK_M)
+    offs_k = k0 + tl.arange(0, BLOCK_N)
+    out = ws_ptr + tl.program_id(1).to(tl.int64) * (K * C * RS) + tap
+    ptrs = out + (offs_c[:, None] * RS + offs_k[None, :] * (C * RS))
+    tl.store(ptrs, acc, mask=(offs_c < C)[:, None] & (offs_k < K)[None, :])
+
+
+def _weight_nhwc_boxes(nargs):
+    """The weight-gradient kernel's TMA boxes for one config (see _nhwc_boxes)."""
+    tw = nargs["TW"]
+    th = nargs["BLOCK_K"] // tw
+    nargs["x_desc"].block_shape = [1, th, tw, nargs["BLOCK_M"]]
+    nargs["dy_desc"].block_shape = [1, nargs["BLOCK_N"], th, tw]
+
+
+# (BLOCK_M channels, BLOCK_N output channels, BLOCK_K pixels): each shape's best of a one-off
+# sweep of 16 configs over 9 3x3 shapes at batch 32 on the H200 (bench/conv_configs.py's
+# "weight_nhwc" tuner redoes it)
+_WGT_NHWC_CONFIGS = [
+    _nhwc_cfg(64, 64, 64, 4, 3),
+    _nhwc_cfg(128, 128, 64, 8, 3),
+    _nhwc_cfg(256, 64, 32, 8, 3),
+    _nhwc_cfg(64, 64, 32, 4, 4),
+]
+_INTERP_WGT_NHWC = _nhwc_cfg(64, 64, 64, 1, 1)
+_conv_bwd_weight_nhwc = _autotune(_WGT_NHWC_CONFIGS, ["N", "C", "K", "P", "Q", "R", "S",
+                                                     "PH", "PW"], _fwd_macs,
+                                  interp=_INTERP_WGT_NHWC,
+                                  config_hook=_weight_nhwc_boxes)(_conv_bwd_weight_nhwc_kernel)
+
+
 @triton.jit
 def _zero_insert_kernel(dy_ptr, z_ptr, P, Q, HZ, WZ, SH, SW, OFFH, OFFW, BLOCK: tl.constexpr):
     """z[n, k, a, b] = dY[n, k, (a-OFFH)/SH, (b-OFFW)/SW] where the division is exact and in
@@ -1280,6 +1383,14 @@ def _tile_w(q):
     return min((32, 16, 8, 4, 2, 1), key=lambda tw: triton.cdiv(q, tw) * tw - q)
 
 
+def _launch_to_nhwc(x, xt):
+    """xt (flat) = x [N, C, H, W] channels-last, [N, H, W, C]."""
+    n, c, h, wd = x.shape
+    bc, bp = (min(64, triton.next_power_of_2(c)), 256) if INTERPRET else (64, 64)
+    run(_to_nhwc_kernel, (triton.cdiv(h * wd, bp), triton.cdiv(c, bc), n),
+        x, xt, c, h * wd, BLOCK_C=bc, BLOCK_P=bp, num_warps=4)
+
+
 def _launch_nhwc(x, w, b, y, ws, ph, pw, prec, flip=False, accumulate=False):
     """"nhwc": X [N, C, H, W] -> Xt [N, H, W, C] and w -> Wt [O, R*S, C] in the workspace
     `ws`, then the TMA kernel into Y [N, O, P, Q] (stride 1, padding (ph, pw)). flip: the
@@ -1289,9 +1400,7 @@ def _launch_nhwc(x, w, b, y, ws, ph, pw, prec, flip=False, accumulate=False):
     r, s = w.shape[2:]
     xt = ws[:n * h * wd * c]
     wt = ws[n * h * wd * c:n * h * wd * c + o * r * s * c]
-    bc, bp = (min(64, triton.next_power_of_2(c)), 256) if INTERPRET else (64, 64)
-    run(_to_nhwc_kernel, (triton.cdiv(h * wd, bp), triton.cdiv(c, bc), n),
-        x, xt, c, h * wd, BLOCK_C=bc, BLOCK_P=bp, num_warps=4)
+    _launch_to_nhwc(x, xt)
     bo, bi = (min(64, triton.next_power_of_2(o)), min(64, triton.next_power_of_2(c)))
     run(_weight_ohwi_kernel, (triton.cdiv(o, bo), triton.cdiv(c, bi), r * s),
         w, wt, w.shape[0], w.shape[1], RS=r * s, FLIP=flip, BLOCK_O=bo, BLOCK_I=bi,
@@ -1446,6 +1555,9 @@ def _run_bwd_weight(x, dy, dw, db, geo, algo, ws, prec):
     _, _, r, s = dw.shape
     is_1x1 = r == 1 and s == 1 and sh == 1 and sw == 1 and ph == 0 and pw == 0
     npq = n * p * q
+    if algo == "nhwc":
+        _launch_weight_nhwc(x, dy, dw, ws, ph, pw, prec)
+        return
     if algo == "onepass":
         splits, out = 1, dw
     else:
@@ -1461,10 +1573,44 @@ def _run_bwd_weight(x, dy, dw, db, geo, algo, ws, prec):
             ws, dw, total, splits, BLOCK=_ELEM_BLOCK, num_warps=4)
 
 
+def _launch_weight_nhwc(x, dy, dw, ws, ph, pw, prec):
+    """"nhwc": X [N, C, H, W] -> Xt [N, H, W, C] in the workspace `ws`, then the TMA kernel
+    into the split-K chunks after Xt, then their fixed-order sum into dw (stride 1)."""
+    n, c, h, wd = x.shape
+    _, k, p, q = dy.shape
+    _, _, r, s = dw.shape
+    splits = splitk_splits(x.shape, dw.shape, 1, (ph, pw))
+    xt = ws[:n * h * wd * c]
+    chunks = ws[n * h * wd * c:n * h * wd * c + splits * k * c * r * s]
+    _launch_to_nhwc(x, xt)
+    tw = _tile_w(q)
+    # boxes: placeholders, set per config by _weight_nhwc_boxes
+    x_desc = TensorDescriptor(xt, [n, h, wd, c], [h * wd * c, wd * c, c, 1], [1, 1, 1, 4])
+    dy_desc = TensorDescriptor(dy, [n, k, p, q], [k * p * q, p * q, q, 1], [1, 1, 1, 4])
+
+    def grid(meta):
+        return (triton.cdiv(c, meta["BLOCK_M"]) * triton.cdiv(k, meta["BLOCK_N"]) * r * s,
+                splits)
+    _launch(_conv_bwd_weight_nhwc, grid, (x_desc, dy_desc, chunks, n, c, k, ph, pw),
+            dict(P=p, Q=q, R=r, S=s, TW=tw, PRECISION=prec))
+    total = k * c * r * s
+    run(_splitk_reduce_kernel, (triton.cdiv(total, _ELEM_BLOCK),),
+        chunks, dw, total, splits, BLOCK=_ELEM_BLOCK, num_warps=4)
+
+
+def _check_weight_algo(algo, x, dy, w_shape, geo):
+    """One line naming what the weight-gradient `algo` needs, where it cannot run."""
+    _check_applies("backward_weight", algo, x.shape, w_shape, geo)
+    if algo == "nhwc" and dy.data_ptr() % 16:
+        raise ValueError("conv: backward_weight algo 'nhwc' needs dy 16-byte aligned "
+                         f"(a TMA descriptor's base); its address is {dy.data_ptr()}")
+
+
 def backward_weight(x, dy, dw, db, *, stride, padding, algo="onepass", workspace=None,
                     precision=None):
     """dw = conv2d_weight(x, dw.shape, dy), db = dy.sum((0, 2, 3)) (db may be None; dw may be
-    None too, then only db is computed). algo "onepass" (no workspace) or "splitk" (workspace)."""
+    None too, then only db is computed). algo "onepass" (no workspace), "splitk" or "nhwc"
+    (workspace)."""
     prec = dot_precision(precision)
     _algo("backward_weight", algo)
     _check_4d("x", x)
@@ -1478,6 +1624,8 @@ def backward_weight(x, dy, dw, db, *, stride, padding, algo="onepass", workspace
         w_shape = (dy.shape[1], x.shape[1], 1, 1)   # only the bias gradient: any valid kernel
         stride, padding = 1, 0
     geo = _check_dy(dy, x.shape, w_shape, stride, padding)
+    if dw is not None:
+        _check_weight_algo(algo, x, dy, w_shape, geo)
     if db is not None:
         check_tensor("db", db, (w_shape[0],))
     check_device("conv", x, dy=dy, dw=dw, db=db, workspace=workspace)
@@ -1506,6 +1654,7 @@ def backward(x, w, dy, dx, dw, db, *, stride, padding, algo_data="implicit",
         _check_applies("backward_data", algo_data, x.shape, w.shape, geo)
     if dw is not None:
         _check_4d("dw", dw, tuple(w.shape))
+        _check_weight_algo(algo_weight, x, dy, w.shape, geo)
     if db is not None:
         check_tensor("db", db, (w.shape[0],))
     check_device("conv", x, w=w, dy=dy, dx=dx, dw=dw, db=db, workspace=workspace)

@@ -96,8 +96,8 @@ class DeviceModel:
 # The fitted figures of DeviceModel.h200 (bench/calibrate.py prints them from bench/results).
 H200_CONV_FLOPS_PER_S = 91.9e12
 H200_CONV_BYTES_PER_S = 2.28e12
-H200_LAUNCH_PER_PROBE = 7.73     # an eager layer step's host time over a bare launch's
-H200_LAUNCH_PROBE_S = 18.1e-6    # the bare launch on the hosts of the runs it was fitted on
+H200_LAUNCH_PER_PROBE = 11.21    # an eager layer step's host time over a bare launch's
+H200_LAUNCH_PROBE_S = 17.0e-6    # the bare launch on the hosts of the runs it was fitted on
 
 
 def host_launch_s(probe_s: float | None = None) -> float:
@@ -106,7 +106,7 @@ def host_launch_s(probe_s: float | None = None) -> float:
     a fitted multiple of the probe. The lent machines' hosts run up to 1.6x faster or
     slower from one call to the next, and within one process from one second to the next,
     so the step's host time follows the host's probe, not a fixed figure (the multiple
-    itself moves between calls, from 5.8 to 13: bench/README.md). Without a probe: the
+    itself moves between calls, from 5.8 to 13.1: bench/README.md). Without a probe: the
     mean probe of the runs the multiple was fitted on."""
     return H200_LAUNCH_PER_PROBE * (probe_s or H200_LAUNCH_PROBE_S)
 

@@ -155,7 +155,7 @@ def problem(c, k, hw, r) -> dict:
         "data_nhwc": (lambda: conv.backward_data(dy, w, dx, stride=1, padding=pad,
                                                  algo="flipped_nhwc", workspace=ws), data),
     }
-    if "nhwc" in conv.algos(x.shape, w.shape, 1, pad, "backward_weight"):
+    if conv._applies("nhwc", x.shape, w.shape, (1, 1), pad, "backward_weight"):
         calls["weight_nhwc"] = (lambda: conv.backward_weight(
             x, dy, dw, None, stride=1, padding=pad, algo="nhwc", workspace=ws), weight)
     return calls

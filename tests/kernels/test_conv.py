@@ -21,9 +21,9 @@ ALL_ALGOS = {"forward": ("implicit", "im2col", "nhwc"),
              "backward_data": ("implicit", "flipped", "transposed", "zero_insert",
                                "flipped_nhwc"),
              "backward_weight": ("onepass", "splitk", "nhwc")}
-# algorithms that run only some convs (conv.algos() leaves them out elsewhere; asked for
-# there, they raise ValueError before any write)
-RESTRICTED = {"flipped", "nhwc", "flipped_nhwc"}
+# "flipped" and the channels-last algorithms run only some convs (conv._applies); asked for
+# elsewhere, they raise ValueError before any write. conv.algos() offers a subset of what
+# applies (see test_algos_and_workspaces).
 
 
 # --------------------------------------------------------------------------------------------
@@ -92,7 +92,7 @@ def _check(case, device="cpu", precision="ieee", seed=0, bias=True, accumulate=F
         need = conv.workspace_bytes(x.shape, wt.shape, stride, padding, "forward", algo)
         assert offered.get(algo, need) == need
         y = _nan(shp, device)
-        if algo in RESTRICTED and algo not in offered:
+        if not conv._applies(algo, x.shape, wt.shape, stride, padding, "forward"):
             with pytest.raises(ValueError, match=f"'{algo}' needs stride 1"):
                 conv.forward(x, wt, b, y, stride=stride, padding=padding, algo=algo,
                              workspace=_workspace(need, device))
@@ -108,7 +108,7 @@ def _check(case, device="cpu", precision="ieee", seed=0, bias=True, accumulate=F
         need = conv.workspace_bytes(x.shape, wt.shape, stride, padding, "backward_data", algo)
         assert offered.get(algo, need) == need
         dx = before.clone() if accumulate else _nan(x.shape, device)
-        if algo in RESTRICTED and algo not in offered:
+        if not conv._applies(algo, x.shape, wt.shape, stride, padding, "backward_data"):
             with pytest.raises(ValueError, match=f"'{algo}' needs stride 1"):
                 conv.backward_data(dy, wt, dx, stride=stride, padding=padding, algo=algo,
                                    workspace=_workspace(need, device))
@@ -121,12 +121,14 @@ def _check(case, device="cpu", precision="ieee", seed=0, bias=True, accumulate=F
     # backward_weight
     offered = conv.algos(x.shape, wt.shape, stride, padding, "backward_weight")
     assert {"onepass", "splitk"} <= set(offered) <= set(ALL_ALGOS["backward_weight"])
+    assert all(conv._applies(a, x.shape, wt.shape, stride, padding, "backward_weight")
+               for a in offered)
     for algo in ALL_ALGOS["backward_weight"]:
         need = conv.workspace_bytes(x.shape, wt.shape, stride, padding, "backward_weight", algo)
         assert offered.get(algo, need) == need
         dw = _nan(wt.shape, device)
         db = None if db_none else _nan((k,), device)
-        if algo in RESTRICTED and algo not in offered:
+        if not conv._applies(algo, x.shape, wt.shape, stride, padding, "backward_weight"):
             with pytest.raises(ValueError, match=f"'{algo}' needs stride 1"):
                 conv.backward_weight(x, dy, dw, db, stride=stride, padding=padding, algo=algo,
                                      workspace=_workspace(need, device))
@@ -140,10 +142,10 @@ def _check(case, device="cpu", precision="ieee", seed=0, bias=True, accumulate=F
 
     # backward (both phases through one workspace); the algorithm pair rotates with the seed
     algo_data = ALL_ALGOS["backward_data"][seed % 5]
-    if algo_data not in conv.algos(x.shape, wt.shape, stride, padding, "backward_data"):
-        algo_data = "implicit" if algo_data in RESTRICTED else algo_data
+    if not conv._applies(algo_data, x.shape, wt.shape, stride, padding, "backward_data"):
+        algo_data = "implicit"
     algo_weight = ALL_ALGOS["backward_weight"][(seed // 3) % 3]
-    if algo_weight not in conv.algos(x.shape, wt.shape, stride, padding, "backward_weight"):
+    if not conv._applies(algo_weight, x.shape, wt.shape, stride, padding, "backward_weight"):
         algo_weight = "onepass"
     need = conv.backward_workspace_bytes(x.shape, wt.shape, stride, padding, algo_data,
                                          algo_weight, not dx_none, True)
@@ -279,10 +281,22 @@ def test_algos_and_workspaces():
     wg = conv.algos(xs, ws, 1, 1, "backward_weight")
     assert list(wg)[0] == "splitk" and wg["onepass"] == 0
     assert wg["splitk"] == 4 * conv.splitk_splits(xs, ws, 1, 1) * 64 * 64 * 9
-    # "nhwc": x channels-last, then the split-K chunks; it needs Q divisible by 4 too
-    assert wg["nhwc"] == 4 * 32 * 64 * 56 * 56 + wg["splitk"]
-    assert "nhwc" not in conv.algos((32, 64, 14, 14), ws, 1, 1, "backward_weight")
-    assert "nhwc" not in conv.algos((32, 64, 56, 56), ws, 2, 1, "backward_weight")
+    # "nhwc": x channels-last, then the split-K chunks; it needs Q divisible by 4 too, and
+    # is offered only on outputs larger than 112x112 (it applies to 56x56)
+    big = (32, 64, 224, 224)
+    wb = conv.algos(big, ws, 1, 1, "backward_weight")
+    assert wb["nhwc"] == 4 * 32 * 64 * 224 * 224 + wb["splitk"]
+    assert "nhwc" not in wg and conv._applies("nhwc", xs, ws, (1, 1), 1, "backward_weight")
+    assert "nhwc" not in conv.algos((32, 64, 112, 112), ws, 1, 1, "backward_weight")
+    assert not conv._applies("nhwc", (32, 64, 14, 14), ws, (1, 1), 1, "backward_weight")
+    assert not conv._applies("nhwc", big, ws, (2, 2), 1, "backward_weight")
+    # the channels-last forward and data gradient: offered from 28x28 output pixels up
+    small = (32, 64, 14, 14)
+    assert "nhwc" in conv.algos((32, 64, 28, 28), ws, 1, 1, "forward")
+    assert "nhwc" not in conv.algos(small, ws, 1, 1, "forward")
+    assert "flipped_nhwc" not in conv.algos(small, ws, 1, 1, "backward_data")
+    assert conv._applies("nhwc", small, ws, (1, 1), 1)
+    assert conv._applies("flipped_nhwc", small, ws, (1, 1), 1, "backward_data")
     # a conv with many output tiles gains nothing from split-K
     assert list(conv.algos((32, 512, 7, 7), (2048, 512, 3, 3), 1, 1,
                            "backward_weight"))[0] == "onepass"

@@ -12,7 +12,8 @@ Every phase is a GEMM with one operand gathered on the fly (no layout change at 
   backward_weight  dW[k, (c,r,s)]     = sum_{(n,p,q)} dY[n, k, p, q] X[n, c, p*sh-ph+r, q*sw-pw+s]
 
 Algorithms (like cuDNN's: workspace buys speed or parallelism), listed by `algos()` with their
-workspace bytes, fastest-expected first:
+workspace bytes, fastest-expected first (the channels-last ones only where they can win:
+`_offered`):
 
   forward
     "implicit"   implicit GEMM, no workspace. The output-pixel dimension (contiguous in NCHW)
@@ -246,15 +247,37 @@ def _algos(x_shape, w_shape, stride, padding, phase) -> dict:
             offered = {"splitk": ws("splitk"), "onepass": 0}
         else:
             offered = {"onepass": 0, "splitk": ws("splitk")}
-        if _applies("nhwc", x_shape, w_shape, (sh, sw), padding, phase):
+        if _offered("nhwc", x_shape, w_shape, (sh, sw), padding, phase):
             offered["nhwc"] = ws("nhwc")
         return offered
     # the workspace algorithms after "implicit" until the GPU has measured them
     offered = {a: ws(a) for a in _ALGOS[phase]
-               if _applies(a, x_shape, w_shape, (sh, sw), padding)}
+               if _offered(a, x_shape, w_shape, (sh, sw), padding, phase)}
     if phase == "backward_data" and (sh, sw) == (1, 1):
         del offered["zero_insert"]          # a padded copy of dY: never faster at stride 1
     return offered
+
+
+# The channels-last algorithms are offered (algos()) only on outputs of at least this many
+# pixels per image, though they run any size they apply to: on the H200 at batch 32 they
+# never beat the NCHW kernels below it (ResNet-50's 14- and 7-pixel layers 1.4-7x slower,
+# VGG16's 14-pixel ones 2x), and each algorithm offered costs a first run one more compile
+# and timing per conv shape. The weight gradient's won only on VGG16's 224x224 layer (1.25
+# against 1.46 ms) and lost by 13-31% from 112x112 down.
+_NHWC_MIN_PIXELS = 28 * 28
+_WEIGHT_NHWC_MIN_PIXELS = 112 * 112 + 1
+
+
+def _offered(algo, x_shape, w_shape, stride, padding, phase) -> bool:
+    """Whether algos() lists `algo`: it applies, and (channels-last) the output is large
+    enough for it to have won somewhere."""
+    if not _applies(algo, x_shape, w_shape, stride, padding, phase):
+        return False
+    if algo not in ("nhwc", "flipped_nhwc"):
+        return True
+    _, _, p, q = out_shape(x_shape, w_shape, stride, padding)
+    least = _WEIGHT_NHWC_MIN_PIXELS if phase == "backward_weight" else _NHWC_MIN_PIXELS
+    return p * q >= least
 
 
 def _flipped_applies(w_shape, stride, padding) -> bool:

@@ -1045,7 +1045,6 @@ _conv_nhwc_acc = _autotune(_NHWC_CONFIGS, _NHWC_KEY, _fwd_macs, restore=["y_ptr"
                            interp=_INTERP_NHWC, config_hook=_nhwc_boxes)(_conv_nhwc_kernel)
 
 
-
 @triton.jit
 def _conv_bwd_weight_nhwc_kernel(x_desc, dy_desc, ws_ptr, N, C, K, PH, PW,
                                  P: tl.constexpr, Q: tl.constexpr, R: tl.constexpr,

@@ -38,9 +38,11 @@ SHAPES = [
 PHASES = ("forward", "backward_data", "backward_weight")
 _TUNED = {"forward": "_conv_fwd", "backward_data": "_conv_bwd_data",
           "backward_weight": "_conv_bwd_weight"}
-# algorithms whose GEMM runs under another phase's autotuner
-_TUNED_ALGO = {"transposed": "_conv_bwd_data_t", "flipped": "_conv_fwd", "nhwc": "_conv_nhwc",
-               "flipped_nhwc": "_conv_nhwc"}
+# (phase, algorithm) pairs whose GEMM runs under an autotuner other than the phase's
+_TUNED_ALGO = {("backward_data", "transposed"): "_conv_bwd_data_t",
+               ("backward_data", "flipped"): "_conv_fwd", ("forward", "nhwc"): "_conv_nhwc",
+               ("backward_data", "flipped_nhwc"): "_conv_nhwc",
+               ("backward_weight", "nhwc"): "_conv_bwd_weight_nhwc"}
 
 
 _do_bench, _rel = common.do_bench, common.rel_err
@@ -48,7 +50,7 @@ _do_bench, _rel = common.do_bench, common.rel_err
 
 def _tuning(phase, algo):
     """The autotuner's pick and the timings of every config it tried (if it benchmarked)."""
-    kern = getattr(conv, _TUNED_ALGO.get(algo, _TUNED[phase]))
+    kern = getattr(conv, _TUNED_ALGO.get((phase, algo), _TUNED[phase]))
     best = getattr(kern, "best_config", None)
     timings = getattr(kern, "configs_timings", None) or {}
     tried = {str(c.kwargs) + f" w{c.num_warps} s{c.num_stages}":
@@ -89,7 +91,7 @@ def bench(device="cuda", batch=32, shapes=None, phases=PHASES, precision="tf32",
             for algo in conv._ALGOS[phase]:
                 if algo not in conv.algos(x.shape, wt.shape, st, pd, phase) and \
                         algo != "zero_insert":
-                    continue        # it cannot run this shape (zero_insert can: a padded dY)
+                    continue        # not offered for this shape (zero_insert runs: a padded dY)
                 need = conv.workspace_bytes(x.shape, wt.shape, st, pd, phase, algo)
                 ws = torch.empty(max(need, 4), dtype=torch.uint8, device=device)
 

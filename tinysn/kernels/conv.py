@@ -1064,8 +1064,8 @@ def _conv_bwd_weight_nhwc_kernel(x_desc, dy_desc, ws_ptr, N, C, K, PH, PW,
     (the padding; a patch's overhang past P or Q meets dY's zeros). Xt's box, channels
     contiguous, is the MMA's first operand (taken through registers, which accept any
     layout), so the program accumulates dW^T [BLOCK_M, BLOCK_N]; as the second operand it
-    ran 1.5-4x slower on the H200 (a TF32 MMA reads only K-major operands from shared
-    memory).
+    ran up to 4x slower on the H200, never faster (a TF32 MMA reads only K-major operands
+    from shared memory).
     """
     TH: tl.constexpr = BLOCK_K // TW
     TP: tl.constexpr = (P + TH - 1) // TH

@@ -9,12 +9,12 @@ direction: the forward kernel (also the "flipped" data gradient), the implicit a
 "transposed" data-gradient kernels, the weight-gradient kernel as "splitk" and as "onepass"
 (one tuner, one list for both), and the channels-last kernel as "nhwc" and "flipped_nhwc"
 (one list too; its copies included in the time), and the channels-last weight gradient as
-"weight_nhwc" (where it applies: output widths divisible by 4). Then picks, per tuner, greedily the configs whose
-best-per-shape total time is smallest, first the best single config (what
-TINYSN_AUTOTUNE=0 runs), as many as today's list holds. The forward and weight-gradient lists
-in tinysn/kernels/conv.py are such a pick, and so are the two data-gradient lists (the
-channels-last lists were picked by hand from smaller one-off sweeps). Every candidate is
-compiled first, in parallel, then timed.
+"weight_nhwc" (where it applies: output widths divisible by 4). Then picks, per tuner,
+greedily the configs whose best-per-shape total time is smallest, first the best single
+config (what TINYSN_AUTOTUNE=0 runs), as many as today's list holds. The forward and
+weight-gradient lists in tinysn/kernels/conv.py are such a pick, and so are the two
+data-gradient lists (the channels-last lists were picked by hand from smaller one-off
+sweeps). Every candidate is compiled first, in parallel, then timed.
 """
 import argparse
 import os

@@ -218,9 +218,9 @@ def _workspace_bytes(x_shape, w_shape, stride, padding, phase, algo) -> int:
         return 4 * n * k * (h + r - 1) * (w + s - 1)
     if algo in ("transposed", "flipped"):
         return 4 * k * c * r * s
-    if phase == "backward_weight" and algo == "nhwc":      # Xt, then the chunks
-        splits = splitk_splits(x_shape, w_shape, stride, padding)
-        return 4 * (n * c * h * w + splits * k * c * r * s)
+    if phase == "backward_weight" and algo == "nhwc":      # Xt, then "splitk"'s chunks
+        return 4 * n * c * h * w + _workspace_bytes(x_shape, w_shape, stride, padding, phase,
+                                                    "splitk")
     if algo == "nhwc":
         return 4 * (n * c * h * w + k * c * r * s)
     if algo == "flipped_nhwc":
@@ -421,6 +421,10 @@ def _prune(macs_fn):
 
 
 def _fwd_macs(a):
+    return a["N"] * a["P"] * a["Q"] * a["K"] * a["C"] * a["R"] * a["S"]
+
+
+def _bwd_weight_macs(a):
     return a["N"] * a["P"] * a["Q"] * a["K"] * a["C"] * a["R"] * a["S"]
 
 
@@ -1118,7 +1122,7 @@ _WGT_NHWC_CONFIGS = [
 ]
 _INTERP_WGT_NHWC = _nhwc_cfg(64, 64, 64, 1, 1)
 _conv_bwd_weight_nhwc = _autotune(_WGT_NHWC_CONFIGS, ["N", "C", "K", "P", "Q", "R", "S",
-                                                     "PH", "PW"], _fwd_macs,
+                                                     "PH", "PW"], _bwd_weight_macs,
                                   interp=_INTERP_WGT_NHWC,
                                   config_hook=_weight_nhwc_boxes)(_conv_bwd_weight_nhwc_kernel)
 
@@ -1236,10 +1240,6 @@ def _conv_bwd_weight_kernel(x_ptr, dy_ptr, dw_ptr,
 
     out = dw_ptr + split.to(tl.int64) * (K * CRS) + (offs_m[:, None] * CRS + offs_n[None, :])
     tl.store(out, acc, mask=m_ok[:, None] & n_ok[None, :])
-
-
-def _bwd_weight_macs(a):
-    return a["N"] * a["P"] * a["Q"] * a["K"] * a["C"] * a["R"] * a["S"]
 
 
 _conv_bwd_weight = _autotune(_WGT_CONFIGS, _KEY + ["SPLIT_LEN"], _bwd_weight_macs,
@@ -1574,12 +1574,12 @@ def _run_bwd_weight(x, dy, dw, db, geo, algo, ws, prec):
         _launch_bias_grad(dy, db, n, k, p * q, None if dw is None else dw.view(-1))
     if dw is None:
         return
-    _, _, r, s = dw.shape
-    is_1x1 = r == 1 and s == 1 and sh == 1 and sw == 1 and ph == 0 and pw == 0
-    npq = n * p * q
     if algo == "nhwc":
         _launch_weight_nhwc(x, dy, dw, ws, ph, pw, prec)
         return
+    _, _, r, s = dw.shape
+    is_1x1 = r == 1 and s == 1 and sh == 1 and sw == 1 and ph == 0 and pw == 0
+    npq = n * p * q
     if algo == "onepass":
         splits, out = 1, dw
     else:

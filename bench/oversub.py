@@ -277,6 +277,7 @@ def curve_row(model, batch, capped, reference, bandwidth) -> dict:
                keep_pools=capped["keep_pools"],
                evict_by_next_use=capped["evict_by_next_use"],
                rebuild_joins=capped["rebuild_joins"], rebuilt_joins=capped["rebuilt_joins"],
+               fuse_relu=capped["fuse_relu"],
                trade_budget=capped["trade_budget"],
                launch_probe_s=capped["device_model"]["launch_probe_s"],
                timed_launch_probe_s=capped["timed_launch_probe_s"],

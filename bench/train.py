@@ -188,6 +188,7 @@ def tinysn_row(net, policy, cuda_graph, device, args, host_memory=None) -> dict:
                keep_pools=sn.plan.__kwdefaults__["keep_pools"],
                evict_by_next_use=sn.plan.__kwdefaults__["evict_by_next_use"],
                rebuild_joins=sn.plan.__kwdefaults__["rebuild_joins"],
+               fuse_relu=sn.plan.__kwdefaults__["fuse_relu"],
                rebuilt_joins=rt.plan.rebuilt_joins,
                trade_budget=sn.plan.__kwdefaults__["trade_budget"],
                conv_algos=sorted({f"{p}:{a}" for d in rt.plan.conv_algos.values()

@@ -25,7 +25,7 @@ def predict(rt, images) -> torch.Tensor:
     rt.predicting = True
     try:
         rt._walk(images, None, until=stop)
-        logits = rt.view(rt.program.act[net.loss.inputs[0]])
+        logits = rt.view(rt.program.act[rt.program.net.loss.inputs[0]])
         logits = logits[:n].detach().to("cpu", copy=True)
     finally:
         rt.predicting = False

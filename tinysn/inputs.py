@@ -33,9 +33,10 @@ def pick_device(device) -> torch.device:
     return device
 
 
-def check_options(policy, lr, momentum, weight_decay, seed, precision) -> None:
-    """A known policy, non-negative numbers for the optimizer, a non-negative int seed and
-    a precision of None, "tf32" or "ieee"."""
+def check_options(policy, lr, momentum, weight_decay, seed, precision,
+                  fuse_relu=True) -> None:
+    """A known policy, non-negative numbers for the optimizer, a non-negative int seed, a
+    precision of None, "tf32" or "ieee" and a bool fuse_relu."""
     if policy not in POLICIES:
         raise ValueError(f"unknown policy {policy!r}; choose one of {POLICIES}")
     for name, value in (("lr", lr), ("momentum", momentum), ("weight_decay", weight_decay)):
@@ -45,6 +46,8 @@ def check_options(policy, lr, momentum, weight_decay, seed, precision) -> None:
         raise ValueError(f"seed must be a non-negative int, got {seed!r}")
     if precision not in (None, "tf32", "ieee"):
         raise ValueError(f"precision must be None, 'tf32' or 'ieee', got {precision!r}")
+    if not isinstance(fuse_relu, bool):
+        raise ValueError(f"fuse_relu must be a bool, got {fuse_relu!r}")
 
 
 def check_trainable(net) -> None:

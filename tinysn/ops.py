@@ -55,7 +55,8 @@ class OpSpec:
 
     backward_reads_input   the backward kernel reads the layer's forward inputs (a bool, or
                            a function of the layer: max pooling does, average pooling not)
-    backward_reads_output  the backward kernel reads the layer's own output (ReLU)
+    backward_reads_output  the backward kernel reads the layer's own output (ReLU, and a conv
+                           with a ReLU fused into it: a bool, or a function of the layer)
     recomputable           cheap enough to drop and rebuild in the backward pass (§3.4)
     rebuildable            not cheap, but its output is a pure function of its inputs and
                            parameters, which no step updates before the backward pass reads
@@ -97,7 +98,7 @@ class OpSpec:
     forward: Callable
     backward: Callable | None = None
     backward_reads_input: bool | Callable = False
-    backward_reads_output: bool = False
+    backward_reads_output: bool | Callable = False
     recomputable: bool = False
     rebuildable: bool = False
     is_loss: bool = False
@@ -116,6 +117,10 @@ class OpSpec:
     def reads_input(self, layer) -> bool:
         """True when the layer's backward kernel needs its forward inputs."""
         return _apply(self.backward_reads_input, layer)
+
+    def reads_output(self, layer) -> bool:
+        """True when the layer's backward kernel needs its own output."""
+        return _apply(self.backward_reads_output, layer)
 
 
 def _apply(rule, layer) -> bool:
@@ -168,24 +173,46 @@ def _data_forward(program, layer, update_running):
     return lambda rt, algos, ws: y(rt).copy_(rt.images)
 
 
+def _fused_relu(layer) -> bool:
+    """True for a conv that a ReLU was fused into (sched/fuse.py): its output is the ReLU's."""
+    return layer.attrs.get("relu", False)
+
+
 def _conv_forward(program, layer, update_running):
     x, y = _act(program, layer.inputs[0]), _act(program, layer)
     w, b = _param(program, layer, "weight"), _param(program, layer, "bias")
-    a = layer.attrs
+    a, relu = layer.attrs, _fused_relu(layer)
     return lambda rt, algos, ws: conv_k.forward(
         x(rt), w(rt), b(rt), y(rt), stride=a["stride"], padding=a["padding"],
-        algo=algos["forward"], workspace=ws, precision=rt.precision)
+        algo=algos["forward"], workspace=ws, precision=rt.precision, relu=relu)
+
+
+def _masks_dy(layer) -> bool:
+    """True for a fused conv whose backward masks dy itself (sched/fuse.py: where one conv
+    reads its output, that conv's data gradient did)."""
+    return _fused_relu(layer) and not layer.attrs.get("relu_masked", False)
 
 
 def _conv_backward(program, lp):
+    """A fused ReLU's backward first masks dy in place (dy is read by this pass alone, so
+    it may hold the conv's own output gradient), then the conv's backward runs on it; dx
+    goes through the ReLU before the conv where x is that ReLU's output (sched/fuse.py)."""
     layer, a, g = lp.layer, lp.layer.attrs, _grads(program, lp)
     x, w = _act(program, layer.inputs[0]), _param(program, layer, "weight")
     dw, db = _param_grad(program, layer, "weight"), _param_grad(program, layer, "bias")
-    return lambda rt, algos, ws: conv_k.backward(
-        x(rt), w(rt), g.dy(rt), g.dx[0](rt), dw(rt), db(rt), stride=a["stride"],
-        padding=a["padding"], algo_data=algos.get("backward_data", "implicit"),
-        algo_weight=algos["backward_weight"], workspace=ws, accumulate=g.accumulate[0],
-        precision=rt.precision)
+    y = _act(program, layer) if _masks_dy(layer) else None
+    through_relu = a.get("x_is_relu_output", False)
+
+    def launch(rt, algos, ws):
+        dy = g.dy(rt)
+        if y is not None:
+            act_k.backward(y(rt), dy, dy)
+        conv_k.backward(
+            x(rt), w(rt), dy, g.dx[0](rt), dw(rt), db(rt), stride=a["stride"],
+            padding=a["padding"], algo_data=algos.get("backward_data", "implicit"),
+            algo_weight=algos["backward_weight"], workspace=ws, accumulate=g.accumulate[0],
+            precision=rt.precision, x_is_relu_output=through_relu)
+    return launch
 
 
 def _bn_forward(program, layer, update_running):
@@ -220,7 +247,10 @@ def _conv_launches(layer, phase, algos) -> int:
     """One or two kernels per algorithm the pass runs (conv_k.LAUNCHES), and the bias
     gradient's one or two in a backward pass (its partial sums sit in dW's room)."""
     own = sum(conv_k.LAUNCHES[(p, a)] for p, a in (algos or {}).items())
-    if phase != "backward" or "bias" not in layer.params:
+    if phase != "backward":
+        return own
+    own += _masks_dy(layer)                     # the fused ReLU's backward
+    if "bias" not in layer.params:
         return own
     n, k, p, q = layer.shape
     c, r, s = layer.inputs[0].shape[1], *layer.attrs["kernel"]
@@ -235,7 +265,9 @@ def _conv_cost(layer, phase) -> tuple:
     if phase == "forward":
         return 2 * macs, x + w + y
     gradients = 1 if spec(layer.inputs[0]).is_data else 2   # the data gradient, if any
-    return 2 * macs * gradients, 2 * (x + w + y)
+    relu = 3 * y if _masks_dy(layer) else 0        # a fused ReLU's backward reads y, dy: dy
+    relu += x if layer.attrs.get("x_is_relu_output") else 0     # dx's store reads x's mask
+    return 2 * macs * gradients, 2 * (x + w + y) + relu
 
 
 def _bn_workspace(layer, phase) -> int:
@@ -272,7 +304,8 @@ def _pool_backward(program, lp):
     x = _act(program, layer.inputs[0]) if _pool_reads_input(layer) else _optional(None)
     return lambda rt, algos, ws: pool_k.backward(
         x(rt), None, g.dy(rt), g.dx[0](rt), mode=a["mode"], kernel=a["kernel"],
-        stride=a["stride"], padding=a["padding"], accumulate=g.accumulate[0], workspace=ws)
+        stride=a["stride"], padding=a["padding"], accumulate=g.accumulate[0], workspace=ws,
+        x_is_relu_output=a.get("x_is_relu_output", False))
 
 
 def _pool_spare_workspace(layer, phase) -> int:
@@ -289,7 +322,9 @@ def _pool_launches(layer, phase, algos) -> int:
 
 
 def _pool_reads_input(layer) -> bool:
-    return layer.attrs["mode"] == "max"
+    """Max pooling finds the argmax in x; a pool whose dx goes through the ReLU before it
+    (sched/fuse.py) reads x's mask."""
+    return layer.attrs["mode"] == "max" or layer.attrs.get("x_is_relu_output", False)
 
 
 def _lrn_forward(program, layer, update_running):
@@ -408,7 +443,8 @@ def _softmax_workspace(layer, phase) -> int:
 SPECS = {
     "data": OpSpec(_data_forward, is_data=True, launches=lambda layer, phase, algos: 0),
     "conv": OpSpec(_conv_forward, _conv_backward, backward_reads_input=True, has_algorithms=True,
-                   rebuildable=True, cost=_conv_cost, launches=_conv_launches),
+                   backward_reads_output=_masks_dy, rebuildable=True, cost=_conv_cost,
+                   launches=_conv_launches),
     # statistics, their finalisation, the normalisation (a rebuild: the normalisation
     # alone, from the saved statistics); backward: partial sums, their finalisation, dx
     "bn": OpSpec(_bn_forward, _bn_backward, backward_reads_input=True, recomputable=True,

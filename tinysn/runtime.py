@@ -98,10 +98,10 @@ class Runtime:
                  momentum: float = 0.0, weight_decay: float = 0.0, seed: int = 0,
                  conv_algos=None, precision=None, layout="auto", host_memory=None,
                  cuda_graph: bool = False, process_group=None,
-                 bucket_bytes=liveness.BUCKET_BYTES):
+                 bucket_bytes=liveness.BUCKET_BYTES, fuse_relu: bool = True):
         device = inputs.pick_device(device)
         inputs.check_graph_request(cuda_graph, device)
-        inputs.check_options(policy, lr, momentum, weight_decay, seed, precision)
+        inputs.check_options(policy, lr, momentum, weight_decay, seed, precision, fuse_relu)
         inputs.check_trainable(net)
         inputs.check_machine(memory, host_memory, device)
         bucket_bytes = liveness.parse_bucket_bytes(bucket_bytes)
@@ -112,7 +112,7 @@ class Runtime:
         distributed.plan_everywhere(process_group, device, lambda: self._plan_in_pool(
             memory, cuda_graph, momentum=momentum, conv_algos=conv_algos, layout=layout,
             host_memory=host_memory, data_parallel=process_group is not None,
-            bucket_bytes=bucket_bytes))
+            bucket_bytes=bucket_bytes, fuse_relu=fuse_relu))
         self.lr, self.momentum, self.weight_decay, self.seed = lr, momentum, weight_decay, seed
         self.precision = precision
         self.program = self.plan.program
@@ -243,7 +243,8 @@ class Runtime:
         pool_images, pool_labels = self._batch_in_pool()
         pool_images.copy_(images, non_blocking=images.is_pinned())
         pool_labels.copy_(labels, non_blocking=labels.is_pinned())
-        flag = self.view(self.program.act[self.net.loss]) if self.device.type == "cuda" else None
+        loss = self.program.act[self.program.net.loss]
+        flag = self.view(loss) if self.device.type == "cuda" else None
         inputs.check_values(pool_images, pool_labels, self.net.classes, flag)
         return pool_images
 
@@ -252,7 +253,7 @@ class Runtime:
         (and a graph replay, which reads fixed addresses) finds its batch; found once. The
         data tensor sits at the same offset every step (the plan allocates it first)."""
         if self._batch is None:
-            data = self.program.act[self.net.data_layer]
+            data = self.program.act[self.program.net.data_layer]
             ops = [*self.plan.setup, *(op for step in self.plan.steps for op in step.ops)]
             offset = next(op.offset for op in ops if isinstance(op, Alloc) and op.tensor == data)
             t, views = self.tensors[data], self._views[data]
@@ -299,7 +300,7 @@ class Runtime:
                             "live_tensors": self.arena.allocator.n_used_nodes})
 
     def _finish_step(self) -> float:
-        loss = float(self.view(self.program.act[self.net.loss])[0])
+        loss = float(self.view(self.program.act[self.program.net.loss])[0])
         self.stats.peak_bytes = self.arena.allocator.peak
         self.stats.recomputed_steps = self.plan.recomputed_steps
         self.stats.iterations += 1

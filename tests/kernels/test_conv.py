@@ -101,6 +101,11 @@ def _check(case, device="cpu", precision="ieee", seed=0, bias=True, accumulate=F
         conv.forward(x, wt, b, y, stride=stride, padding=padding, algo=algo,
                      workspace=_workspace(need, device), precision=precision)
         _close(y, y_ref, red_fwd, precision, f"forward/{algo}")
+        # the fused ReLU: the same bits as a ReLU after the conv
+        fused = _nan(shp, device)
+        conv.forward(x, wt, b, fused, stride=stride, padding=padding, algo=algo,
+                     workspace=_workspace(need, device), precision=precision, relu=True)
+        assert torch.equal(fused, torch.where(y < 0, 0.0, y)), f"forward/{algo}/relu"
 
     # backward_data
     offered = conv.algos(x.shape, wt.shape, stride, padding, "backward_data")
@@ -117,6 +122,13 @@ def _check(case, device="cpu", precision="ieee", seed=0, bias=True, accumulate=F
                            workspace=_workspace(need, device), accumulate=accumulate,
                            precision=precision)
         _close(dx, dx_ref, red_data, precision, f"backward_data/{algo}/acc={accumulate}")
+        # a ReLU's backward fused into the store (x standing for that ReLU's output): the
+        # same bits as the ReLU's backward after it
+        masked = before.clone() if accumulate else _nan(x.shape, device)
+        conv.backward_data(dy, wt, masked, stride=stride, padding=padding, algo=algo,
+                           workspace=_workspace(need, device), accumulate=accumulate,
+                           precision=precision, relu_output=x)
+        assert torch.equal(masked, torch.where(x <= 0, 0.0, dx)), f"backward_data/{algo}/relu"
 
     # backward_weight
     offered = conv.algos(x.shape, wt.shape, stride, padding, "backward_weight")
@@ -463,6 +475,16 @@ def test_bad_input_raises():
         conv.forward(x, w, None, y, algo="fft", **kw)
     with pytest.raises(ValueError, match="precision"):
         conv.forward(x, w, None, y, precision="fp16", **kw)
+    y.fill_(7.0)
+    with pytest.raises(ValueError, match="relu must be a bool"):
+        conv.forward(x, w, None, y, relu=1, **kw)
+    assert (y == 7.0).all()
+    dx = torch.full((1, 3, 5, 5), 7.0)
+    with pytest.raises(ValueError, match="relu_output"):
+        conv.backward_data(dy, w, dx, relu_output=torch.randn(1, 3, 4, 4), **kw)
+    with pytest.raises(ValueError, match="x_is_relu_output must be a bool"):
+        conv.backward(x, w, dy, dx, None, None, x_is_relu_output=None, **kw)
+    assert (dx == 7.0).all()
     with pytest.raises(ValueError, match="phase"):
         conv.algos(x.shape, w.shape, 1, 1, "sideways")
     need = conv.workspace_bytes(x.shape, w.shape, 1, 1, "forward", "im2col")

@@ -53,6 +53,12 @@ def _check(shape, mode, kernel, stride, padding, seed=0, accumulate=False, devic
         pool.backward(x, None, dy, dx_ws, mode=mode, kernel=kernel, stride=stride,
                       padding=padding, accumulate=accumulate, workspace=ws)
         assert torch.equal(dx_ws, dx)
+    # x as a ReLU's output: dx goes on through that ReLU's backward in the store, the same
+    # bits as the ReLU's own backward after the pool's
+    masked = before.clone()
+    pool.backward(x, None, dy, masked, mode=mode, kernel=kernel, stride=stride,
+                  padding=padding, accumulate=accumulate, x_is_relu_output=True)
+    assert torch.equal(masked, torch.where(x <= 0, 0.0, dx))
 
 
 @st.composite
@@ -219,6 +225,14 @@ def test_pool_bad_input():
     with pytest.raises(ValueError):
         pool.backward(x, y, torch.empty_like(y), torch.empty(2, 3, 6, 5), mode="avg",
                       kernel=2, stride=2, padding=0)
+    dx = torch.full_like(x, 7.0)
+    with pytest.raises(ValueError, match="x_is_relu_output must be a bool"):
+        pool.backward(x, y, torch.empty_like(y), dx, mode="max", kernel=2, stride=2,
+                      padding=0, x_is_relu_output=1)
+    with pytest.raises(ValueError, match="through a ReLU"):
+        pool.backward(None, y, torch.empty_like(y), dx, mode="avg", kernel=2, stride=2,
+                      padding=0, x_is_relu_output=True)
+    assert (dx == 7.0).all()
 
 
 # ----------------------------------------------------------------------------- GPU

@@ -474,14 +474,25 @@ def _ult(x, bound):
 
 
 @triton.jit
-def _conv_fwd_kernel(x_ptr, w_ptr, b_ptr, y_ptr,
+def _relu_mask(g, m_ptrs, mask):
+    """g where the ReLU output at m_ptrs is > 0, else 0: the ReLU's backward (kernels/act.py)
+    fused into the kernel that stores g, its input gradient."""
+    return tl.where(tl.load(m_ptrs, mask=mask, other=0.0) <= 0.0, 0.0, g)
+
+
+@triton.jit
+def _conv_fwd_kernel(x_ptr, w_ptr, b_ptr, y_ptr, m_ptr,
                      N, C, K, SH, SW, PH, PW,
                      H: tl.constexpr, W: tl.constexpr, P: tl.constexpr, Q: tl.constexpr,
                      R: tl.constexpr, S: tl.constexpr, IS_1X1: tl.constexpr,
                      HAS_BIAS: tl.constexpr, ACCUMULATE: tl.constexpr, PRECISION: tl.constexpr,
                      BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                     GROUP_M: tl.constexpr, PIX: tl.constexpr):
-    """Y[(n,p,q), k] (+)= sum_(c,r,s) X[n, c, p*SH-PH+r, q*SW-PW+s] * W[k, c, r, s] (+ b[k]).
+                     GROUP_M: tl.constexpr, PIX: tl.constexpr, RELU: tl.constexpr = False,
+                     MASK: tl.constexpr = False):
+    """Y[(n,p,q), k] (+)= sum_(c,r,s) X[n, c, p*SH-PH+r, q*SW-PW+s] * W[k, c, r, s] (+ b[k]),
+    then max(Y, 0) where RELU (a ReLU fused into the conv; never with ACCUMULATE), or 0 where
+    MASK and m_ptr's element at Y's place is <= 0 (a ReLU's backward fused into a data
+    gradient that runs this kernel: m_ptr is that ReLU's output).
 
     The gathered x tile is [BLOCK_K, BLOCK_M] with the pixel axis fast; the weight tile is
     [BLOCK_N, BLOCK_K], read along (c,r,s), its contiguous axis (16-byte loads). Addresses: one
@@ -544,11 +555,17 @@ def _conv_fwd_kernel(x_ptr, w_ptr, b_ptr, y_ptr,
     y_m = dimg * (K * PQ) + pq
     if PQ % 4 != 0:
         y_m = tl.max_contiguous(tl.multiple_of(y_m, 1), BLOCK_M)
-    y_ptrs = y_ptr + img0.to(tl.int64) * (K * PQ) + (y_m[None, :] + (offs_n * PQ)[:, None])
+    y_base = img0.to(tl.int64) * (K * PQ)                   # 64-bit base, 32-bit offsets
+    y_off = y_m[None, :] + (offs_n * PQ)[:, None]
+    y_ptrs = y_ptr + y_base + y_off
     mask = n_ok[:, None] & m_ok[None, :]
     out = tl.trans(acc)                                                      # [BN, BM]
     if ACCUMULATE:
         out += tl.load(y_ptrs, mask=mask, other=0.0)
+    if RELU:
+        out = tl.where(out < 0.0, 0.0, out)      # as kernels/act.py: NaN propagates
+    if MASK:
+        out = _relu_mask(out, m_ptr + y_base + y_off, mask)
     tl.store(y_ptrs, out, mask=mask)
 
 
@@ -655,11 +672,12 @@ def _class_rows(pid, N, C, SH, SW, HC, WC, pb, qb, H: tl.constexpr, W: tl.conste
 
 
 @triton.jit
-def _store_dx(acc, dx_ptr, img0, dimg, ij, i, j, h0, w0, offs_n, m_ok, n_ok, C, SH, SW,
+def _store_dx(acc, dx_ptr, m_ptr, img0, dimg, ij, i, j, h0, w0, offs_n, m_ok, n_ok, C, SH, SW,
               H: tl.constexpr, W: tl.constexpr, STRIDE1: tl.constexpr,
-              ACCUMULATE: tl.constexpr, BLOCK_M: tl.constexpr):
+              ACCUMULATE: tl.constexpr, BLOCK_M: tl.constexpr, MASK: tl.constexpr):
     """dx[pixel (h0 + SH*i, w0 + SW*j) of image img0 + dimg, channel offs_n] (+)= acc
-    [BLOCK_M, BLOCK_N], stored along the pixels."""
+    [BLOCK_M, BLOCK_N], stored along the pixels; where MASK, 0 where m_ptr's element is <= 0
+    (x, a ReLU's output: that ReLU's backward, `_relu_mask`)."""
     HW: tl.constexpr = H * W
     if STRIDE1:
         dx_m = dimg * (C * HW) + ij
@@ -668,24 +686,29 @@ def _store_dx(acc, dx_ptr, img0, dimg, ij, i, j, h0, w0, offs_n, m_ok, n_ok, C, 
     else:
         dx_m = dimg * (C * HW) + (h0 + SH * i) * W + w0 + SW * j
         dx_m = tl.max_contiguous(tl.multiple_of(dx_m, 1), BLOCK_M)
-    dx_ptrs = dx_ptr + img0.to(tl.int64) * (C * HW) + (dx_m[None, :] + (offs_n * HW)[:, None])
+    dx_base = img0.to(tl.int64) * (C * HW)
+    dx_off = dx_m[None, :] + (offs_n * HW)[:, None]
+    dx_ptrs = dx_ptr + dx_base + dx_off
     mask = n_ok[:, None] & m_ok[None, :]
     out = tl.trans(acc)                                                      # [BN, BM]
     if ACCUMULATE:
         out += tl.load(dx_ptrs, mask=mask, other=0.0)
+    if MASK:
+        out = _relu_mask(out, m_ptr + dx_base + dx_off, mask)
     tl.store(dx_ptrs, out, mask=mask)
 
 
 @triton.jit
-def _conv_bwd_data_kernel(dy_ptr, w_ptr, dx_ptr,
+def _conv_bwd_data_kernel(dy_ptr, w_ptr, dx_ptr, m_ptr,
                           N, C, K, SH, SW, PH, PW,
                           H: tl.constexpr, W: tl.constexpr, P: tl.constexpr, Q: tl.constexpr,
                           R: tl.constexpr, S: tl.constexpr, IS_1X1: tl.constexpr,
                           STRIDE1: tl.constexpr, ACCUMULATE: tl.constexpr,
                           PRECISION: tl.constexpr,
                           BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                          GROUP_M: tl.constexpr, PIX: tl.constexpr):
-    """dX[(n,h,w), c] (+)= sum over contributing (k, r, s) of dY[n,k,p,q] * W[k,c,r,s].
+                          GROUP_M: tl.constexpr, PIX: tl.constexpr, MASK: tl.constexpr = False):
+    """dX[(n,h,w), c] (+)= sum over contributing (k, r, s) of dY[n,k,p,q] * W[k,c,r,s]
+    (masked by m_ptr where MASK: `_store_dx`).
 
     Grid axis 1 is the residue class (rho, sigma) = ((h+PH) % SH, (w+PW) % SW) of the dx pixels;
     within a class the contributing taps are r = rho + SH*t, s = sigma + SW*u with
@@ -754,8 +777,8 @@ def _conv_bwd_data_kernel(dy_ptr, w_ptr, dx_ptr,
         b = tl.load(b_ptrs, mask=k_ok[:, None] & n_ok[None, :], other=0.0)   # [BK, BN]
         acc = tl.dot(tl.trans(a), b, acc, input_precision=PRECISION)
 
-    _store_dx(acc, dx_ptr, img0, dimg, ij, i, j, h0, w0, offs_n, m_ok, n_ok, C, SH, SW, H, W,
-              STRIDE1, ACCUMULATE, BLOCK_M)
+    _store_dx(acc, dx_ptr, m_ptr, img0, dimg, ij, i, j, h0, w0, offs_n, m_ok, n_ok, C, SH, SW,
+              H, W, STRIDE1, ACCUMULATE, BLOCK_M, MASK)
 
 
 def _bwd_data_macs(a):
@@ -834,14 +857,15 @@ def _tap_chunk(acc, dy_base, a_m, row_ok, b_base, wt_n, n_ok, k0, K, PQ: tl.cons
 
 
 @triton.jit
-def _conv_bwd_data_t_kernel(dy_ptr, wt_ptr, dx_ptr,
+def _conv_bwd_data_t_kernel(dy_ptr, wt_ptr, dx_ptr, m_ptr,
                             N, C, K, SH, SW, PH, PW,
                             H: tl.constexpr, W: tl.constexpr, P: tl.constexpr, Q: tl.constexpr,
                             R: tl.constexpr, S: tl.constexpr, IS_1X1: tl.constexpr,
                             STRIDE1: tl.constexpr, ACCUMULATE: tl.constexpr,
                             PRECISION: tl.constexpr,
                             BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                            GROUP_M: tl.constexpr, PIX: tl.constexpr, FLAT: tl.constexpr):
+                            GROUP_M: tl.constexpr, PIX: tl.constexpr, FLAT: tl.constexpr,
+                            MASK: tl.constexpr = False):
     """dX[(n,h,w), c] (+)= sum_(t,u) sum_k dY[n, k, p_m - t, q_m - u] * wT[r, s, c, k].
 
     The residue classes, rows and the dx store are those of _conv_bwd_data_kernel (grid axis 1
@@ -901,8 +925,8 @@ def _conv_bwd_data_t_kernel(dy_ptr, wt_ptr, dx_ptr,
                 acc = _tap_chunk(acc, dy_base, a_m, row_ok, b_base, wt_n, n_ok, k0, K, PQ,
                                  PRECISION, BLOCK_K)
 
-    _store_dx(acc, dx_ptr, img0, dimg, ij, i, j, h0, w0, offs_n, m_ok, n_ok, C, SH, SW, H, W,
-              STRIDE1, ACCUMULATE, BLOCK_M)
+    _store_dx(acc, dx_ptr, m_ptr, img0, dimg, ij, i, j, h0, w0, offs_n, m_ok, n_ok, C, SH, SW,
+              H, W, STRIDE1, ACCUMULATE, BLOCK_M, MASK)
 
 
 # "transposed": the sweep's pick among the data configs, each as nested and as flat loop
@@ -964,15 +988,17 @@ def _weight_ohwi_kernel(w_ptr, wt_ptr, K, C, RS: tl.constexpr, FLIP: tl.constexp
 
 
 @triton.jit
-def _conv_nhwc_kernel(x_desc, w_desc, b_ptr, y_ptr, N, C, K, PH, PW,
+def _conv_nhwc_kernel(x_desc, w_desc, b_ptr, y_ptr, m_ptr, N, C, K, PH, PW,
                       H: tl.constexpr, W: tl.constexpr, P: tl.constexpr, Q: tl.constexpr,
                       R: tl.constexpr, S: tl.constexpr, TW: tl.constexpr,
                       HAS_BIAS: tl.constexpr, ACCUMULATE: tl.constexpr, PRECISION: tl.constexpr,
                       BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                      GROUP_M: tl.constexpr):
+                      GROUP_M: tl.constexpr, RELU: tl.constexpr = False,
+                      MASK: tl.constexpr = False):
     """Stride 1: Y[n, k, p, q] (+)= sum_(r,s,c) Xt[n, p-PH+r, q-PW+s, c] Wt[k, (r,s,c)] (+ b[k])
     from the channels-last copies Xt [N, H, W, C] and Wt [K, R*S*C] (descriptors x_desc and
-    w_desc; Y stays NCHW).
+    w_desc; Y stays NCHW), then max(Y, 0) where RELU, or masked where MASK (as
+    _conv_fwd_kernel).
 
     A program's pixels are a [BLOCK_M // TW, TW] patch of one image. For each tap and block of
     channels the TMA unit copies the patch's window, shifted by the tap, as a [1, TH, TW,
@@ -1009,11 +1035,17 @@ def _conv_nhwc_kernel(x_desc, w_desc, b_ptr, y_ptr, N, C, K, PH, PW,
     p = p0 + offs_m // TW
     q = q0 + offs_m % TW
     PQ: tl.constexpr = P * Q
-    y_ptrs = y_ptr + img.to(tl.int64) * (K * PQ) + ((p * Q + q)[None, :] + (offs_n * PQ)[:, None])
+    y_base = img.to(tl.int64) * (K * PQ)
+    y_off = (p * Q + q)[None, :] + (offs_n * PQ)[:, None]
+    y_ptrs = y_ptr + y_base + y_off
     mask = n_ok[:, None] & ((p < P) & (q < Q))[None, :]
     out = tl.trans(acc)                                                      # [BN, BM]
     if ACCUMULATE:
         out += tl.load(y_ptrs, mask=mask, other=0.0)
+    if RELU:
+        out = tl.where(out < 0.0, 0.0, out)      # as kernels/act.py: NaN propagates
+    if MASK:
+        out = _relu_mask(out, m_ptr + y_base + y_off, mask)
     tl.store(y_ptrs, out, mask=mask)
 
 
@@ -1358,19 +1390,25 @@ def _weight_grid(k, c, rs, splits):
 
 
 def _launch_fwd(x, w, b, y, n, c, h, wd, k, p, q, sh, sw, ph, pw, r, s, prec,
-                accumulate=False):
+                accumulate=False, relu=False, mask=None):
     is_1x1 = r == 1 and s == 1 and sh == 1 and sw == 1 and ph == 0 and pw == 0
     _launch(_conv_fwd_acc if accumulate else _conv_fwd, _tile_grid(n * p * q, k),
-            (x, w, b if b is not None else y, y, n, c, k, sh, sw, ph, pw),
+            (x, w, b if b is not None else y, y, y if mask is None else mask,
+             n, c, k, sh, sw, ph, pw),
             dict(H=h, W=wd, P=p, Q=q, R=r, S=s, IS_1X1=is_1x1, HAS_BIAS=b is not None,
-                 ACCUMULATE=accumulate, PRECISION=prec))
+                 ACCUMULATE=accumulate, PRECISION=prec, RELU=relu, MASK=mask is not None))
 
 
-def forward(x, w, b, y, *, stride, padding, algo="implicit", workspace=None, precision=None):
-    """y = conv2d(x, w, b, stride, padding). x [N,C,H,W], w [K,C,R,S], b [K] or None,
-    y [N,K,P,Q] (overwritten). algo "implicit" (no workspace), "im2col" or "nhwc" (workspace)."""
+def forward(x, w, b, y, *, stride, padding, algo="implicit", workspace=None, precision=None,
+            relu=False):
+    """y = conv2d(x, w, b, stride, padding), or relu of it where `relu` (a ReLU fused into
+    the conv's store: the same bits as the two layers, without the ReLU's pass over y).
+    x [N,C,H,W], w [K,C,R,S], b [K] or None, y [N,K,P,Q] (overwritten). algo "implicit" (no
+    workspace), "im2col" or "nhwc" (workspace)."""
     prec = dot_precision(precision)
     _algo("forward", algo)
+    if not isinstance(relu, bool):
+        raise ValueError(f"relu must be a bool, got {relu!r}")
     _check_4d("x", x)
     _check_4d("w", w)
     sh, sw, ph, pw, p, q = _geometry(x.shape, w.shape, stride, padding)
@@ -1385,10 +1423,10 @@ def forward(x, w, b, y, *, stride, padding, algo="implicit", workspace=None, pre
                                                "forward", algo), x.device)
     check_no_overlap("conv", [("y", y), ("workspace", ws)], [("x", x), ("w", w), ("b", b)])
     if algo == "implicit":
-        _launch_fwd(x, w, b, y, n, c, h, wd, k, p, q, sh, sw, ph, pw, r, s, prec)
+        _launch_fwd(x, w, b, y, n, c, h, wd, k, p, q, sh, sw, ph, pw, r, s, prec, relu=relu)
         return
     if algo == "nhwc":
-        _launch_nhwc(x, w, b, y, ws, ph, pw, prec)
+        _launch_nhwc(x, w, b, y, ws, ph, pw, prec, relu=relu)
         return
     # im2col: col [N, C*R*S, P, Q], then a 1x1 conv of col with w as [K, C*R*S, 1, 1]
     crs = c * r * s
@@ -1396,7 +1434,7 @@ def forward(x, w, b, y, *, stride, padding, algo="implicit", workspace=None, pre
     run(_im2col_kernel, (triton.cdiv(n * p * q, bm), triton.cdiv(crs, bk)), 
         x, ws, n, c, sh, sw, ph, pw, H=h, W=wd, P=p, Q=q, R=r, S=s, BLOCK_M=bm, BLOCK_K=bk,
         num_warps=4)
-    _launch_fwd(ws, w, b, y, n, crs, p, q, k, p, q, 1, 1, 0, 0, 1, 1, prec)
+    _launch_fwd(ws, w, b, y, n, crs, p, q, k, p, q, 1, 1, 0, 0, 1, 1, prec, relu=relu)
 
 
 def _tile_w(q):
@@ -1413,10 +1451,12 @@ def _launch_to_nhwc(x, xt):
         x, xt, c, h * wd, BLOCK_C=bc, BLOCK_P=bp, num_warps=4)
 
 
-def _launch_nhwc(x, w, b, y, ws, ph, pw, prec, flip=False, accumulate=False):
+def _launch_nhwc(x, w, b, y, ws, ph, pw, prec, flip=False, accumulate=False, relu=False,
+                 mask=None):
     """"nhwc": X [N, C, H, W] -> Xt [N, H, W, C] and w -> Wt [O, R*S, C] in the workspace
     `ws`, then the TMA kernel into Y [N, O, P, Q] (stride 1, padding (ph, pw)). flip: the
-    "flipped_nhwc" data gradient, X = dY, Y = dX, Wt from the flipped weight."""
+    "flipped_nhwc" data gradient, X = dY, Y = dX, Wt from the flipped weight; `mask`: Y
+    zeroed where it is <= 0 (a ReLU's backward, `_relu_mask`)."""
     n, c, h, wd = x.shape
     _, o, p, q = y.shape
     r, s = w.shape[2:]
@@ -1436,25 +1476,27 @@ def _launch_nhwc(x, w, b, y, ws, ph, pw, prec, flip=False, accumulate=False):
     def grid(meta):
         return (n * triton.cdiv(p, meta["BLOCK_M"] // tw) * tq * triton.cdiv(o, meta["BLOCK_N"]),)
     _launch(_conv_nhwc_acc if accumulate else _conv_nhwc, grid,
-            (x_desc, w_desc, b if b is not None else y, y, n, c, o, ph, pw),
+            (x_desc, w_desc, b if b is not None else y, y, y if mask is None else mask,
+             n, c, o, ph, pw),
             dict(H=h, W=wd, P=p, Q=q, R=r, S=s, TW=tw, HAS_BIAS=b is not None,
-                 ACCUMULATE=accumulate, PRECISION=prec))
+                 ACCUMULATE=accumulate, PRECISION=prec, RELU=relu, MASK=mask is not None))
 
 
 def _launch_bwd_data(dy, w, dx, n, c, h, wd, k, p, q, sh, sw, ph, pw, r, s, accumulate, prec,
-                     kernels=(_conv_bwd_data, _conv_bwd_data_acc)):
+                     mask=None, kernels=(_conv_bwd_data, _conv_bwd_data_acc)):
     """The data-gradient GEMM over the residue classes (grid axis 1): `kernels` is the
-    (plain, accumulating) autotuner pair, implicit by default, "transposed" with wT as w."""
+    (plain, accumulating) autotuner pair, implicit by default, "transposed" with wT as w;
+    `mask`: dx zeroed where it is <= 0."""
     is_1x1 = r == 1 and s == 1 and sh == 1 and sw == 1 and ph == 0 and pw == 0
     m_grid = n * triton.cdiv(h, sh) * triton.cdiv(wd, sw)
     _launch(kernels[1] if accumulate else kernels[0], _tile_grid(m_grid, c, sh * sw),
-            (dy, w, dx, n, c, k, sh, sw, ph, pw),
+            (dy, w, dx, dx if mask is None else mask, n, c, k, sh, sw, ph, pw),
             dict(H=h, W=wd, P=p, Q=q, R=r, S=s, IS_1X1=is_1x1, STRIDE1=sh == 1 and sw == 1,
-                 ACCUMULATE=accumulate, PRECISION=prec))
+                 ACCUMULATE=accumulate, PRECISION=prec, MASK=mask is not None))
 
 
 def _launch_bwd_data_t(dy, w, wt, dx, n, c, h, wd, k, p, q, sh, sw, ph, pw, r, s, accumulate,
-                       prec):
+                       prec, mask):
     """"transposed": w -> wT [R, S, C, K] in the workspace `wt`, then the tap-major GEMM."""
     if INTERPRET:   # few programs: the interpreter pays per program, not per element
         bk, bj = min(64, triton.next_power_of_2(k)), min(1024, triton.next_power_of_2(c * r * s))
@@ -1463,23 +1505,26 @@ def _launch_bwd_data_t(dy, w, wt, dx, n, c, h, wd, k, p, q, sh, sw, ph, pw, r, s
     run(_weight_rsck_kernel, (triton.cdiv(k, bk), triton.cdiv(c * r * s, bj)), 
         w, wt, k, c, RS=r * s, BLOCK_K=bk, BLOCK_J=bj, num_warps=4)
     _launch_bwd_data(dy, wt, dx, n, c, h, wd, k, p, q, sh, sw, ph, pw, r, s, accumulate, prec,
-                     kernels=(_conv_bwd_data_t, _conv_bwd_data_t_acc))
+                     mask, kernels=(_conv_bwd_data_t, _conv_bwd_data_t_acc))
 
 
-def _run_bwd_data(dy, w, dx, x_shape, geo, algo, ws, accumulate, prec):
+def _run_bwd_data(dy, w, dx, x_shape, geo, algo, ws, accumulate, prec, mask=None):
+    """dx (+)= the data gradient by `algo`; where `mask` (a ReLU's output, dx's shape), then
+    zeroed where mask <= 0, in the store."""
     sh, sw, ph, pw, p, q = geo
     n, c, h, wd = x_shape
     k, _, r, s = w.shape
     if algo == "implicit":
-        _launch_bwd_data(dy, w, dx, n, c, h, wd, k, p, q, sh, sw, ph, pw, r, s, accumulate, prec)
+        _launch_bwd_data(dy, w, dx, n, c, h, wd, k, p, q, sh, sw, ph, pw, r, s, accumulate, prec,
+                         mask)
         return
     if algo == "transposed":
         _launch_bwd_data_t(dy, w, ws, dx, n, c, h, wd, k, p, q, sh, sw, ph, pw, r, s,
-                           accumulate, prec)
+                           accumulate, prec, mask)
         return
     if algo == "flipped_nhwc":
         _launch_nhwc(dy, w, None, dx, ws, r - 1 - ph, s - 1 - pw, prec, flip=True,
-                     accumulate=accumulate)
+                     accumulate=accumulate, mask=mask)
         return
     if algo == "flipped":
         # dx = conv(dY, wF [C, K, R, S], stride 1, padding (R-1-ph, S-1-pw)): the forward
@@ -1488,7 +1533,7 @@ def _run_bwd_data(dy, w, dx, x_shape, geo, algo, ws, accumulate, prec):
         run(_weight_flip_kernel, (triton.cdiv(total, _ELEM_BLOCK),), 
             w, ws, total, k, c, RS=r * s, BLOCK=_ELEM_BLOCK, num_warps=4)
         _launch_fwd(dy, ws, None, dx, n, k, p, q, c, h, wd, 1, 1, r - 1 - ph, s - 1 - pw, r, s,
-                    prec, accumulate)
+                    prec, accumulate, mask=mask)
         return
     # zero_insert: z [N, K, H+R-1, W+S-1], then a stride-1 conv of z with the flipped weight,
     # which is the implicit stride-1 kernel with padding (R-1, S-1) over z
@@ -1496,7 +1541,7 @@ def _run_bwd_data(dy, w, dx, x_shape, geo, algo, ws, accumulate, prec):
     run(_zero_insert_kernel, (n * k, triton.cdiv(hz * wz, _ELEM_BLOCK)), 
         dy, ws, p, q, hz, wz, sh, sw, r - 1 - ph, s - 1 - pw, BLOCK=_ELEM_BLOCK, num_warps=4)
     _launch_bwd_data(ws, w, dx, n, c, h, wd, k, hz, wz, 1, 1, r - 1, s - 1, r, s, accumulate,
-                     prec)
+                     prec, mask)
 
 
 def _check_dy(dy, x_shape, w_shape, stride, padding):
@@ -1506,23 +1551,28 @@ def _check_dy(dy, x_shape, w_shape, stride, padding):
 
 
 def backward_data(dy, w, dx, *, stride, padding, algo="implicit", workspace=None,
-                  accumulate=False, precision=None):
+                  accumulate=False, precision=None, relu_output=None):
     """dx (+)= conv2d_input(dx.shape, w, dy). dy [N,K,P,Q], w [K,C,R,S], dx [N,C,H,W].
     algo "implicit" (no workspace), "flipped", "transposed", "zero_insert" or "flipped_nhwc"
-    (workspace)."""
+    (workspace). relu_output (dx's shape): the conv's input when it is a ReLU's output; dx
+    then goes on through that ReLU's backward in the store (0 where relu_output <= 0, after
+    any accumulation), the same bits as the ReLU's own backward pass would give."""
     prec = dot_precision(precision)
     _algo("backward_data", algo)
     if not isinstance(accumulate, bool):
         raise ValueError(f"conv: accumulate must be a bool, got {accumulate!r}")
     _check_4d("w", w)
     _check_4d("dx", dx)
+    if relu_output is not None:
+        _check_4d("relu_output", relu_output, tuple(dx.shape))
     geo = _check_dy(dy, dx.shape, w.shape, stride, padding)
     _check_applies("backward_data", algo, dx.shape, w.shape, geo)
-    check_device("conv", dx, dy=dy, w=w, workspace=workspace)
+    check_device("conv", dx, dy=dy, w=w, workspace=workspace, relu_output=relu_output)
     ws = _workspace(workspace, workspace_bytes(dx.shape, w.shape, geo[:2], geo[2:4],
                                                "backward_data", algo), dx.device)
-    check_no_overlap("conv", [("dx", dx), ("workspace", ws)], [("dy", dy), ("w", w)])
-    _run_bwd_data(dy, w, dx, dx.shape, geo, algo, ws, accumulate, prec)
+    check_no_overlap("conv", [("dx", dx), ("workspace", ws)],
+                     [("dy", dy), ("w", w), ("relu_output", relu_output)])
+    _run_bwd_data(dy, w, dx, dx.shape, geo, algo, ws, accumulate, prec, relu_output)
 
 
 def _bias_blocks(n, k, pq, tile):
@@ -1659,15 +1709,20 @@ def backward_weight(x, dy, dw, db, *, stride, padding, algo="onepass", workspace
 
 
 def backward(x, w, dy, dx, dw, db, *, stride, padding, algo_data="implicit",
-             algo_weight="onepass", workspace=None, accumulate=False, precision=None):
+             algo_weight="onepass", workspace=None, accumulate=False, precision=None,
+             x_is_relu_output=False):
     """All gradients of y = conv2d(x, w, b): dx (+)= ..., dw = ..., db = ... . Any of dx, dw,
     db may be None (that gradient is skipped). accumulate applies to dx only. The workspace
-    serves both phases in turn: backward_workspace_bytes(...) bytes."""
+    serves both phases in turn: backward_workspace_bytes(...) bytes. x_is_relu_output: dx
+    goes on through the backward of the ReLU whose output x is (backward_data's
+    relu_output)."""
     prec = dot_precision(precision)
     _algo("backward_data", algo_data)
     _algo("backward_weight", algo_weight)
     if not isinstance(accumulate, bool):
         raise ValueError(f"conv: accumulate must be a bool, got {accumulate!r}")
+    if not isinstance(x_is_relu_output, bool):
+        raise ValueError(f"conv: x_is_relu_output must be a bool, got {x_is_relu_output!r}")
     _check_4d("x", x)
     _check_4d("w", w)
     geo = _check_dy(dy, x.shape, w.shape, stride, padding)
@@ -1686,6 +1741,7 @@ def backward(x, w, dy, dx, dw, db, *, stride, padding, algo_data="implicit",
     check_no_overlap("conv", [("dx", dx), ("dw", dw), ("db", db), ("workspace", ws)],
                       [("x", x), ("w", w), ("dy", dy)])
     if dx is not None:
-        _run_bwd_data(dy, w, dx, x.shape, geo, algo_data, ws, accumulate, prec)
+        _run_bwd_data(dy, w, dx, x.shape, geo, algo_data, ws, accumulate, prec,
+                      x if x_is_relu_output else None)
     if dw is not None or db is not None:
         _run_bwd_weight(x, dy, dw, db, geo, algo_weight, ws, prec)

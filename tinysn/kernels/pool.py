@@ -226,10 +226,11 @@ def _pool_bwd_kernel(x, argmax, dy, dx, total, H, W, OH, OW, NBH, NBW, OBH, OBW,
                      PH: tl.constexpr, PW: tl.constexpr, NH: tl.constexpr, NW: tl.constexpr,
                      CELLP: tl.constexpr, IS_MAX: tl.constexpr, FROM_ARGMAX: tl.constexpr,
                      ACC: tl.constexpr, INDEX64: tl.constexpr, LANES: tl.constexpr,
-                     BLOCK: tl.constexpr):
+                     BLOCK: tl.constexpr, MASK: tl.constexpr = False):
     """Gather: one lane per cell of SH x SW input pixels (cell = pixels sharing windows).
     FROM_ARGMAX (max): each window's argmax is read from `argmax` (uint8 taps, as
-    _pool_fwd_kernel's STORE_ARG writes them) instead of found again from x.
+    _pool_fwd_kernel's STORE_ARG writes them) instead of found again from x. MASK: x is a
+    ReLU's output, and dx goes on through that ReLU's backward (0 where x <= 0).
 
     Cell (orow, ocol) holds rows orow*SH - PH + r (r < SH) and cols ocol*SW - PW + q; its
     candidate windows are (orow - i, ocol - j), i < NH = ceil(KH/SH), j < NW. Pixel (r, q)
@@ -282,6 +283,9 @@ def _pool_bwd_kernel(x, argmax, dy, dx, total, H, W, OH, OW, NBH, NBW, OBH, OBW,
     dptrs = dx + xbase[:, None] + ih * W + iw
     if ACC:
         acc += tl.load(dptrs, mask=inb, other=0.0)
+    if MASK:            # as kernels/act.py's backward: where(y <= 0, 0, g)
+        xv = tl.load(x + xbase[:, None] + ih * W + iw, mask=inb, other=0.0)
+        acc = tl.where(xv <= 0.0, 0.0, acc)
     tl.store(dptrs, acc, mask=inb)
 
 
@@ -318,7 +322,7 @@ def forward(x, y, *, mode, kernel, stride, padding):
 
 
 def backward(x, y, dy, dx, *, mode, kernel, stride, padding, accumulate=False,
-             workspace=None):
+             workspace=None, x_is_relu_output=False):
     """dx (+)= d pool / dx . dy, a gather over input pixels (deterministic, no atomics).
 
     Max pooling recomputes the argmax from x; y is accepted for a uniform API but not read
@@ -327,12 +331,17 @@ def backward(x, y, dy, dx, *, mode, kernel, stride, padding, accumulate=False,
     `workspace` (max pooling, optional; uint8, at least argmax_workspace_bytes): each
     window's argmax is found once, into it, and the gather reads it, instead of every cell
     finding its candidate windows' argmax again; same bits either way.
+    `x_is_relu_output`: x is a ReLU's output, and dx goes on through that ReLU's backward in
+    the store (0 where x <= 0, after any accumulation; sched/fuse.py), which reads x.
     """
     is_max = _mode(mode)
     kh, kw, sh, sw, ph, pw = _params(kernel, stride, padding)
-    if x is None and (is_max or dx is None):
-        raise ValueError("max pooling's backward needs x (it recomputes the argmax), and "
-                         "average pooling's needs dx to know the input shape")
+    if not isinstance(x_is_relu_output, bool):
+        raise ValueError(f"x_is_relu_output must be a bool, got {x_is_relu_output!r}")
+    if x is None and (is_max or dx is None or x_is_relu_output):
+        raise ValueError("max pooling's backward needs x (it recomputes the argmax), so does "
+                         "one through a ReLU (x_is_relu_output), and average pooling's needs "
+                         "dx to know the input shape")
     ref = x if x is not None else dx
     check_tensor("x" if x is not None else "dx", ref)
     if ref.dim() != 4:
@@ -369,7 +378,7 @@ def backward(x, y, dy, dx, *, mode, kernel, stride, padding, accumulate=False,
            (x, x if argmax is None else argmax, dy, dx, total, h, w, oh, ow, nbh, nbw, obh, obw),
            dict(KH=kh, KW=kw, SH=sh, SW=sw, PH=ph, PW=pw, NH=nh, NW=nw, CELLP=cellp,
                 IS_MAX=is_max, FROM_ARGMAX=argmax is not None, ACC=accumulate,
-                INDEX64=index64))
+                INDEX64=index64, MASK=x_is_relu_output))
 
 
 def argmax_workspace_bytes(x_shape, *, mode, kernel, stride, padding) -> int:

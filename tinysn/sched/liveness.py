@@ -197,7 +197,7 @@ class Program:
             op = spec(layer)
             if op.reads_input(layer):
                 lp.reads += [self.act[x] for x in layer.inputs]
-            if op.backward_reads_output:
+            if op.reads_output(layer):
                 lp.reads.append(self.act[layer])
             if op.is_loss:
                 lp.reads.append(self.labels)

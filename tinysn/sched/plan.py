@@ -44,7 +44,7 @@ from ..errors import OutOfMemory
 from ..ops import SPARE, spec
 from ..pool.allocator import BlockAllocator, block_rounded
 from ..units import format_bytes, parse_bytes
-from . import liveness, offload, recompute, workspace
+from . import fuse, liveness, offload, recompute, workspace
 from .liveness import TensorInfo
 
 # -- the operations a plan step is made of ---------------------------------------------
@@ -308,7 +308,8 @@ def plan(net, memory, policy: str = "all", *, momentum: float = 0.0, conv_algos=
          early_write_back: bool = True, trade_budget: int = TRADE_BUDGET,
          lookahead: int | None = None, device_model=None,
          in_place_gradients: bool = True, keep_pools: bool = True,
-         evict_by_next_use: bool = True, rebuild_joins: bool = True) -> Plan:
+         evict_by_next_use: bool = True, rebuild_joins: bool = True,
+         fuse_relu: bool = True) -> Plan:
     """Dry-run one training iteration of `net` under a `memory` cap and `policy`.
 
     Raises OutOfMemory naming the first step that does not fit. `conv_algos` pins conv
@@ -358,6 +359,9 @@ def plan(net, memory, policy: str = "all", *, momentum: float = 0.0, conv_algos=
     joins (a residual add, a concat) whose copies the plan moves, and rebuilding them from
     the join's inputs, each choice judged as it will run (`_rebuild_joins`); False plans as
     tinysn did before it.
+    `fuse_relu` (default True): plan `fuse.fuse_relus(net)`, each conv whose output only a
+    ReLU reads made one layer with it (the plan's `net` and steps are the fused net's; the
+    numbers are the same bits); False plans `net` as it is, as plans made before that did.
 
     A plan that fits under a cap fits under every larger cap, for every policy and layout
     (`_Search` says why). The returned plan's `capacity` is the pool it was made for: the
@@ -373,7 +377,8 @@ def plan(net, memory, policy: str = "all", *, momentum: float = 0.0, conv_algos=
                        early_write_back=early_write_back, trade_budget=trade_budget,
                        lookahead=lookahead, device_model=device_model,
                        in_place_gradients=in_place_gradients, keep_pools=keep_pools,
-                       evict_by_next_use=by_next_use, rebuild_joins=rebuild_joins)
+                       evict_by_next_use=by_next_use, rebuild_joins=rebuild_joins,
+                       fuse_relu=fuse_relu)
     lru = search(False)             # checks every argument before anything is planned
     owner = lru                     # the search whose plan is chosen
     try:
@@ -429,7 +434,7 @@ def _search(net, memory, policy, *, momentum, conv_algos, checkpoints, block_byt
             bucket_bytes=liveness.BUCKET_BYTES, early_write_back=True,
             trade_budget=TRADE_BUDGET, lookahead=None, device_model=None,
             in_place_gradients=True, keep_pools=True,
-            evict_by_next_use=True, rebuild_joins=True) -> "_Search":
+            evict_by_next_use=True, rebuild_joins=True, fuse_relu=True) -> "_Search":
     """Check `plan`'s arguments (before any state changes) and set up its runs."""
     if layout not in ("auto", "first_fit", "two_ended"):
         raise ValueError(f"layout must be 'auto', 'first_fit' or 'two_ended', got {layout!r}")
@@ -452,9 +457,11 @@ def _search(net, memory, policy, *, momentum, conv_algos, checkpoints, block_byt
     elif not isinstance(device_model, DeviceModel):
         raise ValueError(f"device_model must be a timing.DeviceModel, got {device_model!r}")
     for name, flag in (("in_place_gradients", in_place_gradients), ("keep_pools", keep_pools),
-                       ("rebuild_joins", rebuild_joins)):
+                       ("rebuild_joins", rebuild_joins), ("fuse_relu", fuse_relu)):
         if not isinstance(flag, bool):
             raise ValueError(f"{name} must be a bool, got {flag!r}")
+    if fuse_relu:
+        net = fuse.fuse_relus(net)
     program = liveness.Program(net, momentum=momentum, data_parallel=data_parallel,
                                bucket_bytes=liveness.parse_bucket_bytes(bucket_bytes),
                                in_place_gradients=in_place_gradients)

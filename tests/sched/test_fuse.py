@@ -1,0 +1,97 @@
+"""sched/fuse.py: a ReLU fused into the conv whose output only it reads."""
+import pytest
+import torch
+
+import tinysn as sn
+from tinysn.sched.fuse import fuse_relus
+
+
+def _net(batch=2):
+    """Convs read by one ReLU (c1, c2, c4, c7), by a batch norm (c3), by an add (c5, c6)."""
+    net = sn.Net(input_shape=(3, 8, 8), classes=5, batch=batch)
+    x = net.data()
+    h = net.relu(net.conv(x, 8, kernel=3, padding=1, name="c1"), name="r1")
+    h = net.relu(net.conv(h, 8, kernel=3, padding=1, name="c2"), name="r2")
+    h = net.pool(h, "max", kernel=2, name="p")
+    a = net.relu(net.bn(net.conv(h, 8, kernel=1, name="c3"), name="bn"), name="r3")
+    b = net.relu(net.conv(h, 8, kernel=3, padding=1, name="c4"), name="r4")
+    h = net.add(net.conv(a, 8, kernel=1, name="c5"), net.conv(b, 8, kernel=1, name="c6"),
+                name="add")
+    h = net.relu(net.conv(h, 8, kernel=3, padding=1, name="c7"), name="r7")
+    net.softmax_loss(net.fc(h, 5, name="fc"), name="loss")
+    return net
+
+
+def test_only_a_conv_read_by_one_relu_absorbs_it():
+    net = _net()
+    fused = fuse_relus(net)
+    names = [layer.name for layer in fused]
+    assert names == ["data1", "c1", "c2", "p", "c3", "bn", "r3", "c4", "c5", "c6", "add",
+                     "c7", "fc", "loss"]
+    assert {layer.name for layer in fused if layer.attrs.get("relu")} == {"c1", "c2", "c4",
+                                                                           "c7"}
+    # c1's, c2's and c4's ReLU outputs are read by one conv or pool alone, which masks dx
+    assert {layer.name for layer in fused
+            if layer.attrs.get("relu_masked")} == {"c1", "c2", "c4"}
+    assert {layer.name for layer in fused
+            if layer.attrs.get("x_is_relu_output")} == {"c2", "p", "c6"}
+    assert [x.name for x in fused["p"].inputs] == ["c2"]          # rewired past the ReLU
+    assert [x.name for x in fused["c6"].inputs] == ["c4"]
+    assert fused.loss is fused["loss"] and fused["loss"].inputs[0] is fused["fc"]
+    assert fused.param_shapes() == net.param_shapes()
+    assert fused.buffer_shapes() == net.buffer_shapes()
+    assert "relu" not in net["c1"].attrs and net["p"].inputs[0] is net["r2"]   # untouched
+
+
+def test_a_conv_read_by_a_relu_and_another_layer_is_not_fused():
+    net = sn.Net(input_shape=(3, 6, 6), classes=3, batch=2)
+    c = net.conv(net.data(), 4, kernel=3, padding=1, name="c")
+    net.softmax_loss(net.fc(net.add(net.relu(c), c), 3))
+    assert fuse_relus(net) is net
+
+
+def test_dead_layers_are_named_as_in_the_net():
+    net = sn.Net(input_shape=(3, 6, 6), classes=3, batch=2)
+    x = net.data()
+    net.relu(net.conv(x, 4, kernel=3, name="c"), name="dead")
+    net.softmax_loss(net.fc(x, 3))
+    with pytest.raises(ValueError, match="dead"):
+        fuse_relus(net)
+
+
+def test_the_fused_plan_has_one_step_fewer_per_pass_of_each_pair():
+    net = _net()
+    fused, plain = sn.plan(net, "64MiB", "liveness"), sn.plan(net, "64MiB", "liveness",
+                                                               fuse_relu=False)
+    assert len(plain.steps) - len(fused.steps) == 2 * 4         # a forward and a backward
+    assert not {s.layer for s in fused.steps} & {"r1", "r2", "r4", "r7"}
+    assert fused.peak_bytes <= plain.peak_bytes
+    assert sn.plan(net, "64MiB", "baseline").peak_bytes < sn.plan(
+        net, "64MiB", "baseline", fuse_relu=False).peak_bytes     # four tensors fewer
+
+
+@pytest.mark.parametrize("policy", ["baseline", "recompute", "all"])
+def test_fused_training_is_bitwise_the_unfused(policy):
+    """Two steps with momentum: losses, parameters and a prediction the same bits, and
+    peak == plan, with and without fusion."""
+    torch.manual_seed(0)
+    images, labels = torch.randn(2, 3, 8, 8), torch.tensor([1, 3])
+    runs = []
+    for fuse in (False, True):
+        rt = sn.Runtime(_net(), memory="64MiB", policy=policy, device="cpu", momentum=0.9,
+                        fuse_relu=fuse)
+        losses = [rt.step(images, labels) for _ in range(2)]
+        assert rt.stats.peak_bytes == rt.plan.peak_bytes
+        runs.append((losses, rt.params(), rt.predict(images)))
+    (l0, p0, y0), (l1, p1, y1) = runs
+    assert l0 == l1
+    assert p0.keys() == p1.keys() and all(torch.equal(p0[k], p1[k]) for k in p0)
+    assert torch.equal(y0, y1)
+
+
+def test_fuse_relu_must_be_a_bool():
+    net = _net()
+    with pytest.raises(ValueError, match="fuse_relu must be a bool"):
+        sn.plan(net, "64MiB", "liveness", fuse_relu=1)
+    with pytest.raises(ValueError, match="fuse_relu must be a bool"):
+        sn.Runtime(net, memory="64MiB", device="cpu", fuse_relu="yes")

@@ -1,0 +1,71 @@
+"""ReLU fused into the conv before it: one layer, and passes over memory fewer.
+
+A ReLU reads its input and writes its output, a pass over memory that moves twice the
+activation's bytes, and its backward pass reads y and dy and writes dx, three times. After a
+conv that is the only reader of the conv's output, the conv can store max(y, 0) itself
+(kernels/conv.py, `relu=True`) and the pre-activation never exists. The pair's backward pass
+masks dy by the output (the ReLU's backward, in place) and runs the conv's backward on it
+(ops.py, `_conv_backward`). Where the ReLU's output is read by one conv or pool alone, that
+reader's backward applies the mask as it stores dx (`x_is_relu_output`: a conv's data
+gradient, a pool's gather), so the pair does not pass over dy again (`relu_masked`). The
+numbers are the same bits as the separate layers'.
+
+`fuse_relus(net)` returns a new Net in which each such pair is one conv layer: the conv's
+name, parameters and attributes, plus `relu=True` (and `relu_masked=True` where its reader
+masks); the conv or pool that reads such an output gets `x_is_relu_output=True`; every
+other layer is copied as it is. The planner plans that net (`plan(..., fuse_relu=True)`,
+the default), so its schedule has one tensor and one step per pair where the unfused one
+had two: Caffe, the paper's base, ran such ReLUs in place on the conv's output, which is
+the same memory. Policies see a fused conv as a conv: its output is a checkpoint, never
+dropped as a cheap layer's.
+"""
+from __future__ import annotations
+
+
+def fusible(layer) -> bool:
+    """True for a conv whose output is read by one layer alone, a ReLU."""
+    return (layer.op == "conv" and len(layer.consumers) == 1
+            and layer.consumers[0].op == "relu")
+
+
+MASKING_READERS = ("conv", "pool")   # ops whose backward can store dx through a ReLU
+
+
+def masked_by_reader(layer) -> bool:
+    """True for a fusible conv whose ReLU's output one conv or pool alone reads: that
+    reader's backward then stores the ReLU's input gradient directly."""
+    readers = layer.consumers[0].consumers if fusible(layer) else []
+    return len(readers) == 1 and readers[0].op in MASKING_READERS
+
+
+def _fused_attrs(layer) -> dict:
+    attrs = dict(layer.attrs)
+    if fusible(layer):
+        attrs["relu"] = True
+        if masked_by_reader(layer):
+            attrs["relu_masked"] = True
+    if layer.op in MASKING_READERS and layer.inputs[0].op == "relu" \
+            and masked_by_reader(layer.inputs[0].inputs[0]):
+        attrs["x_is_relu_output"] = True
+    return attrs
+
+
+def fuse_relus(net):
+    """`net`, checked, with every fusible conv and its ReLU made one conv layer (a new Net);
+    `net` itself when there is nothing to fuse."""
+    from ..graph import Net
+
+    net.check()
+    if not any(fusible(layer) for layer in net.layers):
+        return net
+    fused = Net(net.input_shape, net.classes, net.batch)
+    copy = {}                       # layer of `net` -> the layer that stands for it
+    for layer in net.layers:
+        if layer.op == "relu" and fusible(layer.inputs[0]):
+            copy[layer] = copy[layer.inputs[0]]
+            continue
+        copy[layer] = fused._add_layer(layer.op, layer.name, [copy[x] for x in layer.inputs],
+                                       layer.shape, _fused_attrs(layer), layer.params,
+                                       layer.buffers)
+    fused.loss = copy[net.loss]
+    return fused

@@ -74,6 +74,11 @@ class OpSpec:
                            device iteration counter, layer index): its passes read the counter
     in_place_in_caffe      Caffe (the paper's base) runs it in place on its input, so the
                            tensor the paper offloads after a checkpoint conv is its output
+    is_relu                a ReLU: sched/fuse.py fuses it into the conv before it
+    stores_relu            its forward kernel can store max(y, 0) itself, a ReLU after it
+                           fused into it (conv: `relu=True`)
+    masks_through_relu     its backward can store dx through the backward of the ReLU whose
+                           output its input is (`x_is_relu_output`: conv, pool)
     backward_in_place      its backward kernel writes each element of dx from the same
                            element of dy (and of what it saved), so dx may take over dy's block
                            when the pass reads dy for the last time (liveness.LayerPass's
@@ -108,6 +113,9 @@ class OpSpec:
     has_algorithms: bool = False
     draws_mask: bool = False
     in_place_in_caffe: bool = False
+    is_relu: bool = False
+    stores_relu: bool = False
+    masks_through_relu: bool = False
     backward_in_place: bool = False
     workspace: Callable = _no_workspace
     cost: Callable = _streamed
@@ -444,17 +452,17 @@ SPECS = {
     "data": OpSpec(_data_forward, is_data=True, launches=lambda layer, phase, algos: 0),
     "conv": OpSpec(_conv_forward, _conv_backward, backward_reads_input=True, has_algorithms=True,
                    backward_reads_output=_masks_dy, rebuildable=True, cost=_conv_cost,
-                   launches=_conv_launches),
+                   launches=_conv_launches, stores_relu=True, masks_through_relu=True),
     # statistics, their finalisation, the normalisation (a rebuild: the normalisation
     # alone, from the saved statistics); backward: partial sums, their finalisation, dx
     "bn": OpSpec(_bn_forward, _bn_backward, backward_reads_input=True, recomputable=True,
                  saves_statistics=True, counts_batches=True, workspace=_bn_workspace,
                  backward_in_place=True, launches=_bn_launches),
     "relu": OpSpec(_relu_forward, _relu_backward, backward_reads_output=True, recomputable=True,
-                   in_place_in_caffe=True, backward_in_place=True),
+                   in_place_in_caffe=True, backward_in_place=True, is_relu=True),
     "pool": OpSpec(_pool_forward, _pool_backward, backward_reads_input=_pool_reads_input,
                    recomputable=True, spare_workspace=_pool_spare_workspace,
-                   launches=_pool_launches),
+                   launches=_pool_launches, masks_through_relu=True),
     "lrn": OpSpec(_lrn_forward, _lrn_backward, backward_reads_input=True, recomputable=True),
     "fc": OpSpec(_fc_forward, _fc_backward, backward_reads_input=True, workspace=_fc_workspace,
                  cost=_fc_cost,                                  # backward: dx and dw GEMMs

@@ -3,7 +3,8 @@
 API
     out_shape(x_shape, kernel, stride, padding) -> (N, C, OH, OW)
     forward(x, y, *, mode, kernel, stride, padding)             mode "max" | "avg"
-    backward(x, y, dy, dx, *, mode, kernel, stride, padding, accumulate=False)
+    backward(x, y, dy, dx, *, mode, kernel, stride, padding, accumulate=False,
+             workspace=None, x_is_relu_output=False)
     workspace_bytes(*args) -> 0
 kernel, stride and padding are ints or (h, w) pairs. As torch requires: padding <= kernel // 2
 and kernel <= the padded input, else ValueError. Average pooling counts the padding

@@ -21,21 +21,22 @@ dropped as a cheap layer's.
 """
 from __future__ import annotations
 
+from ..ops import spec
+
 
 def fusible(layer) -> bool:
-    """True for a conv whose output is read by one layer alone, a ReLU."""
-    return (layer.op == "conv" and len(layer.consumers) == 1
-            and layer.consumers[0].op == "relu")
-
-
-MASKING_READERS = ("conv", "pool")   # ops whose backward can store dx through a ReLU
+    """True for a layer that can store a ReLU of its output (OpSpec.stores_relu: a conv)
+    whose output is read by one layer alone, a ReLU."""
+    return (spec(layer).stores_relu and len(layer.consumers) == 1
+            and spec(layer.consumers[0]).is_relu)
 
 
 def masked_by_reader(layer) -> bool:
-    """True for a fusible conv whose ReLU's output one conv or pool alone reads: that
+    """True for a fusible layer whose ReLU's output one layer alone reads, and that one
+    can store its dx through the ReLU (OpSpec.masks_through_relu: a conv or a pool): the
     reader's backward then stores the ReLU's input gradient directly."""
     readers = layer.consumers[0].consumers if fusible(layer) else []
-    return len(readers) == 1 and readers[0].op in MASKING_READERS
+    return len(readers) == 1 and spec(readers[0]).masks_through_relu
 
 
 def _fused_attrs(layer) -> dict:
@@ -44,7 +45,7 @@ def _fused_attrs(layer) -> dict:
         attrs["relu"] = True
         if masked_by_reader(layer):
             attrs["relu_masked"] = True
-    if layer.op in MASKING_READERS and layer.inputs[0].op == "relu" \
+    if spec(layer).masks_through_relu and spec(layer.inputs[0]).is_relu \
             and masked_by_reader(layer.inputs[0].inputs[0]):
         attrs["x_is_relu_output"] = True
     return attrs
@@ -61,7 +62,7 @@ def fuse_relus(net):
     fused = Net(net.input_shape, net.classes, net.batch)
     copy = {}                       # layer of `net` -> the layer that stands for it
     for layer in net.layers:
-        if layer.op == "relu" and fusible(layer.inputs[0]):
+        if spec(layer).is_relu and fusible(layer.inputs[0]):
             copy[layer] = copy[layer.inputs[0]]
             continue
         copy[layer] = fused._add_layer(layer.op, layer.name, [copy[x] for x in layer.inputs],

@@ -95,3 +95,39 @@ def test_fuse_relu_must_be_a_bool():
         sn.plan(net, "64MiB", "liveness", fuse_relu=1)
     with pytest.raises(ValueError, match="fuse_relu must be a bool"):
         sn.Runtime(net, memory="64MiB", device="cpu", fuse_relu="yes")
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("cuda_graph", [False, True])
+def test_fused_training_on_the_gpu_is_bitwise_the_unfused(cuda_graph):
+    """Policy "all" on the GPU (its conv algorithms from the measured rankings, the same for
+    both: channels-last ones on the 32x32 layers), eager and replayed: the same bits."""
+    net = _vgg_like()
+    gen = torch.Generator().manual_seed(1)
+    images = torch.randn(4, 3, 32, 32, generator=gen)
+    labels = torch.randint(0, 10, (4,), generator=gen)
+    runs = []
+    for fuse in (False, True):
+        rt = sn.Runtime(net, memory="1GiB", policy="all", device="cuda", momentum=0.9,
+                        cuda_graph=cuda_graph, fuse_relu=fuse)
+        losses = [rt.step(images, labels) for _ in range(4)]
+        assert rt.stats.peak_bytes == rt.plan.peak_bytes
+        runs.append((losses, rt.params(), rt.plan.conv_algos))
+        rt.close()
+    (l0, p0, a0), (l1, p1, a1) = runs
+    assert a0 == a1 and l0 == l1
+    assert all(torch.equal(p0[k], p1[k]) for k in p0)
+
+
+def _vgg_like():
+    """Conv pairs at 32x32 and 16x16 (channels-last algorithms apply: C % 4 == 0), each
+    ReLU read by a conv or a max pool."""
+    net = sn.Net(input_shape=(3, 32, 32), classes=10, batch=4)
+    h = net.data()
+    for i, (c, size) in enumerate([(16, 32), (32, 16)]):
+        h = net.relu(net.conv(h, c, kernel=3, padding=1, name=f"c{i}a"))
+        h = net.relu(net.conv(h, c, kernel=3, padding=1, name=f"c{i}b"))
+        h = net.pool(h, "max", kernel=2, name=f"p{i}")
+    net.softmax_loss(net.fc(h, 10, name="fc"))
+    return net

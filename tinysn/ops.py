@@ -197,7 +197,7 @@ def _conv_forward(program, layer, update_running):
 
 def _masks_dy(layer) -> bool:
     """True for a fused conv whose backward masks dy itself (sched/fuse.py: where one conv
-    reads its output, that conv's data gradient did)."""
+    or pool alone reads its output, that reader's backward did)."""
     return _fused_relu(layer) and not layer.attrs.get("relu_masked", False)
 
 

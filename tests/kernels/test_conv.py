@@ -383,6 +383,22 @@ def test_flipped_matches_implicit():
         assert bool((dx == 7.0).all())
 
 
+def test_nhwc_tiles_share_images_where_one_image_would_overhang():
+    """A channels-last forward tile is one image's patch where that covers whole rows (224:
+    4 rows of 32 per 128 pixels, as tall as the tile), else the same patch of several images
+    (28: 4 rows of 8 images, where 32 rows of one would run 4 past the image), and never more
+    images than the batch needs (one image of 28 rows: one 32-row patch)."""
+    def patch(n, p, block_m=128):
+        tw = conv._tile_w(p)
+        return (*conv._patch(block_m, tw, conv._tile_h_cap(n, p, tw)), tw)
+    assert patch(32, 224) == (4, 1, 32) and patch(32, 224, 256) == (8, 1, 32)
+    assert patch(32, 112) == (8, 1, 16)
+    assert patch(32, 56) == (8, 2, 8)
+    assert patch(32, 28) == (4, 8, 4) and patch(32, 28, 64) == (4, 4, 4)
+    assert patch(32, 14) == (2, 32, 2)
+    assert patch(1, 28) == (32, 1, 4)
+
+
 def test_nhwc_workspace_holds_channels_last_copies():
     """"nhwc" leaves x as [N, H, W, C] in the workspace, then the weight as [K, R, S, C];
     "flipped_nhwc" dY as [N, P, Q, K], then the flipped weight as [C, R, S, K] (W[k, c, R-1-r,

@@ -990,7 +990,7 @@ def _weight_ohwi_kernel(w_ptr, wt_ptr, K, C, RS: tl.constexpr, FLIP: tl.constexp
 @triton.jit
 def _conv_nhwc_kernel(x_desc, w_desc, b_ptr, y_ptr, m_ptr, N, C, K, PH, PW,
                       H: tl.constexpr, W: tl.constexpr, P: tl.constexpr, Q: tl.constexpr,
-                      R: tl.constexpr, S: tl.constexpr, TW: tl.constexpr,
+                      R: tl.constexpr, S: tl.constexpr, TW: tl.constexpr, THC: tl.constexpr,
                       HAS_BIAS: tl.constexpr, ACCUMULATE: tl.constexpr, PRECISION: tl.constexpr,
                       BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                       GROUP_M: tl.constexpr, RELU: tl.constexpr = False,
@@ -1000,20 +1000,23 @@ def _conv_nhwc_kernel(x_desc, w_desc, b_ptr, y_ptr, m_ptr, N, C, K, PH, PW,
     w_desc; Y stays NCHW), then max(Y, 0) where RELU, or masked where MASK (as
     _conv_fwd_kernel).
 
-    A program's pixels are a [BLOCK_M // TW, TW] patch of one image. For each tap and block of
-    channels the TMA unit copies the patch's window, shifted by the tap, as a [1, TH, TW,
+    A program's pixels are the same [TH, TW] patch of NB consecutive images (NB * TH * TW =
+    BLOCK_M; TH is BLOCK_M // TW capped at THC, see _patch). For each tap and block of
+    channels the TMA unit copies the patches' window, shifted by the tap, as a [NB, TH, TW,
     BLOCK_K] box of Xt, and a [BLOCK_N, BLOCK_K] box of Wt, into shared memory: both have the
     reduction axis contiguous (the MMA's K-major operands), and no address or mask is computed
-    per element. Box elements outside Xt read as zeros: outside the image that is the padding;
-    past channel C they cancel the weight box's run into the next tap.
+    per element. Box elements outside Xt read as zeros: outside the image that is the padding
+    (past the last image, rows the store drops); past channel C they cancel the weight box's
+    run into the next tap.
     """
-    TH: tl.constexpr = BLOCK_M // TW
+    NB: tl.constexpr = (BLOCK_M // TW + THC - 1) // THC
+    TH: tl.constexpr = BLOCK_M // TW // NB
     TP: tl.constexpr = (P + TH - 1) // TH
     TQ: tl.constexpr = (Q + TW - 1) // TW
-    pid_m, pid_n = _tile_ids(tl.program_id(0), N * (TP * TQ * BLOCK_M), K, BLOCK_M, BLOCK_N,
-                             GROUP_M)
-    img = pid_m // (TP * TQ)
-    patch = pid_m - img * (TP * TQ)
+    pid_m, pid_n = _tile_ids(tl.program_id(0), tl.cdiv(N, NB) * (TP * TQ * BLOCK_M), K,
+                             BLOCK_M, BLOCK_N, GROUP_M)
+    img0 = (pid_m // (TP * TQ)) * NB
+    patch = pid_m % (TP * TQ)
     p0 = (patch // TQ) * TH
     q0 = (patch % TQ) * TW
     k0 = pid_n * BLOCK_N
@@ -1023,7 +1026,7 @@ def _conv_nhwc_kernel(x_desc, w_desc, b_ptr, y_ptr, m_ptr, N, C, K, PH, PW,
         tap = i // blocks
         c0 = (i - tap * blocks) * BLOCK_K
         r = tap // S
-        a = x_desc.load([img, p0 - PH + r, q0 - PW + (tap - r * S), c0])
+        a = x_desc.load([img0, p0 - PH + r, q0 - PW + (tap - r * S), c0])
         b = w_desc.load([k0, tap * C + c0])                                  # [BN, BK]
         acc = tl.dot(a.reshape(BLOCK_M, BLOCK_K), tl.trans(b), acc, input_precision=PRECISION)
 
@@ -1032,20 +1035,20 @@ def _conv_nhwc_kernel(x_desc, w_desc, b_ptr, y_ptr, m_ptr, N, C, K, PH, PW,
     n_ok = offs_n < K
     if HAS_BIAS:
         acc += tl.load(b_ptr + offs_n, mask=n_ok, other=0.0)[None, :]
-    p = p0 + offs_m // TW
+    img = img0 + offs_m // (TH * TW)
+    p = p0 + (offs_m // TW) % TH
     q = q0 + offs_m % TW
     PQ: tl.constexpr = P * Q
-    y_base = img.to(tl.int64) * (K * PQ)
-    y_off = (p * Q + q)[None, :] + (offs_n * PQ)[:, None]
-    y_ptrs = y_ptr + y_base + y_off
-    mask = n_ok[:, None] & ((p < P) & (q < Q))[None, :]
+    y_off = (img.to(tl.int64) * (K * PQ) + p * Q + q)[None, :] + (offs_n * PQ)[:, None]
+    y_ptrs = y_ptr + y_off
+    mask = n_ok[:, None] & ((img < N) & (p < P) & (q < Q))[None, :]
     out = tl.trans(acc)                                                      # [BN, BM]
     if ACCUMULATE:
         out += tl.load(y_ptrs, mask=mask, other=0.0)
     if RELU:
         out = tl.where(out < 0.0, 0.0, out)      # as kernels/act.py: NaN propagates
     if MASK:
-        out = _relu_mask(out, m_ptr + y_base + y_off, mask)
+        out = _relu_mask(out, m_ptr + y_off, mask)
     tl.store(y_ptrs, out, mask=mask)
 
 
@@ -1053,7 +1056,8 @@ def _nhwc_boxes(nargs):
     """The TMA boxes of one config's tiles (a box shape is part of a descriptor): the
     autotuner's config hook."""
     tw = nargs["TW"]
-    nargs["x_desc"].block_shape = [1, nargs["BLOCK_M"] // tw, tw, nargs["BLOCK_K"]]
+    th, nb = _patch(nargs["BLOCK_M"], tw, nargs["THC"])
+    nargs["x_desc"].block_shape = [nb, th, tw, nargs["BLOCK_K"]]
     nargs["w_desc"].block_shape = [nargs["BLOCK_N"], nargs["BLOCK_K"]]
 
 
@@ -1443,6 +1447,25 @@ def _tile_w(q):
     return min((32, 16, 8, 4, 2, 1), key=lambda tw: triton.cdiv(q, tw) * tw - q)
 
 
+def _patch(block_m, tw, thc):
+    """(TH, NB): a channels-last forward tile of `block_m` pixels is a [TH, tw] patch of NB
+    images, TH = block_m // tw rows capped at `thc` (as the kernel computes them)."""
+    rows = block_m // tw
+    return min(rows, thc), rows // min(rows, thc)
+
+
+def _tile_h_cap(n, p, tw, block_m=128):
+    """The cap on the channels-last forward's patch height (THC): the power of two that wastes
+    the fewest rows of N images of P rows, for a tile of `block_m` pixels (the largest of
+    equals: one image per tile, as tall as the tile, where that wastes nothing). A 28-row
+    output is 4 rows of 8 images per 128-pixel tile, not 32 rows of one (4 past the image)."""
+    def covered(cap):
+        th, nb = _patch(block_m, tw, cap)
+        return triton.cdiv(p, th) * th * triton.cdiv(n, nb) * nb
+    caps = [1 << i for i in range((256 // tw).bit_length())]     # up to the largest tile's
+    return min(reversed(caps), key=covered)
+
+
 def _launch_to_nhwc(x, xt):
     """xt (flat) = x [N, C, H, W] channels-last, [N, H, W, C]."""
     n, c, h, wd = x.shape
@@ -1468,17 +1491,19 @@ def _launch_nhwc(x, w, b, y, ws, ph, pw, prec, flip=False, accumulate=False, rel
         w, wt, w.shape[0], w.shape[1], RS=r * s, FLIP=flip, BLOCK_O=bo, BLOCK_I=bi,
         num_warps=4)
     tw = _tile_w(q)
+    thc = _tile_h_cap(n, p, tw)
     # boxes: placeholders, set per config by _nhwc_boxes
     x_desc = TensorDescriptor(xt, [n, h, wd, c], [h * wd * c, wd * c, c, 1], [1, 1, 1, 4])
     w_desc = TensorDescriptor(wt, [o, r * s * c], [r * s * c, 1], [1, 4])
     tq = triton.cdiv(q, tw)
 
     def grid(meta):
-        return (n * triton.cdiv(p, meta["BLOCK_M"] // tw) * tq * triton.cdiv(o, meta["BLOCK_N"]),)
+        th, nb = _patch(meta["BLOCK_M"], tw, thc)
+        return (triton.cdiv(n, nb) * triton.cdiv(p, th) * tq * triton.cdiv(o, meta["BLOCK_N"]),)
     _launch(_conv_nhwc_acc if accumulate else _conv_nhwc, grid,
             (x_desc, w_desc, b if b is not None else y, y, y if mask is None else mask,
              n, c, o, ph, pw),
-            dict(H=h, W=wd, P=p, Q=q, R=r, S=s, TW=tw, HAS_BIAS=b is not None,
+            dict(H=h, W=wd, P=p, Q=q, R=r, S=s, TW=tw, THC=thc, HAS_BIAS=b is not None,
                  ACCUMULATE=accumulate, PRECISION=prec, RELU=relu, MASK=mask is not None))
 
 

@@ -70,7 +70,7 @@ EXTRA_DATA = [
 # does not hold ([128, 256] tiles left out: one gave a wrong accumulating data gradient)
 EXTRA_NHWC = [conv._nhwc_cfg(*c) for c in [
     (128, 128, 32, 4, 4), (128, 128, 64, 8, 3), (128, 128, 16, 4, 5), (64, 64, 32, 4, 4),
-    (128, 64, 64, 4, 3), (64, 128, 32, 4, 4),
+    (128, 64, 64, 4, 3), (256, 64, 32, 8, 3),
 ]]
 # the channels-last weight gradient's ([BLOCK_M channels, BLOCK_N output channels], BLOCK_K
 # pixels): the rest of its first sweep's tiles

@@ -10,6 +10,12 @@ replayed from a CUDA graph runs the same kernels, so where the graphed step take
 than the model predicts, this table says which kernels the model underrates. Each kernel
 is listed with its calls per step, ms per step and share of the busy time; the JSON keeps
 every kernel.
+
+Then one more eager step is timed launch by launch (tinysn.trace's Recorder: CUDA events
+around each layer step) beside the model's time for the same launch (the conv passes' from
+the runtime's own rankings, `conv_times`): `launches` in the JSON, largest overrun first,
+with the conv algorithms each ran. Where the step takes longer than its kernels' ranked
+times add up to, these rows say which layer steps.
 """
 import argparse
 import os
@@ -23,7 +29,9 @@ import torch  # noqa: E402
 
 from bench import common  # noqa: E402
 from tinysn.cli import MODELS  # noqa: E402
+from tinysn.sched.plan import Launch  # noqa: E402
 from tinysn.sched.timing import simulate  # noqa: E402
+from tinysn.trace import COMPUTE, THREADS, Recorder  # noqa: E402
 
 
 def kernel_times(events, steps: int) -> list:
@@ -47,6 +55,40 @@ def device_events(prof) -> list:
         if kind == torch.autograd.DeviceType.CUDA:
             out.append({"name": e.name, "device_time": e.device_time})
     return out
+
+
+def launch_times(recorded, predicted, plan) -> list:
+    """[{"launch", "algos", "measured_ms", "predicted_ms", "over_ms"}], one row per kernel
+    launch of a step, largest overrun (measured - predicted) first: `recorded` is the step's
+    trace events (Recorder.events(): compute spans named "layer phase"), `predicted` the
+    model's timeline events of the same plan (simulate(...).events: ("compute", "phase
+    layer", start s, end s)), matched in order; `algos` are the conv algorithms of the
+    plan's launch ({} for other layers). ValueError where the two walks differ."""
+    measured = [e for e in recorded if e.get("ph") == "X" and e["tid"] == THREADS[COMPUTE]]
+    model = [e for e in predicted if e[0] == COMPUTE]
+    launches = [op for step in plan.steps for op in step.ops if isinstance(op, Launch)]
+    if not len(measured) == len(model) == len(launches):
+        raise ValueError(f"{len(measured)} launches recorded, {len(model)} predicted, "
+                         f"{len(launches)} in the plan")
+    rows = []
+    for m, (_, name, start, end), op in zip(measured, model, launches):
+        layer, phase = m["name"].rsplit(" ", 1)
+        if f"{phase} {layer}" != name:
+            raise ValueError(f"launch '{m['name']}' recorded where '{name}' was predicted")
+        took, ranked = m["dur"] / 1e3, (end - start) * 1e3
+        rows.append({"launch": m["name"], "algos": dict(op.algos or {}), "measured_ms": took,
+                     "predicted_ms": ranked, "over_ms": took - ranked})
+    return sorted(rows, key=lambda r: -r["over_ms"])
+
+
+def recorded_step(rt, images, labels) -> list:
+    """The trace events of one eager step of `rt` (tinysn.trace.Recorder)."""
+    rt.recorder = Recorder()
+    try:
+        rt.step(images, labels)
+        return rt.recorder.events()
+    finally:
+        rt.recorder = None
 
 
 def main(argv=None) -> int:
@@ -84,10 +126,15 @@ def main(argv=None) -> int:
     for r in rows[:args.top]:
         print(f"{r['kernel'][:47]:<48}{r['calls_per_step']:>7.1f}{r['ms_per_step']:>10.3f}"
               f"{r['ms_per_step'] / busy:>8.1%}")
+    launches = launch_times(recorded_step(rt, images, labels), predicted.events, rt.plan)
+    print(f"{'layer step':<32}{'measured ms':>12}{'model ms':>10}  conv algorithms")
+    for r in launches[:args.top]:
+        print(f"{r['launch'][:31]:<32}{r['measured_ms']:>12.3f}{r['predicted_ms']:>10.3f}  "
+              f"{', '.join(r['algos'].values())}")
     common.write(args.out, {"model": args.model, "batch": args.batch, "steps": args.steps,
                             "busy_ms_per_step": busy, "profiled_eager_ms_per_step": eager_ms,
                             "predicted_kernel_ms_per_step": predicted.compute_s * 1e3,
-                            "kernels": rows})
+                            "kernels": rows, "launches": launches})
     return 0
 
 

@@ -1454,6 +1454,7 @@ def _patch(block_m, tw, thc):
     return min(rows, thc), rows // min(rows, thc)
 
 
+@functools.lru_cache(maxsize=1024)
 def _tile_h_cap(n, p, tw, block_m=128):
     """The cap on the channels-last forward's patch height (THC): the power of two that wastes
     the fewest rows of N images of P rows, for a tile of `block_m` pixels (the largest of

@@ -4,7 +4,8 @@
 
 For 17 conv shapes at batch 32 (every VGG16 3x3 size, ResNet-50's 3x3 and 1x1 sizes, all
 stride 1), times each autotuned conv kernel under every candidate config (today's list plus
-wider and deeper tiles), median of triton's do_bench, beside cuDNN's time for the same
+wider and deeper tiles), the median GPU time by tinysn's `bench_ms` (as the runtime's rankings
+and autotuners time: the host's launch cost kept out, no cache flush), beside cuDNN's for the same
 direction: the forward kernel (also the "flipped" data gradient), the implicit and the
 "transposed" data-gradient kernels, the weight-gradient kernel as "splitk" and as "onepass"
 (one tuner, one list for both), and the channels-last kernel as "nhwc" and "flipped_nhwc"
@@ -24,7 +25,6 @@ import time
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import tinysn  # noqa: E402,F401
 import torch  # noqa: E402
-from triton.testing import do_bench  # noqa: E402
 
 from bench import common  # noqa: E402
 from tinysn.kernels import _common, conv  # noqa: E402
@@ -208,7 +208,10 @@ def greedy(rows, count) -> list:
 
 
 def median_ms(fn) -> float:
-    return do_bench(fn, warmup=5, rep=25, return_mode="median")
+    """GPU milliseconds per call of `fn`. Not triton's do_bench: it times the host too where
+    launching costs more than the kernels run (the channels-last launcher's three kernels
+    and descriptors took about 0.15 ms, so every small shape's "nhwc" rows read 0.15-0.17)."""
+    return _common.bench_ms(fn, warmup_ms=5, rep_ms=25)
 
 
 def time_configs(forced, fn, configs) -> list:

@@ -261,8 +261,9 @@ def _algos(x_shape, w_shape, stride, padding, phase) -> dict:
 # The channels-last algorithms are offered (algos()) only on outputs of at least this many
 # pixels per image, though they run any size they apply to: on the H200 at batch 32 they
 # never beat the NCHW kernels below it (ResNet-50's 14- and 7-pixel layers 1.4-7x slower,
-# VGG16's 14-pixel ones 2x), and each algorithm offered costs a first run one more compile
-# and timing per conv shape. The weight gradient's won only on VGG16's 224x224 layer (1.25
+# VGG16's 14-pixel ones 2x, measured while a tile held one image: 14 of its 64 rows, 7 of
+# 128; tiles over several images, _tile_h_cap, are not measured there), and each algorithm
+# offered costs a first run one more compile and timing per conv shape. The weight gradient's won only on VGG16's 224x224 layer (1.25
 # against 1.46 ms) and lost by 13-31% from 112x112 down.
 _NHWC_MIN_PIXELS = 28 * 28
 _WEIGHT_NHWC_MIN_PIXELS = 112 * 112 + 1

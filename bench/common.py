@@ -132,6 +132,16 @@ def do_bench(fn) -> float:
     return triton.testing.do_bench(fn, warmup=25, rep=100, return_mode="median")
 
 
+def gpu_ms(fn) -> float:
+    """Median milliseconds of fn() on the GPU alone, as the runtime's rankings and autotuners
+    time (tinysn's bench_ms: events around each call, the host's launch cost kept out by a
+    queue held behind a GPU-side wait, no cache flush; warm-up 25 ms, 100 ms of calls). A
+    conv launcher costs the host more than a small conv's kernels run, which do_bench
+    would time instead."""
+    from tinysn.kernels._common import bench_ms
+    return bench_ms(fn, warmup_ms=25, rep_ms=100)
+
+
 def do_bench_graph(fn) -> float:
     """Median milliseconds of fn() replayed inside a CUDA graph: the GPU time alone, without
     the host's per-launch cost (what a graph-captured training step would see)."""

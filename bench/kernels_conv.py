@@ -8,8 +8,9 @@ bench(device="cuda") -> list of rows {"kernel": "conv.<phase>", "algo", "shape",
 "torch_tflops", "rel_err" (against torch's own TF32 result), "config" (the autotuner's pick)}.
 torch: F.conv2d (with bias) for forward, torch.nn.grad.conv2d_input / conv2d_weight (cuDNN
 backward data / filter) for the backward pieces; tinysn's backward_weight runs without db so
-both sides do the same work. TF32 on both sides. Times: triton.testing.do_bench medians
-(warmup 25 ms, rep 100 ms), everything allocated outside the timed function.
+both sides do the same work. TF32 on both sides. Times: GPU-time medians (common.gpu_ms,
+as the runtime's rankings time; warm-up 25 ms, 100 ms of calls), everything allocated
+outside the timed function.
 --warm only compiles and autotunes (used to fill Triton's cache from parallel processes).
 """
 import argparse
@@ -45,7 +46,7 @@ _TUNED_ALGO = {("backward_data", "transposed"): "_conv_bwd_data_t",
                ("backward_weight", "nhwc"): "_conv_bwd_weight_nhwc"}
 
 
-_do_bench, _rel = common.do_bench, common.rel_err
+_do_bench, _rel = common.gpu_ms, common.rel_err
 
 
 def _tuning(phase, algo):

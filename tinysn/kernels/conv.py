@@ -263,8 +263,9 @@ def _algos(x_shape, w_shape, stride, padding, phase) -> dict:
 # never beat the NCHW kernels below it (ResNet-50's 14- and 7-pixel layers 1.4-7x slower,
 # VGG16's 14-pixel ones 2x, measured while a tile held one image: 14 of its 64 rows, 7 of
 # 128; tiles over several images, _tile_h_cap, are not measured there), and each algorithm
-# offered costs a first run one more compile and timing per conv shape. The weight gradient's won only on VGG16's 224x224 layer (1.25
-# against 1.46 ms) and lost by 13-31% from 112x112 down.
+# offered costs a first run one more compile and timing per conv shape. The weight
+# gradient's won only on VGG16's 224x224 layer (1.25 against 1.46 ms) and lost by 13-31%
+# from 112x112 down.
 _NHWC_MIN_PIXELS = 28 * 28
 _WEIGHT_NHWC_MIN_PIXELS = 112 * 112 + 1
 
@@ -1452,7 +1453,8 @@ def _patch(block_m, tw, thc):
     """(TH, NB): a channels-last forward tile of `block_m` pixels is a [TH, tw] patch of NB
     images, TH = block_m // tw rows capped at `thc` (as the kernel computes them)."""
     rows = block_m // tw
-    return min(rows, thc), rows // min(rows, thc)
+    th = min(rows, thc)
+    return th, rows // th
 
 
 @functools.lru_cache(maxsize=1024)

@@ -2,14 +2,14 @@
 # Every GPU figure in few calls on the device machine; each stage has its own time limit and
 # writes its results straight into $OUT (never into the tracked bench/results/).
 #   PYTHONPATH=. OUT=/some/dir bash bench/gpu_run.sh STAGE...
-# stages: first-run streams tests runtime conv-check cap kernels conv-configs profile pool train host-probe memory-a memory-b deep-graph trace oversub ddp-b32 ddp-largest
+# stages: first-run streams tests runtime conv-check conv-gap cap kernels conv-configs profile pool train host-probe memory-a memory-b deep-graph trace oversub ddp-b32 ddp-largest
 # (the ddp stages need two GPUs: bench/ddp.py, one file with both stages' configurations)
 # Copy a result into bench/results/ by hand once it is checked, one file per configuration.
 set -u
 export PYTHONPATH=${PYTHONPATH:-.}
 export PYTHONUNBUFFERED=1
 OUT=${OUT:-/tmp/tinysn-gpu}
-STAGES="first-run streams tests runtime conv-check cap kernels conv-configs profile pool train host-probe memory-a memory-b deep-graph trace oversub ddp-b32 ddp-largest"
+STAGES="first-run streams tests runtime conv-check conv-gap cap kernels conv-configs profile pool train host-probe memory-a memory-b deep-graph trace oversub ddp-b32 ddp-largest"
 for stage in "$@"; do
   case " $STAGES " in *" $stage "*) ;; *) echo "unknown stage '$stage' (stages: $STAGES)"; exit 2 ;; esac
 done
@@ -38,6 +38,9 @@ for stage in "$@"; do
     conv-check) ids=""; for i in ${CHECK_INDEXES:-0 1 2 3}; do for p in ieee tf32; do
                   ids="$ids tests/kernels/test_conv.py::test_conv_gpu_every_config[$i-$p]"; done; done
                 TINYSN_AUTOTUNE=0 timeout -s INT ${CHECK_S:-300} python3 -m pytest -q -rfE -p no:benchmark -m gpu -p no:cacheprovider -n $(echo $ids | wc -w) $ids 2>&1 | tail -12 ;;
+    # VGG16's conv passes as the step runs them (ReLU mask, bias and ReLU, cold L2) beside
+    # the rankings' plain calls
+    conv-gap) timeout ${GAP_S:-150} python3 bench/conv_gap.py --out "$OUT/conv-gap-$GPU.json" 2>&1 | tail -40 ;;
     # the process-wide cap (tests/test_cap.py) with autotuning ON: tuning must stay in the cap
     cap)      timeout -k 30 ${CAP_S:-300} python3 bench/gpu_tests.py --out "$OUT/gpu-tests-cap-$GPU.json" -- -q -s -rfE -p no:benchmark -m gpu -p no:cacheprovider tests/test_cap.py 2>&1 | tail -30 ;;
     kernels)  timeout ${KERNELS_S:-330} python3 bench/kernels.py ${KERNELS_ONLY:+--only $KERNELS_ONLY} --out "$OUT/kernels-$GPU.json" 2>&1 | tail -70 ;;

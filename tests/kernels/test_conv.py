@@ -207,6 +207,7 @@ EDGE_CASES = [
     (2, 3, 9, 7, 2, 7, 7, (2, 3), (3, 2)),  # 7x7 with asymmetric stride and padding
     (2, 8, 5, 6, 12, 3, 3, 1, 1),           # channels-last ("nhwc", "flipped_nhwc")
     (1, 4, 7, 9, 8, 1, 7, 1, (0, 3)),       # channels-last 1x7, patches wider than Q
+    (3, 8, 6, 8, 12, 3, 3, 1, 1),           # channels-last, Q % 4 == 0: TMA epilogue loads
     (2, 8, 6, 8, 12, 3, 3, 1, 1),           # channels-last weight gradient (Q % 4 == 0)
     (1, 4, 9, 12, 8, 5, 5, 1, (2, 0)),      # ... 5x5, patches taller than P, no side padding
 ]

@@ -990,13 +990,13 @@ def _weight_ohwi_kernel(w_ptr, wt_ptr, K, C, RS: tl.constexpr, FLIP: tl.constexp
 
 
 @triton.jit
-def _conv_nhwc_kernel(x_desc, w_desc, b_ptr, y_ptr, m_ptr, N, C, K, PH, PW,
+def _conv_nhwc_kernel(x_desc, w_desc, b_ptr, y_ptr, m_ptr, yin_desc, m_desc, N, C, K, PH, PW,
                       H: tl.constexpr, W: tl.constexpr, P: tl.constexpr, Q: tl.constexpr,
                       R: tl.constexpr, S: tl.constexpr, TW: tl.constexpr, THC: tl.constexpr,
                       HAS_BIAS: tl.constexpr, ACCUMULATE: tl.constexpr, PRECISION: tl.constexpr,
                       BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                       GROUP_M: tl.constexpr, RELU: tl.constexpr = False,
-                      MASK: tl.constexpr = False):
+                      MASK: tl.constexpr = False, EPI_TMA: tl.constexpr = False):
     """Stride 1: Y[n, k, p, q] (+)= sum_(r,s,c) Xt[n, p-PH+r, q-PW+s, c] Wt[k, (r,s,c)] (+ b[k])
     from the channels-last copies Xt [N, H, W, C] and Wt [K, R*S*C] (descriptors x_desc and
     w_desc; Y stays NCHW), then max(Y, 0) where RELU, or masked where MASK (as
@@ -1010,6 +1010,11 @@ def _conv_nhwc_kernel(x_desc, w_desc, b_ptr, y_ptr, m_ptr, N, C, K, PH, PW,
     per element. Box elements outside Xt read as zeros: outside the image that is the padding
     (past the last image, rows the store drops); past channel C they cancel the weight box's
     run into the next tap.
+
+    EPI_TMA: the epilogue's reads of Y (ACCUMULATE) and of the ReLU output (MASK) come through
+    the TMA unit too, as [NB, BLOCK_N, TH, TW] boxes of yin_desc / m_desc (NCHW, Q a multiple
+    of 4), not as per-element loads: those, TW pixels apart by channel, made a masked data
+    gradient half as slow again on the H200 (bench/conv_gap.py).
     """
     NB: tl.constexpr = (BLOCK_M // TW + THC - 1) // THC
     TH: tl.constexpr = BLOCK_M // TW // NB
@@ -1046,12 +1051,29 @@ def _conv_nhwc_kernel(x_desc, w_desc, b_ptr, y_ptr, m_ptr, N, C, K, PH, PW,
     mask = n_ok[:, None] & ((img < N) & (p < P) & (q < Q))[None, :]
     out = tl.trans(acc)                                                      # [BN, BM]
     if ACCUMULATE:
-        out += tl.load(y_ptrs, mask=mask, other=0.0)
+        if EPI_TMA:
+            out += _nchw_box(yin_desc, img0, k0, p0, q0, BLOCK_N, BLOCK_M)
+        else:
+            out += tl.load(y_ptrs, mask=mask, other=0.0)
     if RELU:
         out = tl.where(out < 0.0, 0.0, out)      # as kernels/act.py: NaN propagates
     if MASK:
-        out = _relu_mask(out, m_ptr + y_off, mask)
+        if EPI_TMA:     # as _relu_mask
+            out = tl.where(_nchw_box(m_desc, img0, k0, p0, q0, BLOCK_N, BLOCK_M) <= 0.0, 0.0,
+                           out)
+        else:
+            out = _relu_mask(out, m_ptr + y_off, mask)
     tl.store(y_ptrs, out, mask=mask)
+
+
+@triton.jit
+def _nchw_box(desc, img0, k0, p0, q0, BLOCK_N: tl.constexpr, BLOCK_M: tl.constexpr):
+    """The [NB, BLOCK_N, TH, TW] box of an NCHW tensor at (img0, k0, p0, q0) through the TMA
+    unit, as the [BLOCK_N, BLOCK_M] tile of the channels-last kernel's transposed
+    accumulator (pixel m = (image, row, column) of the patch, column fastest); elements
+    outside the tensor read as 0."""
+    box = desc.load([img0, k0, p0, q0])
+    return tl.permute(box, (1, 0, 2, 3)).reshape(BLOCK_N, BLOCK_M)
 
 
 def _nhwc_boxes(nargs):
@@ -1061,6 +1083,9 @@ def _nhwc_boxes(nargs):
     th, nb = _patch(nargs["BLOCK_M"], tw, nargs["THC"])
     nargs["x_desc"].block_shape = [nb, th, tw, nargs["BLOCK_K"]]
     nargs["w_desc"].block_shape = [nargs["BLOCK_N"], nargs["BLOCK_K"]]
+    if nargs.get("EPI_TMA"):        # the epilogue's NCHW boxes (else unread stand-ins)
+        for name in ("yin_desc", "m_desc"):
+            nargs[name].block_shape = [nb, nargs["BLOCK_N"], th, tw]
 
 
 def _nhwc_cfg(bm, bn, bk, warps, stages):
@@ -1077,9 +1102,14 @@ _NHWC_CONFIGS = [
     _nhwc_cfg(128, 64, 32, 4, 4),
     _nhwc_cfg(64, 128, 32, 4, 4),
     _nhwc_cfg(256, 128, 32, 8, 3),
+    _nhwc_cfg(256, 64, 32, 8, 3),
 ]
 _INTERP_NHWC = _nhwc_cfg(256, 32, 32, 1, 1)
-_NHWC_KEY = [a for a in _KEY if a not in ("SH", "SW")]     # stride 1
+# stride 1; a data gradient that masks by a ReLU's output is tuned apart from a plain one: its
+# epilogue holds a second tile, the mask's, so the plain pick need not be the fastest masked
+# one (VGG16's 112x112 data gradient with the plain pick: 0.49 ms plain, 0.76 ms masked, on
+# the H200 in bench/conv_gap.py)
+_NHWC_KEY = [a for a in _KEY if a not in ("SH", "SW")] + ["MASK"]
 _conv_nhwc = _autotune(_NHWC_CONFIGS, _NHWC_KEY, _fwd_macs, interp=_INTERP_NHWC,
                        config_hook=_nhwc_boxes)(_conv_nhwc_kernel)
 # "flipped_nhwc" into a gradient that accumulates (the autotuner restores dx after timing)
@@ -1504,11 +1534,25 @@ def _launch_nhwc(x, w, b, y, ws, ph, pw, prec, flip=False, accumulate=False, rel
     def grid(meta):
         th, nb = _patch(meta["BLOCK_M"], tw, thc)
         return (triton.cdiv(n, nb) * triton.cdiv(p, th) * tq * triton.cdiv(o, meta["BLOCK_N"]),)
+    m = y if mask is None else mask
+    # the epilogue reads through the TMA unit where it reads at all and TMA can: 16-byte
+    # aligned rows (then TW >= 4); otherwise the descriptors are unread stand-ins over wt
+    epi_tma = (accumulate or mask is not None) and q % 4 == 0 and \
+        y.data_ptr() % 16 == 0 and m.data_ptr() % 16 == 0
+    yin_desc, m_desc = (_nchw_desc(y), _nchw_desc(m)) if epi_tma else \
+        (_nchw_desc(wt[:4].view(1, 1, 1, 4)), _nchw_desc(wt[:4].view(1, 1, 1, 4)))
     _launch(_conv_nhwc_acc if accumulate else _conv_nhwc, grid,
-            (x_desc, w_desc, b if b is not None else y, y, y if mask is None else mask,
+            (x_desc, w_desc, b if b is not None else y, y, m, yin_desc, m_desc,
              n, c, o, ph, pw),
             dict(H=h, W=wd, P=p, Q=q, R=r, S=s, TW=tw, THC=thc, HAS_BIAS=b is not None,
-                 ACCUMULATE=accumulate, PRECISION=prec, RELU=relu, MASK=mask is not None))
+                 ACCUMULATE=accumulate, PRECISION=prec, RELU=relu, MASK=mask is not None,
+                 EPI_TMA=epi_tma))
+
+
+def _nchw_desc(t):
+    """A TMA descriptor over the NCHW tensor `t` (its box is set per config, _nhwc_boxes)."""
+    n, c, h, w = t.shape
+    return TensorDescriptor(t, [n, c, h, w], [c * h * w, h * w, w, 1], [1, 1, 1, 4])
 
 
 def _launch_bwd_data(dy, w, dx, n, c, h, wd, k, p, q, sh, sw, ph, pw, r, s, accumulate, prec,

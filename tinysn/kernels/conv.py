@@ -1105,11 +1105,7 @@ _NHWC_CONFIGS = [
     _nhwc_cfg(256, 64, 32, 8, 3),
 ]
 _INTERP_NHWC = _nhwc_cfg(256, 32, 32, 1, 1)
-# stride 1; a data gradient that masks by a ReLU's output is tuned apart from a plain one: its
-# epilogue holds a second tile, the mask's, so the plain pick need not be the fastest masked
-# one (VGG16's 112x112 data gradient with the plain pick: 0.49 ms plain, 0.76 ms masked, on
-# the H200 in bench/conv_gap.py)
-_NHWC_KEY = [a for a in _KEY if a not in ("SH", "SW")] + ["MASK"]
+_NHWC_KEY = [a for a in _KEY if a not in ("SH", "SW")]     # stride 1
 _conv_nhwc = _autotune(_NHWC_CONFIGS, _NHWC_KEY, _fwd_macs, interp=_INTERP_NHWC,
                        config_hook=_nhwc_boxes)(_conv_nhwc_kernel)
 # "flipped_nhwc" into a gradient that accumulates (the autotuner restores dx after timing)

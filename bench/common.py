@@ -110,13 +110,17 @@ def torch_model(model_name, net):
         return net.to_torch(), "tinysn graph's torch twin"
 
 
-def cuda_median_ms(fn, iters: int = 10, warmup: int = 3) -> float:
-    """Median milliseconds of fn() over `iters` runs, timed with CUDA events after warm-up."""
+def cuda_median_ms(fn, iters: int = 10, warmup: int = 3, before=None) -> float:
+    """Median milliseconds of fn() over `iters` runs, timed with CUDA events after warm-up;
+    `before()`, where given, runs ahead of each timed call, outside its events (an L2
+    flush, say)."""
     for _ in range(warmup):
         fn()
     torch.cuda.synchronize()
     times = []
     for _ in range(iters):
+        if before is not None:
+            before()
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         start.record()
         fn()

@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
 import sys
 from pathlib import Path
 
@@ -26,7 +25,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import torch  # noqa: E402
 
-from bench.common import environment  # noqa: E402
+from bench.common import cuda_median_ms, environment  # noqa: E402
 from tinysn.kernels import conv  # noqa: E402
 from tinysn.kernels._common import bench_ms, compiling_in_parallel  # noqa: E402
 
@@ -74,17 +73,8 @@ def _calls(t):
 
 
 def _cold_ms(fn, flush, reps=20):
-    """Median ms of `fn` with L2 flushed before each call (events around the call alone)."""
-    times = []
-    for _ in range(reps + 2):
-        flush.zero_()
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        fn()
-        b.record()
-        b.synchronize()
-        times.append(a.elapsed_time(b))
-    return statistics.median(times[2:])
+    """Median ms of `fn` with L2 flushed (`flush` zeroed) before each call."""
+    return cuda_median_ms(fn, iters=reps, warmup=2, before=flush.zero_)
 
 
 def main(argv=None) -> int:

@@ -164,3 +164,14 @@ def test_host_probe_figures_quote_the_json():
             f"loop's {s['resnet50_correlation_with_python_loop_s']:.2f})") in text
     assert (f"AlexNet's ({s['alexnet_correlation_with_bare_launch_s']:.2f}; "
             f"{s['alexnet_correlation_with_python_loop_s']:.2f})") in text
+
+
+def test_every_bench_script_has_a_row_in_the_scripts_table():
+    """Each bench script (a module with a main()) is named in the first cell of a row of
+    bench/README.md's script table, alone or as one that kernels.py runs."""
+    first_cells = [line.strip().strip("|").split("|")[0] for line in BENCH_README.splitlines()
+                   if line.startswith("| `")]
+    scripts = [p.name for p in (ROOT / "bench").glob("*.py") if "\ndef main(" in p.read_text()]
+    assert len(scripts) >= 15
+    for name in scripts:
+        assert any(f"`{name}`" in cell for cell in first_cells), name

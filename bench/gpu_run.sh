@@ -37,7 +37,8 @@ for stage in "$@"; do
     # on the H200's 16 cores, so check only the indexes that changed
     conv-check) ids=""; for i in ${CHECK_INDEXES:-0 1 2 3}; do for p in ieee tf32; do
                   ids="$ids tests/kernels/test_conv.py::test_conv_gpu_every_config[$i-$p]"; done; done
-                TINYSN_AUTOTUNE=0 timeout -s INT ${CHECK_S:-300} python3 -m pytest -q -rfEp -p no:benchmark -m gpu -p no:cacheprovider -n $(echo $ids | wc -w) $ids 2>&1 | tail -12 ;;
+                # gpu_tests.py keeps one row per test, so a run cut short says which finished
+                TINYSN_AUTOTUNE=0 timeout -k 30 ${CHECK_S:-300} python3 bench/gpu_tests.py --out "$OUT/gpu-tests-conv-check-$GPU.json" -- -q -rfE -p no:benchmark -m gpu -p no:cacheprovider -n $(echo $ids | wc -w) $ids 2>&1 | tail -12 ;;
     # VGG16's conv passes as the step runs them (ReLU mask, bias and ReLU, cold L2) beside
     # the rankings' plain calls
     conv-gap) timeout ${GAP_S:-150} python3 bench/conv_gap.py --out "$OUT/conv-gap-$GPU.json" 2>&1 | tail -40 ;;

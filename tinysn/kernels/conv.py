@@ -476,10 +476,16 @@ def _ult(x, bound):
 
 
 @triton.jit
+def _relu_gate(g, r):
+    """g where the ReLU output r is > 0, else 0: the ReLU's backward (kernels/act.py) fused
+    into the kernel that stores g, its input gradient."""
+    return tl.where(r <= 0.0, 0.0, g)
+
+
+@triton.jit
 def _relu_mask(g, m_ptrs, mask):
-    """g where the ReLU output at m_ptrs is > 0, else 0: the ReLU's backward (kernels/act.py)
-    fused into the kernel that stores g, its input gradient."""
-    return tl.where(tl.load(m_ptrs, mask=mask, other=0.0) <= 0.0, 0.0, g)
+    """_relu_gate with the ReLU output loaded from m_ptrs."""
+    return _relu_gate(g, tl.load(m_ptrs, mask=mask, other=0.0))
 
 
 @triton.jit
@@ -1058,9 +1064,8 @@ def _conv_nhwc_kernel(x_desc, w_desc, b_ptr, y_ptr, m_ptr, yin_desc, m_desc, N, 
     if RELU:
         out = tl.where(out < 0.0, 0.0, out)      # as kernels/act.py: NaN propagates
     if MASK:
-        if EPI_TMA:     # as _relu_mask
-            out = tl.where(_nchw_box(m_desc, img0, k0, p0, q0, BLOCK_N, BLOCK_M) <= 0.0, 0.0,
-                           out)
+        if EPI_TMA:
+            out = _relu_gate(out, _nchw_box(m_desc, img0, k0, p0, q0, BLOCK_N, BLOCK_M))
         else:
             out = _relu_mask(out, m_ptr + y_off, mask)
     tl.store(y_ptrs, out, mask=mask)
@@ -1727,7 +1732,7 @@ def _launch_weight_nhwc(x, dy, dw, ws, ph, pw, prec):
     tw = _tile_w(q)
     # boxes: placeholders, set per config by _weight_nhwc_boxes
     x_desc = TensorDescriptor(xt, [n, h, wd, c], [h * wd * c, wd * c, c, 1], [1, 1, 1, 4])
-    dy_desc = TensorDescriptor(dy, [n, k, p, q], [k * p * q, p * q, q, 1], [1, 1, 1, 4])
+    dy_desc = _nchw_desc(dy)
 
     def grid(meta):
         return (triton.cdiv(c, meta["BLOCK_M"]) * triton.cdiv(k, meta["BLOCK_N"]) * r * s,

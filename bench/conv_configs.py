@@ -10,7 +10,8 @@ direction: the forward kernel (also the "flipped" data gradient), the implicit a
 "transposed" data-gradient kernels, the weight-gradient kernel as "splitk" and as "onepass"
 (one tuner, one list for both), and the channels-last kernel as "nhwc" and "flipped_nhwc"
 (one list too; its copies included in the time), and the channels-last weight gradient as
-"weight_nhwc" (where it applies: output widths divisible by 4). Then picks, per tuner,
+"weight_nhwc" (where it applies: output widths divisible by 4), and the flat-pixel TMA weight
+gradient as "weight_tma". Then picks, per tuner,
 greedily the configs whose best-per-shape total time is smallest, first the best single
 config (what TINYSN_AUTOTUNE=0 runs), as many as today's list holds. The forward and
 weight-gradient lists in tinysn/kernels/conv.py are such a pick, and so are the two
@@ -78,6 +79,11 @@ EXTRA_WGT_NHWC = [conv._nhwc_cfg(*c) for c in [
     (128, 64, 32, 4, 4), (128, 128, 32, 8, 3), (128, 64, 64, 4, 3), (64, 128, 32, 4, 4),
     (128, 128, 32, 8, 4), (128, 128, 32, 4, 4), (64, 64, 128, 4, 3),
 ]]
+# the flat-pixel TMA weight gradient's ("tma"): the first sweep's tiles
+EXTRA_WGT_TMA = [conv._nhwc_cfg(*c) for c in [
+    (128, 128, 32, 8, 3), (128, 128, 64, 8, 3), (128, 64, 64, 4, 3), (64, 128, 64, 4, 3),
+    (64, 64, 32, 4, 4), (128, 256, 32, 8, 3), (256, 128, 32, 8, 3), (64, 64, 128, 4, 3),
+]]
 SMEM_BYTES = 200 * 1024   # what a config's pipeline stages may hold (H200: 227 KiB per SM)
 
 
@@ -118,7 +124,7 @@ class ForcedConfig:
 def problem(c, k, hw, r) -> dict:
     """{phase: (tinysn call, cuDNN call)} for one shape, on random inputs. Phases:
     "forward", "data_implicit", "data_transposed", "weight_splitk", "weight_onepass",
-    "forward_nhwc", "data_nhwc", and "weight_nhwc" where it applies."""
+    "forward_nhwc", "data_nhwc", and "weight_nhwc" and "weight_tma" where they apply."""
     pad = r // 2
     x = torch.randn(BATCH, c, hw, hw, device=DEVICE)
     w = torch.randn(k, c, r, r, device=DEVICE) * 0.05
@@ -130,7 +136,8 @@ def problem(c, k, hw, r) -> dict:
                                              ("backward_data", "transposed"),
                                              ("forward", "nhwc"),
                                              ("backward_data", "flipped_nhwc"),
-                                             ("backward_weight", "nhwc"))) // 4 + 1,
+                                             ("backward_weight", "nhwc"),
+                                             ("backward_weight", "tma"))) // 4 + 1,
                      device=DEVICE)
 
     def cudnn(mask):
@@ -158,6 +165,9 @@ def problem(c, k, hw, r) -> dict:
     if conv._applies("nhwc", x.shape, w.shape, (1, 1), pad, "backward_weight"):
         calls["weight_nhwc"] = (lambda: conv.backward_weight(
             x, dy, dw, None, stride=1, padding=pad, algo="nhwc", workspace=ws), weight)
+    if conv._applies("tma", x.shape, w.shape, (1, 1), pad, "backward_weight"):
+        calls["weight_tma"] = (lambda: conv.backward_weight(
+            x, dy, dw, None, stride=1, padding=pad, algo="tma", workspace=ws), weight)
     return calls
 
 
@@ -178,6 +188,8 @@ def tuners() -> dict:
                  ("forward_nhwc", "data_nhwc")),
         "weight_nhwc": (conv._conv_bwd_weight_nhwc, conv._WGT_NHWC_CONFIGS,
                         candidates(conv._WGT_NHWC_CONFIGS, EXTRA_WGT_NHWC), ("weight_nhwc",)),
+        "weight_tma": (conv._conv_bwd_weight_tma, conv._WGT_TMA_CONFIGS,
+                       candidates(conv._WGT_TMA_CONFIGS, EXTRA_WGT_TMA), ("weight_tma",)),
     }
 
 
@@ -287,7 +299,8 @@ def main():
     ap = argparse.ArgumentParser()
     common.add_out_argument(ap)
     ap.add_argument("--tuners",
-                    default="forward,data_implicit,data_transposed,weight,nhwc,weight_nhwc",
+                    default="forward,data_implicit,data_transposed,weight,nhwc,weight_nhwc,"
+                            "weight_tma",
                     help="the autotuners to sweep (comma-separated)")
     ap.add_argument("--kernel-size", type=int, help="only the shapes of this kernel size")
     args = ap.parse_args()

@@ -8,7 +8,7 @@ from tinysn.kernels import _common, conv
 
 
 PHASES = ["forward", "data_implicit", "data_transposed", "weight_splitk", "weight_onepass",
-          "forward_nhwc", "data_nhwc", "weight_nhwc"]
+          "forward_nhwc", "data_nhwc", "weight_nhwc", "weight_tma"]
 
 
 def test_greedy_first_takes_the_best_single_config_then_what_lowers_the_total_most():
@@ -32,7 +32,7 @@ def test_candidates_keep_todays_configs_first_and_drop_repeats_and_oversized_til
 def test_every_conv_autotuner_is_swept_from_its_own_list():
     tuned = conv_configs.tuners()
     assert set(tuned) == {"forward", "data_implicit", "data_transposed", "weight", "nhwc",
-                          "weight_nhwc"}
+                          "weight_nhwc", "weight_tma"}
     phases = [p for _, _, _, served in tuned.values() for p in served]
     assert sorted(phases) == sorted(PHASES)
     for tuner, today, cands, _ in tuned.values():
@@ -58,7 +58,7 @@ def test_a_sweep_on_the_cpu_times_every_phase_under_every_candidate(monkeypatch)
     assert conv._launch is launch
     assert [r["phase"] for r in rows] == PHASES
     assert all(len(r["ms"]) == 2 and r["today_ms"] == r["ms"][0] for r in rows)
-    assert len(calls) == 8 * 3                      # two configs and cuDNN per phase
+    assert len(calls) == len(PHASES) * 3            # two configs and cuDNN per phase
     picks = conv_configs.pick_all(rows, tuned)      # the stand-in timer: earlier is faster
     assert picks == {name: [str(cands[0])] for name, (_, _, cands, _) in tuned.items()}
 

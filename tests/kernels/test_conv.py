@@ -20,7 +20,7 @@ gpu = pytest.mark.skipif(not GPU, reason="needs a CUDA GPU")
 ALL_ALGOS = {"forward": ("implicit", "im2col", "nhwc"),
              "backward_data": ("implicit", "flipped", "transposed", "zero_insert",
                                "flipped_nhwc"),
-             "backward_weight": ("onepass", "splitk", "nhwc")}
+             "backward_weight": ("onepass", "splitk", "nhwc", "tma")}
 # "flipped" and the channels-last algorithms run only some convs (conv._applies); asked for
 # elsewhere, they raise ValueError before any write. conv.algos() offers a subset of what
 # applies (see test_algos_and_workspaces).
@@ -156,7 +156,7 @@ def _check(case, device="cpu", precision="ieee", seed=0, bias=True, accumulate=F
     algo_data = ALL_ALGOS["backward_data"][seed % 5]
     if not conv._applies(algo_data, x.shape, wt.shape, stride, padding, "backward_data"):
         algo_data = "implicit"
-    algo_weight = ALL_ALGOS["backward_weight"][(seed // 3) % 3]
+    algo_weight = ALL_ALGOS["backward_weight"][(seed // 3) % 4]
     if not conv._applies(algo_weight, x.shape, wt.shape, stride, padding, "backward_weight"):
         algo_weight = "onepass"
     need = conv.backward_workspace_bytes(x.shape, wt.shape, stride, padding, algo_data,
@@ -210,6 +210,8 @@ EDGE_CASES = [
     (3, 8, 6, 8, 12, 3, 3, 1, 1),           # channels-last, Q % 4 == 0: TMA epilogue loads
     (2, 8, 6, 8, 12, 3, 3, 1, 1),           # channels-last weight gradient (Q % 4 == 0)
     (1, 4, 9, 12, 8, 5, 5, 1, (2, 0)),      # ... 5x5, patches taller than P, no side padding
+    (3, 5, 7, 7, 6, 3, 3, 1, 1),            # "tma" weight gradient: rows widened 7 -> 8
+    (2, 6, 3, 8, 5, 1, 1, 1, 0),            # ... a 1x1 read in place (no copies)
 ]
 
 
@@ -303,6 +305,17 @@ def test_algos_and_workspaces():
     assert "nhwc" not in conv.algos((32, 64, 112, 112), ws, 1, 1, "backward_weight")
     assert not conv._applies("nhwc", (32, 64, 14, 14), ws, (1, 1), 1, "backward_weight")
     assert not conv._applies("nhwc", big, ws, (2, 2), 1, "backward_weight")
+    # "tma": x shifted by each kernel column, then the split-K chunks; rows of 14 pixels are
+    # widened to 16 and dY is widened too; a 1x1 over rows of 56 reads x and dY in place
+    assert wg["tma"] == 4 * (3 * 32 * 64 * 56 * 56 + conv.tma_splits(xs, ws) * 64 * 64 * 9)
+    w14 = conv.algos((32, 64, 14, 14), ws, 1, 1, "backward_weight")["tma"]
+    assert w14 == 4 * (3 * 32 * 64 * 14 * 16 + 32 * 64 * 14 * 16 +
+                       conv.tma_splits((32, 64, 14, 14), ws) * 64 * 64 * 9)
+    one = (64, 64, 1, 1)
+    assert conv.algos(xs, one, 1, 0, "backward_weight")["tma"] == \
+        4 * conv.tma_splits(xs, one) * 64 * 64
+    assert "tma" not in conv.algos(xs, ws, 2, 1, "backward_weight")       # stride 2
+    assert "tma" not in conv.algos(xs, ws, 1, 0, "backward_weight")       # output 54x54
     # the channels-last forward and data gradient: offered from 28x28 output pixels up
     small = (32, 64, 14, 14)
     assert "nhwc" in conv.algos((32, 64, 28, 28), ws, 1, 1, "forward")
@@ -436,6 +449,37 @@ def test_nhwc_workspace_holds_channels_last_copies():
                        w.flip(2, 3).permute(1, 2, 3, 0))
 
 
+def test_tma_weight_gradient_workspace_holds_shifted_copies_and_the_chunks():
+    """The "tma" weight gradient leaves x shifted by each kernel column (rows widened to a
+    multiple of 4 pixels, zeros outside the image) in the workspace, then dY widened where
+    its rows are not a multiple of 4, then its split-K chunks [splits, K, C, R, S], which sum
+    (in order) to dW, equal to "splitk"'s within rounding."""
+    gen = torch.Generator().manual_seed(5)
+    xs, ws, padding = (2, 8, 5, 6), (12, 8, 3, 3), (1, 1)
+    x = _rand(xs, gen, "cpu")
+    dy = _rand(conv.out_shape(xs, ws, 1, padding), gen, "cpu")
+    splits = conv.tma_splits(xs, ws)
+    assert splits > 1
+    need = conv.workspace_bytes(xs, ws, 1, padding, "backward_weight", "tma")
+    wsp = _workspace(need, "cpu")
+    dw, dw_ref = _nan(ws, "cpu"), _nan(ws, "cpu")
+    conv.backward_weight(x, dy, dw, None, stride=1, padding=padding, algo="tma",
+                         workspace=wsp, precision="ieee")
+    conv.backward_weight(x, dy, dw_ref, None, stride=1, padding=padding, algo="splitk",
+                         workspace=_workspace(need, "cpu"), precision="ieee")
+    _close(dw, dw_ref, dy.numel() // ws[0], "ieee", "tma vs splitk")
+    held = wsp[:need].view(torch.float32)
+    wide = torch.zeros(2, 8, 5, 8 + 2)          # x widened to 8 columns, one zero each side
+    wide[..., 1:7] = x
+    copies = held[:3 * 2 * 8 * 5 * 8].view(3, 2, 8, 5, 8)
+    for s in range(3):
+        assert torch.equal(copies[s], wide[..., s:s + 8] * (torch.arange(8) < 6)), s
+    dy_wide = held[3 * 2 * 8 * 5 * 8:][:2 * 12 * 5 * 8].view(2, 12, 5, 8)
+    assert torch.equal(dy_wide[..., :6], dy) and not dy_wide[..., 6:].any()
+    chunks = held[3 * 2 * 8 * 5 * 8 + 2 * 12 * 5 * 8:].view(splits, *ws)
+    assert torch.equal(sum(chunks[i] for i in range(splits)), dw)
+
+
 def test_nhwc_weight_gradient_workspace_holds_x_channels_last_and_the_chunks():
     """The "nhwc" weight gradient leaves x as [N, H, W, C] in the workspace, then its split-K
     chunks [splits, K, C, R, S], which sum (in order) to dW, equal to "splitk"'s."""
@@ -541,6 +585,13 @@ def test_bad_input_raises():
         conv.backward_weight(x4, dy_odd, dw4, db4, algo="nhwc",
                              workspace=torch.empty(need, dtype=torch.uint8), **kw)
     assert bool((dw4 == 7.0).all() and (db4 == 7.0).all())
+    x_odd = torch.randn(257)[1:].view(1, 4, 8, 8)          # "tma" reads a 1x1's x in place
+    need = conv.workspace_bytes(x4.shape, (4, 4, 1, 1), 1, 0, "backward_weight", "tma")
+    dw1 = torch.full((4, 4, 1, 1), 7.0)
+    with pytest.raises(ValueError, match="'tma' needs x 16-byte aligned"):
+        conv.backward_weight(x_odd, x4, dw1, db4, algo="tma", stride=1, padding=0,
+                             workspace=torch.empty(need, dtype=torch.uint8))
+    assert bool((dw1 == 7.0).all() and (db4 == 7.0).all())
     with pytest.raises(ValueError, match="shape"):
         conv.backward(x, w, dy, torch.empty(1, 3, 4, 5), None, None, **kw)
     with pytest.raises(ValueError, match="input channels"):

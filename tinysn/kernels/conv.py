@@ -70,6 +70,12 @@ workspace bytes, fastest-expected first (the channels-last ones only where they 
                  TMA unit copies: per tap and patch of output pixels, dY's box (NCHW, pixels
                  contiguous, so Q % 4 == 0 keeps its rows 16-byte aligned) and the copy's
                  box of the patch shifted by the tap (zeros outside the image).
+    "tma"        a "same" stride-1 conv (output as large as the input) with H*W divisible by
+                 4: x and dY read as they are, each image's pixels one flat row, so a tap is
+                 a constant shift along it; the TMA unit copies both operands' boxes (pixels,
+                 the reduction axis, contiguous in both: the MMA's K-major operands) and x's
+                 tile is zeroed where the shift crossed a row's end. Split-K chunks in the
+                 workspace (`tma_splits()`), summed in a fixed order. No copy of x.
   db (bias gradient) is a separate fixed-order reduce kernel over dY (one program per channel
   on the GPU, per block of channels under the interpreter); alongside dW it first sums groups
   of images into dW's own memory, so that the GPU has more programs (`bias_groups`).
@@ -110,7 +116,7 @@ from ._common import launch as _launch
 PHASES = ("forward", "backward_data", "backward_weight")
 _ALGOS = {"forward": ("implicit", "im2col", "nhwc"),
           "backward_data": ("implicit", "flipped", "transposed", "zero_insert", "flipped_nhwc"),
-          "backward_weight": ("onepass", "splitk", "nhwc")}
+          "backward_weight": ("onepass", "splitk", "nhwc", "tma")}
 
 # split-K sizing: aim for about this many programs, counted in [64, 64] tiles (8 per SM of a
 # 132-SM H200; a constant so that plans, workspaces and results do not depend on the device).
@@ -120,6 +126,9 @@ _ALGOS = {"forward": ("implicit", "im2col", "nhwc"),
 # Chunks are whole 64s, at most _MAX_SPLITS of them (VGG16's first conv, [64, 27] columns
 # over 1.6M pixels, is one tile: 256 chunks keep the whole GPU reading).
 _TARGET_PROGRAMS = 1056
+# the "tma" weight gradient's split count aims at this many programs counted in [128, 128]
+# tiles (4 per SM of an H200; its chunks are whole images' pixel blocks, any count)
+_TMA_TARGET_PROGRAMS = 528
 _SPLIT_QUANTUM = 64
 _MAX_SPLITS = 256
 # problems with fewer multiply-adds than this take the first config without autotuning
@@ -136,7 +145,7 @@ LAUNCHES = {("forward", "implicit"): 1, ("forward", "im2col"): 2, ("forward", "n
             ("backward_data", "flipped"): 2, ("backward_data", "zero_insert"): 2,
             ("backward_data", "flipped_nhwc"): 3,
             ("backward_weight", "onepass"): 1, ("backward_weight", "splitk"): 2,
-            ("backward_weight", "nhwc"): 3}
+            ("backward_weight", "nhwc"): 3, ("backward_weight", "tma"): 3}
 
 
 def _hashable(v):
@@ -191,6 +200,15 @@ def _splitk_splits(x_shape, w_shape, stride, padding) -> int:
     return triton.cdiv(npq, chunk)
 
 
+def tma_splits(x_shape, w_shape) -> int:
+    """How many chunks the "tma" weight gradient cuts the N*H*W reduction into."""
+    n, c, h, w = x_shape
+    k, _, r, s = w_shape
+    tiles = triton.cdiv(k, 128) * triton.cdiv(c, 128) * r * s
+    return max(1, min(_MAX_SPLITS, triton.cdiv(_TMA_TARGET_PROGRAMS, tiles),
+                      n * triton.cdiv(h * w, 64)))
+
+
 def _split_len(npq, splits):
     return triton.cdiv(triton.cdiv(npq, splits), _SPLIT_QUANTUM) * _SPLIT_QUANTUM
 
@@ -223,6 +241,10 @@ def _workspace_bytes(x_shape, w_shape, stride, padding, phase, algo) -> int:
                                                     "splitk")
     if algo == "nhwc":
         return 4 * (n * c * h * w + k * c * r * s)
+    if algo == "tma":           # x's shifted copies, dY widened, the split-K chunks
+        wp, copy_x, copy_dy = _tma_layout(x_shape, w_shape)
+        return 4 * (copy_x * s * n * c * h * wp + copy_dy * n * k * h * wp +
+                    tma_splits(x_shape, w_shape) * k * c * r * s)
     if algo == "flipped_nhwc":
         return 4 * (n * k * p * q + k * c * r * s)
     # splitk
@@ -247,8 +269,9 @@ def _algos(x_shape, w_shape, stride, padding, phase) -> dict:
             offered = {"splitk": ws("splitk"), "onepass": 0}
         else:
             offered = {"onepass": 0, "splitk": ws("splitk")}
-        if _offered("nhwc", x_shape, w_shape, (sh, sw), padding, phase):
-            offered["nhwc"] = ws("nhwc")
+        for a in ("nhwc", "tma"):
+            if _offered(a, x_shape, w_shape, (sh, sw), padding, phase):
+                offered[a] = ws(a)
         return offered
     # the workspace algorithms after "implicit" until the GPU has measured them
     offered = {a: ws(a) for a in _ALGOS[phase]
@@ -296,9 +319,19 @@ def _nhwc_applies(channels, stride) -> bool:
     return pair(stride, "conv: stride", 1) == (1, 1) and channels % 4 == 0
 
 
+def _tma_applies(x_shape, w_shape, stride, padding) -> bool:
+    """The "tma" weight gradient needs a "same" stride-1 conv: an output as large as the
+    input, so that a tap is one shift of the flat pixel row."""
+    _, _, h, w = x_shape
+    _, _, p, q = out_shape(x_shape, w_shape, stride, padding)
+    return pair(stride, "conv: stride", 1) == (1, 1) and (p, q) == (h, w)
+
+
 def _applies(algo, x_shape, w_shape, stride, padding, phase="forward") -> bool:
     """Whether `algo` can run this conv in `phase` (the rest of the algorithms run any
     conv)."""
+    if algo == "tma":
+        return _tma_applies(x_shape, w_shape, stride, padding)
     if algo == "nhwc" and phase == "backward_weight":
         q = out_shape(x_shape, w_shape, stride, padding)[3]
         return _nhwc_applies(x_shape[1], stride) and q % 4 == 0
@@ -321,7 +354,8 @@ def _check_applies(phase, algo, x_shape, w_shape, geo):
     need = {"flipped": "stride 1 and padding smaller than the kernel",
             "nhwc": nhwc,
             "flipped_nhwc": "stride 1, padding smaller than the kernel and output channels "
-                            "divisible by 4"}[algo]
+                            "divisible by 4",
+            "tma": "stride 1 and an output as large as the input"}[algo]
     raise ValueError(f"conv: {phase} algo '{algo}' needs {need}; got stride {geo[:2]}, "
                      f"padding {geo[2:4]}, kernel {tuple(w_shape[2:])}, "
                      f"{x_shape[1]} input and {w_shape[0]} output channels, output width "
@@ -428,6 +462,11 @@ def _fwd_macs(a):
 
 def _bwd_weight_macs(a):
     return a["N"] * a["P"] * a["Q"] * a["K"] * a["C"] * a["R"] * a["S"]
+
+
+def _same_weight_macs(a):
+    """A "same" conv's, over its rows widened to WP (the "tma" weight gradient's kernel)."""
+    return a["N"] * a["HWP"] * a["K"] * a["C"] * a["R"] * a["S"]
 
 
 def _autotune(configs, key, macs_fn, restore=None, interp=_INTERP_FWD, config_hook=None):
@@ -1197,6 +1236,98 @@ _conv_bwd_weight_nhwc = _autotune(_WGT_NHWC_CONFIGS, ["N", "C", "K", "P", "Q", "
 
 
 @triton.jit
+def _shifted_rows_kernel(src_ptr, dst_ptr, ROWS, PW, W: tl.constexpr, WP: tl.constexpr,
+                         BLOCK: tl.constexpr):
+    """dst[i, row, w] = src[row, w + i - PW] where both w and w + i - PW are inside the row's
+    W pixels, else 0, for rows of WP >= W pixels (i = program_id(1)): the "tma" weight
+    gradient's copies of x shifted by each kernel column (the left and right padding
+    written as zeros), and of dY widened to WP (i = PW = 0)."""
+    i = tl.program_id(1)
+    offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    ok = offs < ROWS * WP
+    row = offs // WP
+    col = (offs - row * WP).to(tl.int32)
+    src_col = col + (i - PW)
+    take = ok & (col < W) & (src_col >= 0) & (src_col < W)
+    v = tl.load(src_ptr + row * W + src_col, mask=take, other=0.0)
+    tl.store(dst_ptr + i.to(tl.int64) * ROWS * WP + offs, v, mask=ok)
+
+
+@triton.jit
+def _conv_bwd_weight_tma_kernel(xs_desc, dy_desc, ws_ptr, N, C, K, PH,
+                                HWP: tl.constexpr, WP: tl.constexpr, R: tl.constexpr,
+                                S: tl.constexpr, PRECISION: tl.constexpr,
+                                BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                                BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr):
+    """A "same" stride-1 conv (P = H, Q = W): chunk program_id(1) of dW[k, c, r, s] = sum
+    over pixels j = (n, h, w) of dY[n, k, j] Xs[s, n, c, j + (r - PH) * WP], into ws[chunk]
+    ([K, C, R, S] each; summed in order by _splitk_reduce_kernel). Every image's pixels are
+    one flat row of H rows of WP (a multiple of 4) pixels: dY as [N, K, H*WP] (dy_desc; rows
+    past W are zeros) and Xs, x shifted by each kernel column s (Xs[s, n, c, h, w] =
+    x[n, c, h, w + s - PW], zero outside the image), as [S, N, C, H*WP] (xs_desc), so a tap
+    is a shift by whole rows, a multiple of 4 pixels: a TMA box must start 16-byte aligned
+    on its contiguous axis.
+
+    A program owns BLOCK_M channels c, BLOCK_N output channels k and one tap (the fastest
+    grid index, so neighbouring programs read the same dY boxes). Per BLOCK_K pixels of one
+    image the TMA unit copies Xs's [BLOCK_M, BLOCK_K] box, rows shifted by the tap, and dY's
+    [BLOCK_N, BLOCK_K] box: both have the pixels, the reduction axis, contiguous (the
+    K-major operands a TF32 MMA reads from shared memory), and no address or mask is
+    computed per element. Rows shifted past the image read as zeros (the top and bottom
+    padding). Past an image's last pixel dY's box is zeros; Xs's may not be (rows above the
+    image's end), so an infinite x there makes NaN, where the other algorithms skip it.
+    """
+    RS: tl.constexpr = R * S
+    CHUNKS: tl.constexpr = (HWP + BLOCK_K - 1) // BLOCK_K
+    pid = tl.program_id(0)
+    tap = pid % RS
+    pid_m, pid_n = _tile_ids(pid // RS, C, K, BLOCK_M, BLOCK_N, GROUP_M)
+    r = tap // S
+    s = tap - r * S
+    shift = (r - PH) * WP
+    c0 = pid_m * BLOCK_M
+    k0 = pid_n * BLOCK_N
+    total = N * CHUNKS
+    per = tl.cdiv(total, tl.num_programs(1))
+    lo = tl.program_id(1) * per
+    hi = tl.minimum(lo + per, total)
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for t in range(lo, hi):
+        img = t // CHUNKS
+        j0 = (t - img * CHUNKS) * BLOCK_K
+        xa = xs_desc.load([s, img, c0, j0 + shift]).reshape(BLOCK_M, BLOCK_K)
+        dyb = dy_desc.load([img, k0, j0]).reshape(BLOCK_N, BLOCK_K)
+        acc = tl.dot(xa, tl.trans(dyb), acc, input_precision=PRECISION)
+
+    offs_c = c0 + tl.arange(0, BLOCK_M)
+    offs_k = k0 + tl.arange(0, BLOCK_N)
+    out = ws_ptr + tl.program_id(1).to(tl.int64) * (K * C * RS) + tap
+    ptrs = out + (offs_c[:, None] * RS + offs_k[None, :] * (C * RS))
+    tl.store(ptrs, acc, mask=(offs_c < C)[:, None] & (offs_k < K)[None, :])
+
+
+def _weight_tma_boxes(nargs):
+    """The flat weight-gradient kernel's TMA boxes for one config (see _nhwc_boxes)."""
+    nargs["xs_desc"].block_shape = [1, 1, nargs["BLOCK_M"], nargs["BLOCK_K"]]
+    nargs["dy_desc"].block_shape = [1, nargs["BLOCK_N"], nargs["BLOCK_K"]]
+
+
+# (BLOCK_M channels, BLOCK_N output channels, BLOCK_K pixels): to be picked by
+# bench/conv_configs.py's "weight_tma" tuner
+_WGT_TMA_CONFIGS = [
+    _nhwc_cfg(128, 128, 32, 8, 4),
+    _nhwc_cfg(128, 64, 32, 4, 4),
+    _nhwc_cfg(64, 64, 64, 4, 3),
+    _nhwc_cfg(64, 128, 32, 4, 4),
+]
+_INTERP_WGT_TMA = _nhwc_cfg(64, 64, 64, 1, 1)
+_conv_bwd_weight_tma = _autotune(_WGT_TMA_CONFIGS, ["N", "C", "K", "HWP", "WP", "R", "S",
+                                                   "PH"], _same_weight_macs,
+                                 interp=_INTERP_WGT_TMA,
+                                 config_hook=_weight_tma_boxes)(_conv_bwd_weight_tma_kernel)
+
+
+@triton.jit
 def _zero_insert_kernel(dy_ptr, z_ptr, P, Q, HZ, WZ, SH, SW, OFFH, OFFW, BLOCK: tl.constexpr):
     """z[n, k, a, b] = dY[n, k, (a-OFFH)/SH, (b-OFFW)/SW] where the division is exact and in
     range, else 0 (dY with zeros inserted between pixels and a zero border)."""
@@ -1701,6 +1832,9 @@ def _run_bwd_weight(x, dy, dw, db, geo, algo, ws, prec):
     if algo == "nhwc":
         _launch_weight_nhwc(x, dy, dw, ws, ph, pw, prec)
         return
+    if algo == "tma":
+        _launch_weight_tma(x, dy, dw, ws, ph, pw, prec)
+        return
     _, _, r, s = dw.shape
     is_1x1 = r == 1 and s == 1 and sh == 1 and sw == 1 and ph == 0 and pw == 0
     npq = n * p * q
@@ -1744,19 +1878,79 @@ def _launch_weight_nhwc(x, dy, dw, ws, ph, pw, prec):
         chunks, dw, total, splits, BLOCK=_ELEM_BLOCK, num_warps=4)
 
 
+def _tma_layout(x_shape, w_shape):
+    """(WP, copy x, copy dY) of the "tma" weight gradient: rows widened to WP, a multiple of
+    4 pixels; x copied once per kernel column unless it is 1x1 and needs no widening; dY
+    copied where it needs widening."""
+    _, _, _, w = x_shape
+    wp = triton.cdiv(w, 4) * 4
+    return wp, w_shape[3] > 1 or wp != w, wp != w
+
+
+def _launch_weight_tma(x, dy, dw, ws, ph, pw, prec):
+    """"tma": x's shifted copies (and dY widened, where its rows are not a multiple of 4
+    pixels) in the workspace, then the TMA kernel into the split-K chunks after them, then
+    their fixed-order sum into dw (a "same" stride-1 conv)."""
+    n, c, h, wd = x.shape
+    k, _, r, s = dw.shape
+    wp, copy_x, copy_dy = _tma_layout(x.shape, dw.shape)
+    used = 0
+    if copy_x:
+        xs, used = ws[:s * n * c * h * wp], s * n * c * h * wp
+        _launch_shifted_rows(x, xs, n * c * h, pw, wd, wp, s)
+    else:
+        xs = x
+    if copy_dy:
+        dyw, used = ws[used:used + n * k * h * wp], used + n * k * h * wp
+        _launch_shifted_rows(dy, dyw, n * k * h, 0, wd, wp, 1)
+    else:
+        dyw = dy
+    splits = tma_splits(x.shape, dw.shape)
+    total = k * c * r * s
+    chunks = ws[used:used + splits * total]
+    hwp = h * wp
+    cols = s if copy_x else 1
+    # boxes: placeholders, set per config by _weight_tma_boxes
+    xs_desc = TensorDescriptor(xs, [cols, n, c, hwp], [n * c * hwp, c * hwp, hwp, 1],
+                               [1, 1, 1, 4])
+    dy_desc = TensorDescriptor(dyw, [n, k, hwp], [k * hwp, hwp, 1], [1, 1, 4])
+
+    def grid(meta):
+        return (triton.cdiv(c, meta["BLOCK_M"]) * triton.cdiv(k, meta["BLOCK_N"]) * r * s,
+                splits)
+    _launch(_conv_bwd_weight_tma, grid, (xs_desc, dy_desc, chunks, n, c, k, ph),
+            dict(HWP=hwp, WP=wp, R=r, S=s, PRECISION=prec))
+    run(_splitk_reduce_kernel, (triton.cdiv(total, _ELEM_BLOCK),),
+        chunks, dw, total, splits, BLOCK=_ELEM_BLOCK, num_warps=4)
+
+
+def _launch_shifted_rows(src, dst, rows, pw, w, wp, copies):
+    """dst = `copies` copies of src's rows of w pixels, widened to wp and shifted by
+    i - pw pixels in copy i (_shifted_rows_kernel)."""
+    run(_shifted_rows_kernel, (triton.cdiv(rows * wp, _ELEM_BLOCK), copies),
+        src, dst, rows, pw, W=w, WP=wp, BLOCK=_ELEM_BLOCK, num_warps=4)
+
+
 def _check_weight_algo(algo, x, dy, w_shape, geo):
     """One line naming what the weight-gradient `algo` needs, where it cannot run."""
     _check_applies("backward_weight", algo, x.shape, w_shape, geo)
     if algo == "nhwc" and dy.data_ptr() % 16:
         raise ValueError("conv: backward_weight algo 'nhwc' needs dy 16-byte aligned "
                          f"(a TMA descriptor's base); its address is {dy.data_ptr()}")
+    if algo == "tma":       # a tensor the kernel reads in place, not through a copy
+        _, copy_x, copy_dy = _tma_layout(x.shape, w_shape)
+        for name, t, copied in (("x", x, copy_x), ("dy", dy, copy_dy)):
+            if not copied and t.data_ptr() % 16:
+                raise ValueError(f"conv: backward_weight algo 'tma' needs {name} 16-byte "
+                                 f"aligned here (a TMA descriptor's base); its address is "
+                                 f"{t.data_ptr()}")
 
 
 def backward_weight(x, dy, dw, db, *, stride, padding, algo="onepass", workspace=None,
                     precision=None):
     """dw = conv2d_weight(x, dw.shape, dy), db = dy.sum((0, 2, 3)) (db may be None; dw may be
-    None too, then only db is computed). algo "onepass" (no workspace), "splitk" or "nhwc"
-    (workspace)."""
+    None too, then only db is computed). algo "onepass" (no workspace), "splitk", "nhwc" or
+    "tma" (workspace)."""
     prec = dot_precision(precision)
     _algo("backward_weight", algo)
     _check_4d("x", x)

@@ -79,10 +79,10 @@ EXTRA_WGT_NHWC = [conv._nhwc_cfg(*c) for c in [
     (128, 64, 32, 4, 4), (128, 128, 32, 8, 3), (128, 64, 64, 4, 3), (64, 128, 32, 4, 4),
     (128, 128, 32, 8, 4), (128, 128, 32, 4, 4), (64, 64, 128, 4, 3),
 ]]
-# the flat-pixel TMA weight gradient's ("tma"): the first sweep's tiles
+# the flat-pixel TMA weight gradient's ("tma"): the rest of its first sweep's tiles
 EXTRA_WGT_TMA = [conv._nhwc_cfg(*c) for c in [
-    (128, 128, 32, 8, 3), (128, 128, 64, 8, 3), (128, 64, 64, 4, 3), (64, 128, 64, 4, 3),
-    (64, 64, 32, 4, 4), (128, 256, 32, 8, 3), (256, 128, 32, 8, 3), (64, 64, 128, 4, 3),
+    (128, 128, 32, 8, 4), (128, 64, 32, 4, 4), (64, 64, 64, 4, 3), (128, 128, 64, 8, 3),
+    (128, 64, 64, 4, 3), (64, 128, 64, 4, 3), (64, 64, 32, 4, 4), (256, 128, 32, 8, 3),
 ]]
 SMEM_BYTES = 200 * 1024   # what a config's pipeline stages may hold (H200: 227 KiB per SM)
 

@@ -74,11 +74,11 @@ workspace bytes, fastest-expected first (the channels-last ones only where they 
                  one flat row, so a tap is a shift along it, and the TMA unit copies both
                  operands' boxes (pixels, the reduction axis, contiguous in both: the MMA's
                  K-major operands). A box must start 16-byte aligned on that axis, so x is
-                 first copied once per side kernel column, shifted by it (zeros where the
-                 shift leaves the row: the side padding), and rows are widened to a multiple
-                 of 4 pixels where they are not (then dY is copied widened too, and x's
-                 centre column too); a tap is then a shift by whole rows. Split-K chunks
-                 after the copies (`tma_splits()`), summed in a fixed order.
+                 first copied once per kernel column, shifted by it (zeros where the shift
+                 leaves the row: the side padding), with rows widened to a multiple of 4
+                 pixels (then dY is copied widened too); a tap is then a shift by whole
+                 rows. A 1x1 conv whose rows need no widening reads x in place. Split-K
+                 chunks after the copies (`tma_splits()`), summed in a fixed order.
   db (bias gradient) is a separate fixed-order reduce kernel over dY (one program per channel
   on the GPU, per block of channels under the interpreter); alongside dW it first sums groups
   of images into dW's own memory, so that the GPU has more programs (`bias_groups`).
@@ -245,8 +245,8 @@ def _workspace_bytes(x_shape, w_shape, stride, padding, phase, algo) -> int:
     if algo == "nhwc":
         return 4 * (n * c * h * w + k * c * r * s)
     if algo == "tma":           # x's shifted copies, dY widened, the split-K chunks
-        wp, copies, copy_dy = _tma_layout(x_shape, w_shape)
-        return 4 * (copies * n * c * h * wp + copy_dy * n * k * h * wp +
+        wp, copy_x, copy_dy = _tma_layout(x_shape, w_shape)
+        return 4 * (copy_x * s * n * c * h * wp + copy_dy * n * k * h * wp +
                     tma_splits(x_shape, w_shape) * k * c * r * s)
     if algo == "flipped_nhwc":
         return 4 * (n * k * p * q + k * c * r * s)
@@ -1240,42 +1240,36 @@ _conv_bwd_weight_nhwc = _autotune(_WGT_NHWC_CONFIGS, ["N", "C", "K", "P", "Q", "
 
 @triton.jit
 def _shifted_rows_kernel(src_ptr, dst_ptr, ROWS, PW, W: tl.constexpr, WP: tl.constexpr,
-                         SKIP: tl.constexpr, BLOCK: tl.constexpr):
-    """dst[i, row, w] = src[row, w + d - PW] where both w and w + d - PW are inside the row's
-    W pixels, else 0, for rows of WP >= W pixels, d = i = program_id(1) (d = i + 1 from
-    i = PW on where SKIP: no unshifted copy): the "tma" weight gradient's copies of x
-    shifted by each kernel column (the left and right padding written as zeros), and of dY
-    widened to WP (i = PW = 0)."""
+                         BLOCK: tl.constexpr):
+    """dst[i, row, w] = src[row, w + i - PW] where both w and w + i - PW are inside the row's
+    W pixels, else 0, for rows of WP >= W pixels (i = program_id(1)): the "tma" weight
+    gradient's copies of x shifted by each kernel column (the left and right padding
+    written as zeros), and of dY widened to WP (i = PW = 0)."""
     i = tl.program_id(1)
-    d = i
-    if SKIP:
-        d = i + (i >= PW).to(tl.int32)
     offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
     ok = offs < ROWS * WP
     row = offs // WP
     col = (offs - row * WP).to(tl.int32)
-    src_col = col + (d - PW)
+    src_col = col + (i - PW)
     take = ok & (col < W) & (src_col >= 0) & (src_col < W)
     v = tl.load(src_ptr + row * W + src_col, mask=take, other=0.0)
     tl.store(dst_ptr + i.to(tl.int64) * ROWS * WP + offs, v, mask=ok)
 
 
 @triton.jit
-def _conv_bwd_weight_tma_kernel(x_desc, xs_desc, dy_desc, ws_ptr, N, C, K, PH, PW,
+def _conv_bwd_weight_tma_kernel(xs_desc, dy_desc, ws_ptr, N, C, K, PH,
                                 HWP: tl.constexpr, WP: tl.constexpr, R: tl.constexpr,
-                                S: tl.constexpr, IN_PLACE: tl.constexpr,
-                                PRECISION: tl.constexpr,
+                                S: tl.constexpr, PRECISION: tl.constexpr,
                                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                                 BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr):
     """A "same" stride-1 conv (P = H, Q = W): chunk program_id(1) of dW[k, c, r, s] = sum
-    over pixels j = (n, h, w) of dY[n, k, j] Xs[n, c, j + (r - PH) * WP], into ws[chunk]
-    ([K, C, R, S] each; summed in order by _splitk_reduce_kernel), where Xs is x shifted by
-    kernel column s (Xs[n, c, h, w] = x[n, c, h, w + s - PW], zero outside the image).
-    Every image's pixels are one flat row of H rows of WP (a multiple of 4) pixels, so a
-    tap's row shift is a multiple of 4 pixels: a TMA box must start 16-byte aligned on its
-    contiguous axis. dY is read as [N, K, H*WP] (dy_desc; pixels past W in a row are zeros).
-    IN_PLACE (W = WP): the centre column's Xs is x itself (x_desc, [1, N, C, H*W]) and
-    xs_desc holds the other S - 1 columns' copies; else xs_desc holds all S, rows widened.
+    over pixels j = (n, h, w) of dY[n, k, j] Xs[s, n, c, j + (r - PH) * WP], into ws[chunk]
+    ([K, C, R, S] each; summed in order by _splitk_reduce_kernel). Every image's pixels are
+    one flat row of H rows of WP (a multiple of 4) pixels: dY as [N, K, H*WP] (dy_desc; rows
+    past W are zeros) and Xs, x shifted by each kernel column s (Xs[s, n, c, h, w] =
+    x[n, c, h, w + s - PW], zero outside the image), as [S, N, C, H*WP] (xs_desc), so a tap
+    is a shift by whole rows, a multiple of 4 pixels: a TMA box must start 16-byte aligned
+    on its contiguous axis.
 
     A program owns BLOCK_M channels c, BLOCK_N output channels k and one tap (the fastest
     grid index, so neighbouring programs read the same dY boxes). Per BLOCK_K pixels of one
@@ -1287,38 +1281,15 @@ def _conv_bwd_weight_tma_kernel(x_desc, xs_desc, dy_desc, ws_ptr, N, C, K, PH, P
     image's end), so an infinite x there makes NaN, where the other algorithms skip it.
     """
     RS: tl.constexpr = R * S
+    CHUNKS: tl.constexpr = (HWP + BLOCK_K - 1) // BLOCK_K
     pid = tl.program_id(0)
     tap = pid % RS
     pid_m, pid_n = _tile_ids(pid // RS, C, K, BLOCK_M, BLOCK_N, GROUP_M)
     r = tap // S
     s = tap - r * S
+    shift = (r - PH) * WP
     c0 = pid_m * BLOCK_M
     k0 = pid_n * BLOCK_N
-    col = s
-    if IN_PLACE:
-        col = s - (s > PW).to(tl.int32)     # the copies skip the centre column
-    if (s == PW) & IN_PLACE:
-        acc = _tma_weight_loop(x_desc, 0, dy_desc, N, r - PH, c0, k0, HWP, WP, PRECISION,
-                               BLOCK_M, BLOCK_N, BLOCK_K)
-    else:
-        acc = _tma_weight_loop(xs_desc, col, dy_desc, N, r - PH, c0, k0, HWP, WP, PRECISION,
-                               BLOCK_M, BLOCK_N, BLOCK_K)
-
-    offs_c = c0 + tl.arange(0, BLOCK_M)
-    offs_k = k0 + tl.arange(0, BLOCK_N)
-    out = ws_ptr + tl.program_id(1).to(tl.int64) * (K * C * RS) + tap
-    ptrs = out + (offs_c[:, None] * RS + offs_k[None, :] * (C * RS))
-    tl.store(ptrs, acc, mask=(offs_c < C)[:, None] & (offs_k < K)[None, :])
-
-
-@triton.jit
-def _tma_weight_loop(xs_desc, col, dy_desc, N, dr, c0, k0, HWP: tl.constexpr,
-                     WP: tl.constexpr, PRECISION: tl.constexpr, BLOCK_M: tl.constexpr,
-                     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
-    """The "tma" weight gradient's reduction: this program's chunk (program_id(1)) of the
-    pixel blocks of all images, x's column copy `col` (of xs_desc) shifted by dr rows."""
-    CHUNKS: tl.constexpr = (HWP + BLOCK_K - 1) // BLOCK_K
-    shift = dr * WP
     total = N * CHUNKS
     per = tl.cdiv(total, tl.num_programs(1))
     lo = tl.program_id(1) * per
@@ -1327,16 +1298,20 @@ def _tma_weight_loop(xs_desc, col, dy_desc, N, dr, c0, k0, HWP: tl.constexpr,
     for t in range(lo, hi):
         img = t // CHUNKS
         j0 = (t - img * CHUNKS) * BLOCK_K
-        xa = xs_desc.load([col, img, c0, j0 + shift]).reshape(BLOCK_M, BLOCK_K)
+        xa = xs_desc.load([s, img, c0, j0 + shift]).reshape(BLOCK_M, BLOCK_K)
         dyb = dy_desc.load([img, k0, j0]).reshape(BLOCK_N, BLOCK_K)
         acc = tl.dot(xa, tl.trans(dyb), acc, input_precision=PRECISION)
-    return acc
+
+    offs_c = c0 + tl.arange(0, BLOCK_M)
+    offs_k = k0 + tl.arange(0, BLOCK_N)
+    out = ws_ptr + tl.program_id(1).to(tl.int64) * (K * C * RS) + tap
+    ptrs = out + (offs_c[:, None] * RS + offs_k[None, :] * (C * RS))
+    tl.store(ptrs, acc, mask=(offs_c < C)[:, None] & (offs_k < K)[None, :])
 
 
 def _weight_tma_boxes(nargs):
     """The flat weight-gradient kernel's TMA boxes for one config (see _nhwc_boxes)."""
-    for name in ("x_desc", "xs_desc"):
-        nargs[name].block_shape = [1, 1, nargs["BLOCK_M"], nargs["BLOCK_K"]]
+    nargs["xs_desc"].block_shape = [1, 1, nargs["BLOCK_M"], nargs["BLOCK_K"]]
     nargs["dy_desc"].block_shape = [1, nargs["BLOCK_N"], nargs["BLOCK_K"]]
 
 
@@ -1351,7 +1326,7 @@ _WGT_TMA_CONFIGS = [
 ]
 _INTERP_WGT_TMA = _nhwc_cfg(64, 64, 64, 1, 1)
 _conv_bwd_weight_tma = _autotune(_WGT_TMA_CONFIGS, ["N", "C", "K", "HWP", "WP", "R", "S",
-                                                   "PH", "PW"], _same_weight_macs,
+                                                   "PH"], _same_weight_macs,
                                  interp=_INTERP_WGT_TMA,
                                  config_hook=_weight_tma_boxes)(_conv_bwd_weight_tma_kernel)
 
@@ -1927,13 +1902,12 @@ def _launch_weight_nhwc(x, dy, dw, ws, ph, pw, prec):
 
 
 def _tma_layout(x_shape, w_shape):
-    """(WP, x copies, copy dY) of the "tma" weight gradient: rows widened to WP, a multiple of
-    4 pixels; one copy of x per kernel column, but the centre column's where rows need no
-    widening (x is read in place there); dY copied where it needs widening."""
+    """(WP, copy x, copy dY) of the "tma" weight gradient: rows widened to WP, a multiple of
+    4 pixels; x copied once per kernel column unless it is 1x1 and needs no widening; dY
+    copied where it needs widening."""
     _, _, _, w = x_shape
     wp = triton.cdiv(w, 4) * 4
-    s = w_shape[3]
-    return wp, (s - 1 if wp == w else s), wp != w
+    return wp, w_shape[3] > 1 or wp != w, wp != w
 
 
 def _launch_weight_tma(x, dy, dw, ws, ph, pw, prec):
@@ -1942,41 +1916,41 @@ def _launch_weight_tma(x, dy, dw, ws, ph, pw, prec):
     their fixed-order sum into dw (a "same" stride-1 conv)."""
     n, c, h, wd = x.shape
     k, _, r, s = dw.shape
-    wp, copies, copy_dy = _tma_layout(x.shape, dw.shape)
-    hwp = h * wp
-    xs, used = ws[:max(1, copies) * n * c * hwp], copies * n * c * hwp
-    if copies:
-        _launch_shifted_rows(x, xs, n * c * h, pw, wd, wp, copies, skip=wp == wd)
-    dyw = dy
+    wp, copy_x, copy_dy = _tma_layout(x.shape, dw.shape)
+    used = 0
+    if copy_x:
+        xs, used = ws[:s * n * c * h * wp], s * n * c * h * wp
+        _launch_shifted_rows(x, xs, n * c * h, pw, wd, wp, s)
+    else:
+        xs = x
     if copy_dy:
-        dyw, used = ws[used:used + n * k * hwp], used + n * k * hwp
+        dyw, used = ws[used:used + n * k * h * wp], used + n * k * h * wp
         _launch_shifted_rows(dy, dyw, n * k * h, 0, wd, wp, 1)
+    else:
+        dyw = dy
     splits = tma_splits(x.shape, dw.shape)
     total = k * c * r * s
     chunks = ws[used:used + splits * total]
-    # boxes: placeholders, set per config by _weight_tma_boxes; x's is unread where rows
-    # are widened, the copies' where there are none (a 1x1 read in place)
-    x_desc = TensorDescriptor(x if wp == wd else xs, [1, n, c, hwp],
-                              [n * c * hwp, c * hwp, hwp, 1], [1, 1, 1, 4])
-    xs_desc = TensorDescriptor(xs, [max(1, copies), n, c, hwp],
-                               [n * c * hwp, c * hwp, hwp, 1], [1, 1, 1, 4]) \
-        if copies else x_desc
+    hwp = h * wp
+    cols = s if copy_x else 1
+    # boxes: placeholders, set per config by _weight_tma_boxes
+    xs_desc = TensorDescriptor(xs, [cols, n, c, hwp], [n * c * hwp, c * hwp, hwp, 1],
+                               [1, 1, 1, 4])
     dy_desc = TensorDescriptor(dyw, [n, k, hwp], [k * hwp, hwp, 1], [1, 1, 4])
 
     def grid(meta):
         return (triton.cdiv(c, meta["BLOCK_M"]) * triton.cdiv(k, meta["BLOCK_N"]) * r * s,
                 splits)
-    _launch(_conv_bwd_weight_tma, grid, (x_desc, xs_desc, dy_desc, chunks, n, c, k, ph, pw),
-            dict(HWP=hwp, WP=wp, R=r, S=s, IN_PLACE=wp == wd, PRECISION=prec))
+    _launch(_conv_bwd_weight_tma, grid, (xs_desc, dy_desc, chunks, n, c, k, ph),
+            dict(HWP=hwp, WP=wp, R=r, S=s, PRECISION=prec))
     _launch_splitk_reduce(chunks, dw, total, splits)
 
 
-def _launch_shifted_rows(src, dst, rows, pw, w, wp, copies, skip=False):
-    """dst = `copies` copies of src's rows of w pixels, widened to wp, copy i shifted by
-    i - pw pixels (by i + 1 - pw from i = pw on where `skip`: the unshifted one left out)
-    (_shifted_rows_kernel)."""
+def _launch_shifted_rows(src, dst, rows, pw, w, wp, copies):
+    """dst = `copies` copies of src's rows of w pixels, widened to wp and shifted by
+    i - pw pixels in copy i (_shifted_rows_kernel)."""
     run(_shifted_rows_kernel, (triton.cdiv(rows * wp, _ELEM_BLOCK), copies),
-        src, dst, rows, pw, W=w, WP=wp, SKIP=skip, BLOCK=_ELEM_BLOCK, num_warps=4)
+        src, dst, rows, pw, W=w, WP=wp, BLOCK=_ELEM_BLOCK, num_warps=4)
 
 
 def _check_weight_algo(algo, x, dy, w_shape, geo):
@@ -1986,8 +1960,8 @@ def _check_weight_algo(algo, x, dy, w_shape, geo):
         raise ValueError("conv: backward_weight algo 'nhwc' needs dy 16-byte aligned "
                          f"(a TMA descriptor's base); its address is {dy.data_ptr()}")
     if algo == "tma":       # a tensor the kernel reads in place, not through a copy
-        wp, _, copy_dy = _tma_layout(x.shape, w_shape)
-        for name, t, copied in (("x", x, wp != x.shape[3]), ("dy", dy, copy_dy)):
+        _, copy_x, copy_dy = _tma_layout(x.shape, w_shape)
+        for name, t, copied in (("x", x, copy_x), ("dy", dy, copy_dy)):
             if not copied and t.data_ptr() % 16:
                 raise ValueError(f"conv: backward_weight algo 'tma' needs {name} 16-byte "
                                  f"aligned here (a TMA descriptor's base); its address is "

@@ -449,26 +449,33 @@ def test_nhwc_workspace_holds_channels_last_copies():
                        w.flip(2, 3).permute(1, 2, 3, 0))
 
 
+def _weight_in_workspace(algo, xs, ws, seed):
+    """Run the weight gradient `algo` of a 3x3 pad-1 conv on random x [xs] and dY into a
+    poisoned workspace; check dW against "splitk"'s. Returns x, dY, dW and the workspace's
+    used floats."""
+    gen = torch.Generator().manual_seed(seed)
+    x = _rand(xs, gen, "cpu")
+    dy = _rand(conv.out_shape(xs, ws, 1, 1), gen, "cpu")
+    need = conv.workspace_bytes(xs, ws, 1, 1, "backward_weight", algo)
+    wsp = _workspace(need, "cpu")
+    dw, dw_ref = _nan(ws, "cpu"), _nan(ws, "cpu")
+    conv.backward_weight(x, dy, dw, None, stride=1, padding=1, algo=algo, workspace=wsp,
+                         precision="ieee")
+    conv.backward_weight(x, dy, dw_ref, None, stride=1, padding=1, algo="splitk",
+                         workspace=_workspace(need, "cpu"), precision="ieee")
+    _close(dw, dw_ref, dy.numel() // ws[0], "ieee", f"{algo} vs splitk")
+    return x, dy, dw, wsp[:need].view(torch.float32)
+
+
 def test_tma_weight_gradient_workspace_holds_shifted_copies_and_the_chunks():
     """The "tma" weight gradient leaves x shifted by each kernel column (rows widened to a
     multiple of 4 pixels, zeros outside the image) in the workspace, then dY widened where
     its rows are not a multiple of 4, then its split-K chunks [splits, K, C, R, S], which sum
     (in order) to dW, equal to "splitk"'s within rounding."""
-    gen = torch.Generator().manual_seed(5)
-    xs, ws, padding = (2, 8, 5, 6), (12, 8, 3, 3), (1, 1)
-    x = _rand(xs, gen, "cpu")
-    dy = _rand(conv.out_shape(xs, ws, 1, padding), gen, "cpu")
+    xs, ws = (2, 8, 5, 6), (12, 8, 3, 3)
     splits = conv.tma_splits(xs, ws)
     assert splits > 1
-    need = conv.workspace_bytes(xs, ws, 1, padding, "backward_weight", "tma")
-    wsp = _workspace(need, "cpu")
-    dw, dw_ref = _nan(ws, "cpu"), _nan(ws, "cpu")
-    conv.backward_weight(x, dy, dw, None, stride=1, padding=padding, algo="tma",
-                         workspace=wsp, precision="ieee")
-    conv.backward_weight(x, dy, dw_ref, None, stride=1, padding=padding, algo="splitk",
-                         workspace=_workspace(need, "cpu"), precision="ieee")
-    _close(dw, dw_ref, dy.numel() // ws[0], "ieee", "tma vs splitk")
-    held = wsp[:need].view(torch.float32)
+    x, dy, dw, held = _weight_in_workspace("tma", xs, ws, seed=5)
     wide = torch.zeros(2, 8, 5, 8 + 2)          # x widened to 8 columns, one zero each side
     wide[..., 1:7] = x
     copies = held[:3 * 2 * 8 * 5 * 8].view(3, 2, 8, 5, 8)
@@ -483,21 +490,10 @@ def test_tma_weight_gradient_workspace_holds_shifted_copies_and_the_chunks():
 def test_nhwc_weight_gradient_workspace_holds_x_channels_last_and_the_chunks():
     """The "nhwc" weight gradient leaves x as [N, H, W, C] in the workspace, then its split-K
     chunks [splits, K, C, R, S], which sum (in order) to dW, equal to "splitk"'s."""
-    gen = torch.Generator().manual_seed(4)
-    xs, ws, padding = (2, 8, 5, 8), (12, 8, 3, 3), (1, 1)
-    x, w = _rand(xs, gen, "cpu"), _rand(ws, gen, "cpu")
-    dy = _rand(conv.out_shape(xs, ws, 1, padding), gen, "cpu")
-    splits = conv.splitk_splits(xs, ws, 1, padding)
+    xs, ws = (2, 8, 5, 8), (12, 8, 3, 3)
+    splits = conv.splitk_splits(xs, ws, 1, 1)
     assert splits > 1
-    need = conv.workspace_bytes(xs, ws, 1, padding, "backward_weight", "nhwc")
-    wsp = _workspace(need, "cpu")
-    dw, dw_ref = _nan(ws, "cpu"), _nan(ws, "cpu")
-    conv.backward_weight(x, dy, dw, None, stride=1, padding=padding, algo="nhwc",
-                         workspace=wsp, precision="ieee")
-    conv.backward_weight(x, dy, dw_ref, None, stride=1, padding=padding, algo="splitk",
-                         workspace=_workspace(need, "cpu"), precision="ieee")
-    _close(dw, dw_ref, dy.numel() // ws[0], "ieee", "nhwc vs splitk")
-    held = wsp[:need].view(torch.float32)
+    x, dy, dw, held = _weight_in_workspace("nhwc", xs, ws, seed=4)
     assert torch.equal(held[:x.numel()].view(2, 5, 8, 8), x.permute(0, 2, 3, 1))
     chunks = held[x.numel():].view(splits, *ws)
     assert torch.equal(sum(chunks[i] for i in range(splits)), dw)

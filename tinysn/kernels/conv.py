@@ -1207,6 +1207,14 @@ def _conv_bwd_weight_nhwc_kernel(x_desc, dy_desc, ws_ptr, N, C, K, PH, PW,
         dyb = dy_desc.load([img, k0, p0, q0]).reshape(BLOCK_N, BLOCK_K)
         acc = tl.dot(tl.trans(xa), tl.trans(dyb), acc, input_precision=PRECISION)
 
+    _store_chunk_t(acc, ws_ptr, c0, k0, tap, C, K, RS, BLOCK_M, BLOCK_N)
+
+
+@triton.jit
+def _store_chunk_t(acc, ws_ptr, c0, k0, tap, C, K, RS: tl.constexpr, BLOCK_M: tl.constexpr,
+                   BLOCK_N: tl.constexpr):
+    """Store a tap's dW^T tile acc [BLOCK_M channels c from c0, BLOCK_N output channels k
+    from k0] into split-K chunk program_id(1) of ws ([K, C, R, S] each)."""
     offs_c = c0 + tl.arange(0, BLOCK_M)
     offs_k = k0 + tl.arange(0, BLOCK_N)
     out = ws_ptr + tl.program_id(1).to(tl.int64) * (K * C * RS) + tap
@@ -1302,11 +1310,7 @@ def _conv_bwd_weight_tma_kernel(xs_desc, dy_desc, ws_ptr, N, C, K, PH,
         dyb = dy_desc.load([img, k0, j0]).reshape(BLOCK_N, BLOCK_K)
         acc = tl.dot(xa, tl.trans(dyb), acc, input_precision=PRECISION)
 
-    offs_c = c0 + tl.arange(0, BLOCK_M)
-    offs_k = k0 + tl.arange(0, BLOCK_N)
-    out = ws_ptr + tl.program_id(1).to(tl.int64) * (K * C * RS) + tap
-    ptrs = out + (offs_c[:, None] * RS + offs_k[None, :] * (C * RS))
-    tl.store(ptrs, acc, mask=(offs_c < C)[:, None] & (offs_k < K)[None, :])
+    _store_chunk_t(acc, ws_ptr, c0, k0, tap, C, K, RS, BLOCK_M, BLOCK_N)
 
 
 def _weight_tma_boxes(nargs):

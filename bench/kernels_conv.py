@@ -43,7 +43,8 @@ _TUNED = {"forward": "_conv_fwd", "backward_data": "_conv_bwd_data",
 _TUNED_ALGO = {("backward_data", "transposed"): "_conv_bwd_data_t",
                ("backward_data", "flipped"): "_conv_fwd", ("forward", "nhwc"): "_conv_nhwc",
                ("backward_data", "flipped_nhwc"): "_conv_nhwc",
-               ("backward_weight", "nhwc"): "_conv_bwd_weight_nhwc"}
+               ("backward_weight", "nhwc"): "_conv_bwd_weight_nhwc",
+               ("backward_weight", "tma"): "_conv_bwd_weight_tma"}
 
 
 _do_bench, _rel = common.gpu_ms, common.rel_err

@@ -1,9 +1,21 @@
-"""The argument and workspace checks every kernel module shares (tinysn/kernels/_common.py)."""
+"""The host arithmetic, argument and workspace checks every kernel module shares (tinysn/kernels/_common.py)."""
 import pytest
 import torch
 
 import tinysn  # noqa: F401  (interpreter switch before triton)
+import triton
 from tinysn.kernels import _common
+
+
+def test_host_cdiv_and_next_power_of_2_agree_with_triton():
+    """The launchers' plain-Python cdiv and next_power_of_2 give triton's values (triton's are
+    constexpr functions, slow to call from host code)."""
+    for a in range(0, 300):
+        assert _common.next_power_of_2(a) == triton.next_power_of_2(a), a
+        for b in (1, 3, 4, 64, 128, 1000):
+            assert _common.cdiv(a, b) == triton.cdiv(a, b), (a, b)
+    assert _common.cdiv(2 ** 40 + 1, 2 ** 20) == 2 ** 20 + 1
+    assert _common.next_power_of_2(2 ** 33 + 1) == 2 ** 34
 
 
 def test_pair_accepts_ints_and_pairs():

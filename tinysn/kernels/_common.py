@@ -23,6 +23,19 @@ try:  # triton >= 3.4 exposes the knob; the variable is the fallback for older r
 except AttributeError:
     pass
 
+def cdiv(a: int, b: int) -> int:
+    """ceil(a / b) for the host's launch arithmetic. triton.cdiv is a constexpr function
+    (meant for kernel code; about 3 us per host call against 0.1 here), and a layer's launch
+    takes several."""
+    return -(-a // b)
+
+
+def next_power_of_2(n: int) -> int:
+    """The least power of two >= n >= 1 (0 for 0, as triton's), for the host's block sizes;
+    see cdiv."""
+    return 0 if n == 0 else 1 << (n - 1).bit_length()
+
+
 # The interpreter runs a program's Triton operations one by one as numpy operations, paying a
 # fixed cost for each (tens of microseconds) and for each program: its launch configurations
 # aim for tiles of about this many elements, so that a small network's layer is a handful of

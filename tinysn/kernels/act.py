@@ -13,7 +13,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ._common import check_tensor, run
+from ._common import cdiv, check_tensor, run
 
 BLOCK = 4096     # elements per program (16 per thread at 8 warps: four 16-byte loads in flight)
 NUM_WARPS = 8
@@ -62,7 +62,7 @@ def forward(x: torch.Tensor, y: torch.Tensor) -> None:
     n = x.numel()
     if n == 0:
         return
-    run(_relu_fwd_kernel, (triton.cdiv(n, BLOCK),), x, y, n, BLOCK=BLOCK, num_warps=NUM_WARPS)
+    run(_relu_fwd_kernel, (cdiv(n, BLOCK),), x, y, n, BLOCK=BLOCK, num_warps=NUM_WARPS)
 
 
 def backward(y: torch.Tensor, dy: torch.Tensor, dx: torch.Tensor, *,
@@ -81,7 +81,7 @@ def backward(y: torch.Tensor, dy: torch.Tensor, dx: torch.Tensor, *,
     for name, t in (("y", y), ("dy", dy)):
         if _overlap(dx, t) and dx.data_ptr() != t.data_ptr():
             raise ValueError(f"relu.backward: dx partly overlaps {name}")
-    run(_relu_bwd_kernel, (triton.cdiv(n, BLOCK),), y, dy, dx, n, BLOCK=BLOCK,
+    run(_relu_bwd_kernel, (cdiv(n, BLOCK),), y, dy, dx, n, BLOCK=BLOCK,
         ACCUMULATE=accumulate, num_warps=NUM_WARPS)
 
 

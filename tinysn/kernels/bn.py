@@ -51,6 +51,7 @@ import triton
 import triton.language as tl
 
 from ._common import INTERPRET, check_no_overlap, check_tensor, float_workspace, run
+from ._common import cdiv, next_power_of_2
 
 _TILE = 1024 if INTERPRET else 2048          # elements per tile of the streaming passes
 _WARPS = 4 if INTERPRET else 8
@@ -66,20 +67,20 @@ def _chunks(n, c, hw):
     From the shape alone (the workspace size must not depend on the machine); memoized, as
     the planner asks for every batch-norm step of every plan it tries.
     """
-    want = max(1, min(triton.cdiv(_TARGET_PROGRAMS, c), triton.cdiv(n * hw, _MIN_CHUNK)))
+    want = max(1, min(cdiv(_TARGET_PROGRAMS, c), cdiv(n * hw, _MIN_CHUNK)))
     nr = min(n, want)
-    rpc = triton.cdiv(n, nr)
-    nr = triton.cdiv(n, rpc)
-    nh = max(1, min(triton.cdiv(want, nr), triton.cdiv(hw, 1024)))
-    cpc = triton.cdiv(triton.cdiv(hw, nh), 128) * 128
-    nh = triton.cdiv(hw, cpc)
+    rpc = cdiv(n, nr)
+    nr = cdiv(n, rpc)
+    nh = max(1, min(cdiv(want, nr), cdiv(hw, 1024)))
+    cpc = cdiv(cdiv(hw, nh), 128) * 128
+    nh = cdiv(hw, cpc)
     return rpc, nr, cpc, nh
 
 
 def _tile_shape(rows_max, cols_max):
     """[ROWS, COLS] tile of about _TILE elements for a rows_max x cols_max region."""
-    cols = min(triton.next_power_of_2(cols_max), _TILE)
-    rows = max(1, min(_TILE // cols, triton.next_power_of_2(rows_max)))
+    cols = min(next_power_of_2(cols_max), _TILE)
+    rows = max(1, min(_TILE // cols, next_power_of_2(rows_max)))
     return rows, cols
 
 
@@ -317,15 +318,15 @@ def _check_x_with_saved(x, name, t, saved):
 
 
 def _finalize_shape(c, nch):
-    nchp = max(2, triton.next_power_of_2(nch))
-    cb = max(2, min(triton.next_power_of_2(c), _TILE // nchp))
+    nchp = max(2, next_power_of_2(nch))
+    cb = max(2, min(next_power_of_2(c), _TILE // nchp))
     return cb, nchp
 
 
 def _elementwise_grid(n, c, hw):
-    cols = min(triton.next_power_of_2(hw), _TILE)
+    cols = min(next_power_of_2(hw), _TILE)
     r = max(1, _TILE // cols)
-    return (triton.cdiv(n * c, r), triton.cdiv(hw, cols)), r, cols
+    return (cdiv(n * c, r), cdiv(hw, cols)), r, cols
 
 
 def forward(x, gamma, beta, y, running_mean, running_var, saved, workspace, *,
@@ -363,7 +364,7 @@ def forward(x, gamma, beta, y, running_mean, running_var, saved, workspace, *,
     cb, nchp = _finalize_shape(c, nch)
     rm = running_mean if update_running else saved
     rv = running_var if update_running else saved
-    run(_bn_finalize_kernel, (triton.cdiv(c, cb),), ws, saved, rm, rv, c, nch, float(total),
+    run(_bn_finalize_kernel, (cdiv(c, cb),), ws, saved, rm, rv, c, nch, float(total),
         total / (total - 1), float(eps), float(momentum),
         UPDATE=update_running, CB=cb, NCHP=nchp)
     grid, r, cols = _elementwise_grid(n, c, hw)
@@ -444,7 +445,7 @@ def backward(x, gamma, dy, saved, dx, dgamma, dbeta, workspace, *, accumulate=Fa
         ROWS=rows, COLS=cols, num_warps=_WARPS)
     sums = ws[c * nch * 2: c * nch * 2 + 2 * c]
     cb, nchp = _finalize_shape(c, nch)
-    run(_bn_bwd_finalize_kernel, (triton.cdiv(c, cb),), 
+    run(_bn_bwd_finalize_kernel, (cdiv(c, cb),), 
         ws, sums, saved, dgamma if dgamma is not None else sums,
         dbeta if dbeta is not None else sums, c, nch,
         HAS_DG=dgamma is not None, HAS_DB=dbeta is not None, CB=cb, NCHP=nchp)

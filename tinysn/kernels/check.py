@@ -18,7 +18,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ._common import INTERP_TILE, INTERPRET, check_tensor, run
+from ._common import INTERPRET, INTERP_TILE, cdiv, check_tensor, run
 
 BLOCK = INTERP_TILE if INTERPRET else 4096   # elements per program
 NUM_WARPS = 8
@@ -46,7 +46,7 @@ def nonfinite(x: torch.Tensor, flag: torch.Tensor) -> None:
     _check_flag(flag, "x's", x.device)
     flag.zero_()
     if x.numel():
-        run(_nonfinite_kernel, (triton.cdiv(x.numel(), BLOCK),), x, flag, x.numel(),
+        run(_nonfinite_kernel, (cdiv(x.numel(), BLOCK),), x, flag, x.numel(),
             BLOCK=BLOCK, num_warps=NUM_WARPS)
 
 
@@ -66,5 +66,5 @@ def outside(labels: torch.Tensor, high: int, flag: torch.Tensor) -> None:
     if isinstance(high, bool) or not isinstance(high, int) or high < 1:
         raise ValueError(f"high must be an int >= 1, got {high!r}")
     if labels.numel():
-        run(_outside_kernel, (triton.cdiv(labels.numel(), BLOCK),), labels, flag,
+        run(_outside_kernel, (cdiv(labels.numel(), BLOCK),), labels, flag,
             labels.numel(), high, BLOCK=BLOCK, num_warps=NUM_WARPS)

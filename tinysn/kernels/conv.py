@@ -113,6 +113,7 @@ import triton.language as tl
 from triton.tools.tensor_descriptor import TensorDescriptor
 
 from ._common import _TUNED, INTERP_TILE, INTERPRET, autotune, check_device  # noqa: F401
+from ._common import cdiv, next_power_of_2
 from ._common import check_no_overlap, check_tensor, dot_precision, float_workspace, pair, run
 from ._common import launch as _launch
 
@@ -196,24 +197,24 @@ def _splitk_splits(x_shape, w_shape, stride, padding) -> int:
     n, k, p, q = out_shape(x_shape, w_shape, stride, padding)
     _, c, r, s = w_shape
     npq = n * p * q
-    tiles = triton.cdiv(k, 64) * triton.cdiv(c * r * s, 64)
-    splits = max(1, min(_MAX_SPLITS, triton.cdiv(_TARGET_PROGRAMS, tiles),
-                        triton.cdiv(npq, _SPLIT_QUANTUM)))
-    chunk = triton.cdiv(triton.cdiv(npq, splits), _SPLIT_QUANTUM) * _SPLIT_QUANTUM
-    return triton.cdiv(npq, chunk)
+    tiles = cdiv(k, 64) * cdiv(c * r * s, 64)
+    splits = max(1, min(_MAX_SPLITS, cdiv(_TARGET_PROGRAMS, tiles),
+                        cdiv(npq, _SPLIT_QUANTUM)))
+    chunk = cdiv(cdiv(npq, splits), _SPLIT_QUANTUM) * _SPLIT_QUANTUM
+    return cdiv(npq, chunk)
 
 
 def tma_splits(x_shape, w_shape) -> int:
     """How many chunks the "tma" weight gradient cuts the N*H*W reduction into."""
     n, c, h, w = x_shape
     k, _, r, s = w_shape
-    tiles = triton.cdiv(k, 128) * triton.cdiv(c, 128) * r * s
-    return max(1, min(_MAX_SPLITS, triton.cdiv(_TMA_TARGET_PROGRAMS, tiles),
-                      n * triton.cdiv(h * w, 64)))
+    tiles = cdiv(k, 128) * cdiv(c, 128) * r * s
+    return max(1, min(_MAX_SPLITS, cdiv(_TMA_TARGET_PROGRAMS, tiles),
+                      n * cdiv(h * w, 64)))
 
 
 def _split_len(npq, splits):
-    return triton.cdiv(triton.cdiv(npq, splits), _SPLIT_QUANTUM) * _SPLIT_QUANTUM
+    return cdiv(cdiv(npq, splits), _SPLIT_QUANTUM) * _SPLIT_QUANTUM
 
 
 def workspace_bytes(x_shape, w_shape, stride, padding, phase, algo) -> int:
@@ -1482,8 +1483,8 @@ def _launch_splitk_reduce(chunks, out, total, splits):
     (_splitk_reduce_kernel), in blocks small enough to give the GPU a few hundred programs
     where `total` is small (a 1x1 conv's weight, a bias)."""
     block = _ELEM_BLOCK if INTERPRET else \
-        max(128, min(_ELEM_BLOCK, triton.next_power_of_2(triton.cdiv(total, 264))))
-    run(_splitk_reduce_kernel, (triton.cdiv(total, block),), chunks, out, total, splits,
+        max(128, min(_ELEM_BLOCK, next_power_of_2(cdiv(total, 264))))
+    run(_splitk_reduce_kernel, (cdiv(total, block),), chunks, out, total, splits,
         BLOCK=block, num_warps=4)
 
 
@@ -1574,7 +1575,7 @@ def _algo(phase, algo):
 def _tile_grid(m, n, depth=1):
     """Grid of a GEMM over [m, n] tiles (axis 0, grouped by _tile_ids) times `depth` (axis 1:
     residue classes of the data gradient, split-K chunks of the weight gradient)."""
-    return lambda meta: (triton.cdiv(m, meta["BLOCK_M"]) * triton.cdiv(n, meta["BLOCK_N"]), depth)
+    return lambda meta: (cdiv(m, meta["BLOCK_M"]) * cdiv(n, meta["BLOCK_N"]), depth)
 
 
 def _weight_grid(k, c, rs, splits):
@@ -1582,8 +1583,8 @@ def _weight_grid(k, c, rs, splits):
     the TAP flag, times the split-K chunks."""
     def grid(meta):
         bn = meta["BLOCK_N"]
-        cols = triton.cdiv(c, bn) * rs if meta["TAP"] else triton.cdiv(c * rs, bn)
-        return triton.cdiv(k, meta["BLOCK_M"]) * cols, splits
+        cols = cdiv(c, bn) * rs if meta["TAP"] else cdiv(c * rs, bn)
+        return cdiv(k, meta["BLOCK_M"]) * cols, splits
     return grid
 
 
@@ -1629,7 +1630,7 @@ def forward(x, w, b, y, *, stride, padding, algo="implicit", workspace=None, pre
     # im2col: col [N, C*R*S, P, Q], then a 1x1 conv of col with w as [K, C*R*S, 1, 1]
     crs = c * r * s
     bm, bk = (16, 16) if INTERPRET else (128, 32)
-    run(_im2col_kernel, (triton.cdiv(n * p * q, bm), triton.cdiv(crs, bk)), 
+    run(_im2col_kernel, (cdiv(n * p * q, bm), cdiv(crs, bk)), 
         x, ws, n, c, sh, sw, ph, pw, H=h, W=wd, P=p, Q=q, R=r, S=s, BLOCK_M=bm, BLOCK_K=bk,
         num_warps=4)
     _launch_fwd(ws, w, b, y, n, crs, p, q, k, p, q, 1, 1, 0, 0, 1, 1, prec, relu=relu)
@@ -1638,7 +1639,7 @@ def forward(x, w, b, y, *, stride, padding, algo="implicit", workspace=None, pre
 def _tile_w(q):
     """The patch width of the channels-last kernel: the power of two up to 32 that wastes the
     fewest columns of a Q-wide output (the widest of equals: 32 for 224, 4 for 28)."""
-    return min((32, 16, 8, 4, 2, 1), key=lambda tw: triton.cdiv(q, tw) * tw - q)
+    return min((32, 16, 8, 4, 2, 1), key=lambda tw: cdiv(q, tw) * tw - q)
 
 
 def _patch(block_m, tw, thc):
@@ -1657,7 +1658,7 @@ def _tile_h_cap(n, p, tw, block_m=128):
     output is 4 rows of 8 images per 128-pixel tile, not 32 rows of one (4 past the image)."""
     def covered(cap):
         th, nb = _patch(block_m, tw, cap)
-        return triton.cdiv(p, th) * th * triton.cdiv(n, nb) * nb
+        return cdiv(p, th) * th * cdiv(n, nb) * nb
     caps = [1 << i for i in range((256 // tw).bit_length())]     # up to the largest tile's
     return min(reversed(caps), key=covered)
 
@@ -1665,8 +1666,8 @@ def _tile_h_cap(n, p, tw, block_m=128):
 def _launch_to_nhwc(x, xt):
     """xt (flat) = x [N, C, H, W] channels-last, [N, H, W, C]."""
     n, c, h, wd = x.shape
-    bc, bp = (min(64, triton.next_power_of_2(c)), 256) if INTERPRET else (64, 64)
-    run(_to_nhwc_kernel, (triton.cdiv(h * wd, bp), triton.cdiv(c, bc), n),
+    bc, bp = (min(64, next_power_of_2(c)), 256) if INTERPRET else (64, 64)
+    run(_to_nhwc_kernel, (cdiv(h * wd, bp), cdiv(c, bc), n),
         x, xt, c, h * wd, BLOCK_C=bc, BLOCK_P=bp, num_warps=4)
 
 
@@ -1682,8 +1683,8 @@ def _launch_nhwc(x, w, b, y, ws, ph, pw, prec, flip=False, accumulate=False, rel
     xt = ws[:n * h * wd * c]
     wt = ws[n * h * wd * c:n * h * wd * c + o * r * s * c]
     _launch_to_nhwc(x, xt)
-    bo, bi = (min(64, triton.next_power_of_2(o)), min(64, triton.next_power_of_2(c)))
-    run(_weight_ohwi_kernel, (triton.cdiv(o, bo), triton.cdiv(c, bi), r * s),
+    bo, bi = (min(64, next_power_of_2(o)), min(64, next_power_of_2(c)))
+    run(_weight_ohwi_kernel, (cdiv(o, bo), cdiv(c, bi), r * s),
         w, wt, w.shape[0], w.shape[1], RS=r * s, FLIP=flip, BLOCK_O=bo, BLOCK_I=bi,
         num_warps=4)
     tw = _tile_w(q)
@@ -1691,11 +1692,11 @@ def _launch_nhwc(x, w, b, y, ws, ph, pw, prec, flip=False, accumulate=False, rel
     # boxes: placeholders, set per config by _nhwc_boxes
     x_desc = TensorDescriptor(xt, [n, h, wd, c], [h * wd * c, wd * c, c, 1], [1, 1, 1, 4])
     w_desc = TensorDescriptor(wt, [o, r * s * c], [r * s * c, 1], [1, 4])
-    tq = triton.cdiv(q, tw)
+    tq = cdiv(q, tw)
 
     def grid(meta):
         th, nb = _patch(meta["BLOCK_M"], tw, thc)
-        return (triton.cdiv(n, nb) * triton.cdiv(p, th) * tq * triton.cdiv(o, meta["BLOCK_N"]),)
+        return (cdiv(n, nb) * cdiv(p, th) * tq * cdiv(o, meta["BLOCK_N"]),)
     m = y if mask is None else mask
     # the epilogue reads through the TMA unit where it reads at all and TMA can: 16-byte
     # aligned rows (then TW >= 4); otherwise the descriptors are unread stand-ins over wt
@@ -1723,7 +1724,7 @@ def _launch_bwd_data(dy, w, dx, n, c, h, wd, k, p, q, sh, sw, ph, pw, r, s, accu
     (plain, accumulating) autotuner pair, implicit by default, "transposed" with wT as w;
     `mask`: dx zeroed where it is <= 0."""
     is_1x1 = r == 1 and s == 1 and sh == 1 and sw == 1 and ph == 0 and pw == 0
-    m_grid = n * triton.cdiv(h, sh) * triton.cdiv(wd, sw)
+    m_grid = n * cdiv(h, sh) * cdiv(wd, sw)
     _launch(kernels[1] if accumulate else kernels[0], _tile_grid(m_grid, c, sh * sw),
             (dy, w, dx, dx if mask is None else mask, n, c, k, sh, sw, ph, pw),
             dict(H=h, W=wd, P=p, Q=q, R=r, S=s, IS_1X1=is_1x1, STRIDE1=sh == 1 and sw == 1,
@@ -1734,10 +1735,10 @@ def _launch_bwd_data_t(dy, w, wt, dx, n, c, h, wd, k, p, q, sh, sw, ph, pw, r, s
                        prec, mask):
     """"transposed": w -> wT [R, S, C, K] in the workspace `wt`, then the tap-major GEMM."""
     if INTERPRET:   # few programs: the interpreter pays per program, not per element
-        bk, bj = min(64, triton.next_power_of_2(k)), min(1024, triton.next_power_of_2(c * r * s))
+        bk, bj = min(64, next_power_of_2(k)), min(1024, next_power_of_2(c * r * s))
     else:
         bk, bj = 64, 64
-    run(_weight_rsck_kernel, (triton.cdiv(k, bk), triton.cdiv(c * r * s, bj)), 
+    run(_weight_rsck_kernel, (cdiv(k, bk), cdiv(c * r * s, bj)), 
         w, wt, k, c, RS=r * s, BLOCK_K=bk, BLOCK_J=bj, num_warps=4)
     _launch_bwd_data(dy, wt, dx, n, c, h, wd, k, p, q, sh, sw, ph, pw, r, s, accumulate, prec,
                      mask, kernels=(_conv_bwd_data_t, _conv_bwd_data_t_acc))
@@ -1765,7 +1766,7 @@ def _run_bwd_data(dy, w, dx, x_shape, geo, algo, ws, accumulate, prec, mask=None
         # dx = conv(dY, wF [C, K, R, S], stride 1, padding (R-1-ph, S-1-pw)): the forward
         # kernel with C <-> K and (H, W) <-> (P, Q)
         total = k * c * r * s
-        run(_weight_flip_kernel, (triton.cdiv(total, _ELEM_BLOCK),), 
+        run(_weight_flip_kernel, (cdiv(total, _ELEM_BLOCK),), 
             w, ws, total, k, c, RS=r * s, BLOCK=_ELEM_BLOCK, num_warps=4)
         _launch_fwd(dy, ws, None, dx, n, k, p, q, c, h, wd, 1, 1, r - 1 - ph, s - 1 - pw, r, s,
                     prec, accumulate, mask=mask)
@@ -1773,7 +1774,7 @@ def _run_bwd_data(dy, w, dx, x_shape, geo, algo, ws, accumulate, prec, mask=None
     # zero_insert: z [N, K, H+R-1, W+S-1], then a stride-1 conv of z with the flipped weight,
     # which is the implicit stride-1 kernel with padding (R-1, S-1) over z
     hz, wz = h + r - 1, wd + s - 1
-    run(_zero_insert_kernel, (n * k, triton.cdiv(hz * wz, _ELEM_BLOCK)), 
+    run(_zero_insert_kernel, (n * k, cdiv(hz * wz, _ELEM_BLOCK)), 
         dy, ws, p, q, hz, wz, sh, sw, r - 1 - ph, s - 1 - pw, BLOCK=_ELEM_BLOCK, num_warps=4)
     _launch_bwd_data(ws, w, dx, n, c, h, wd, k, hz, wz, 1, 1, r - 1, s - 1, r, s, accumulate,
                      prec, mask)
@@ -1816,10 +1817,10 @@ def _bias_blocks(n, k, pq, tile):
     blocks of pixels, channels and images up to `tile` elements (the interpreter pays per
     operation and per program, not per element)."""
     if not tile:
-        return 1, 1, min(1024, triton.next_power_of_2(pq))
-    blk = min(tile, triton.next_power_of_2(pq))
-    bc = min(triton.next_power_of_2(k), max(1, tile // blk))
-    return bc, min(triton.next_power_of_2(n), max(1, tile // (blk * bc))), blk
+        return 1, 1, min(1024, next_power_of_2(pq))
+    blk = min(tile, next_power_of_2(pq))
+    bc = min(next_power_of_2(k), max(1, tile // blk))
+    return bc, min(next_power_of_2(n), max(1, tile // (blk * bc))), blk
 
 
 def bias_groups(n, k, pq, room) -> int:
@@ -1830,7 +1831,7 @@ def bias_groups(n, k, pq, room) -> int:
     the groups in order; enough groups for about _BIAS_PROGRAMS programs. The interpreter
     (1 program target) takes one group: one kernel, as few programs as its tiles allow."""
     bc = _bias_blocks(n, k, pq, _BIAS_TILE)[0]
-    return max(1, min(n, room // k, triton.cdiv(_BIAS_PROGRAMS, triton.cdiv(k, bc))))
+    return max(1, min(n, room // k, cdiv(_BIAS_PROGRAMS, cdiv(k, bc))))
 
 
 def bias_grad_launches(n, k, pq, room) -> int:
@@ -1844,8 +1845,8 @@ def _launch_bias_grad(dy, db, n, k, pq, scratch=None):
     groups = bias_groups(n, k, pq, 0 if scratch is None else scratch.numel())
     bc, bi, blk = _bias_blocks(n, k, pq, _BIAS_TILE)
     out = db if groups == 1 else scratch
-    run(_bias_grad_kernel, (triton.cdiv(k, bc), groups), dy, out, n, k, pq,
-        triton.cdiv(n, groups), BLOCK_C=bc, BLOCK_I=bi, BLOCK=blk, num_warps=4)
+    run(_bias_grad_kernel, (cdiv(k, bc), groups), dy, out, n, k, pq,
+        cdiv(n, groups), BLOCK_C=bc, BLOCK_I=bi, BLOCK=blk, num_warps=4)
     if groups > 1:
         _launch_splitk_reduce(scratch, db, k, groups)
 
@@ -1897,7 +1898,7 @@ def _launch_weight_nhwc(x, dy, dw, ws, ph, pw, prec):
     dy_desc = _nchw_desc(dy)
 
     def grid(meta):
-        return (triton.cdiv(c, meta["BLOCK_M"]) * triton.cdiv(k, meta["BLOCK_N"]) * r * s,
+        return (cdiv(c, meta["BLOCK_M"]) * cdiv(k, meta["BLOCK_N"]) * r * s,
                 splits)
     _launch(_conv_bwd_weight_nhwc, grid, (x_desc, dy_desc, chunks, n, c, k, ph, pw),
             dict(P=p, Q=q, R=r, S=s, TW=tw, PRECISION=prec))
@@ -1910,7 +1911,7 @@ def _tma_layout(x_shape, w_shape):
     4 pixels; x copied once per kernel column unless it is 1x1 and needs no widening; dY
     copied where it needs widening."""
     _, _, _, w = x_shape
-    wp = triton.cdiv(w, 4) * 4
+    wp = cdiv(w, 4) * 4
     return wp, w_shape[3] > 1 or wp != w, wp != w
 
 
@@ -1943,7 +1944,7 @@ def _launch_weight_tma(x, dy, dw, ws, ph, pw, prec):
     dy_desc = TensorDescriptor(dyw, [n, k, hwp], [k * hwp, hwp, 1], [1, 1, 4])
 
     def grid(meta):
-        return (triton.cdiv(c, meta["BLOCK_M"]) * triton.cdiv(k, meta["BLOCK_N"]) * r * s,
+        return (cdiv(c, meta["BLOCK_M"]) * cdiv(k, meta["BLOCK_N"]) * r * s,
                 splits)
     _launch(_conv_bwd_weight_tma, grid, (xs_desc, dy_desc, chunks, n, c, k, ph),
             dict(HWP=hwp, WP=wp, R=r, S=s, PRECISION=prec))
@@ -1953,7 +1954,7 @@ def _launch_weight_tma(x, dy, dw, ws, ph, pw, prec):
 def _launch_shifted_rows(src, dst, rows, pw, w, wp, copies):
     """dst = `copies` copies of src's rows of w pixels, widened to wp and shifted by
     i - pw pixels in copy i (_shifted_rows_kernel)."""
-    run(_shifted_rows_kernel, (triton.cdiv(rows * wp, _ELEM_BLOCK), copies),
+    run(_shifted_rows_kernel, (cdiv(rows * wp, _ELEM_BLOCK), copies),
         src, dst, rows, pw, W=w, WP=wp, BLOCK=_ELEM_BLOCK, num_warps=4)
 
 

@@ -30,7 +30,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ._common import check_tensor, run
+from ._common import cdiv, check_tensor, run
 
 BLOCK = 4096      # elements per program (BLOCK // 4 Philox calls); any multiple of 4 gives
 NUM_WARPS = 8     # the same mask
@@ -117,7 +117,7 @@ def _launch(src, dst, p, seed, iteration, layer, offset, accumulate):
         return
     p = float(p)
     scale = 1.0 / (1.0 - p)
-    run(_dropout_kernel, (triton.cdiv(n, BLOCK),), src, dst, iteration, n, p, scale, seed,
+    run(_dropout_kernel, (cdiv(n, BLOCK),), src, dst, iteration, n, p, scale, seed,
         layer, offset, BLOCK=BLOCK, ACCUMULATE=accumulate, num_warps=NUM_WARPS)
 
 

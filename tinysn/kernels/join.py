@@ -28,7 +28,7 @@ No workspace: workspace_bytes(...) is 0.
 import triton
 import triton.language as tl
 
-from ._common import autotune, check_device, check_tensor, launch
+from ._common import autotune, cdiv, check_device, check_tensor, launch
 
 _MAX_PTRS = 4  # inputs summed / gradients written per launch
 
@@ -175,7 +175,7 @@ def _accumulate_list(accumulate, n):
 
 
 def _grid1(n):
-    return lambda meta: (triton.cdiv(n, meta["BLOCK"]),)
+    return lambda meta: (cdiv(n, meta["BLOCK"]),)
 
 
 # ----------------------------------------------------------------------------- add
@@ -281,7 +281,7 @@ def _copy_slices(wide, slices, to_wide):
         group = group + [group[0]] * (_MAX_PTRS - num)
         narrow, chans, offs, accs = zip(*group)
         row_max = max(chans) * hw
-        launch(kern, lambda meta: (n * triton.cdiv(row_max, meta["BLOCK"]), num),
+        launch(kern, lambda meta: (n * cdiv(row_max, meta["BLOCK"]), num),
                (wide, *narrow, *chans, *offs, *(int(a) for a in accs), c, hw, row_max),
                dict(TO_WIDE=to_wide))
 

@@ -24,6 +24,7 @@ import triton
 import triton.language as tl
 
 from ._common import autotune, check_device, check_no_overlap, check_tensor, dot_precision
+from ._common import cdiv, next_power_of_2
 from ._common import launch, run
 
 _FWD, _DX, _DW = 0, 1, 2
@@ -126,7 +127,7 @@ def _colsum_kernel(dy_ptr, db_ptr, N, O, BLOCK_O: tl.constexpr, ROWS: tl.constex
         acc += tl.load(ptrs, mask=((i0 + rows) < N)[:, None] & o_ok[None, :], other=0.0)
     tl.store(db_ptr + offs_o, tl.sum(acc, axis=0), mask=o_ok)
 def _launch(a, b, c, bias, rowsum, M, N, K, sam, sak, sbk, sbn, mode, accumulate, precision):
-    grid = lambda meta: (triton.cdiv(M, meta["BM"]) * triton.cdiv(N, meta["BN"]),)  # noqa: E731
+    grid = lambda meta: (cdiv(M, meta["BM"]) * cdiv(N, meta["BN"]),)  # noqa: E731
     launch(_gemm_kernel, grid,
            (a, b, c, bias if bias is not None else c, rowsum if rowsum is not None else c,
             M, N, K, sam, sak, sbk, sbn, N),
@@ -202,8 +203,8 @@ def backward(x, w, dy: torch.Tensor, dx, dw, db, *, accumulate: bool = False,
     if dw is not None:      # dw[O, F] = dy.T[O, N] @ x[N, F]  (+ db = row sums of dy.T)
         _launch(dy, x, dw, None, db, o, f, n, 1, o, f, 1, _DW, False, prec)
     elif db is not None:
-        block_o = min(triton.next_power_of_2(o), 256)
-        run(_colsum_kernel, (triton.cdiv(o, block_o),), dy, db, n, o, BLOCK_O=block_o, ROWS=8,
+        block_o = min(next_power_of_2(o), 256)
+        run(_colsum_kernel, (cdiv(o, block_o),), dy, db, n, o, BLOCK_O=block_o, ROWS=8,
             num_warps=4)
 
 

@@ -28,7 +28,7 @@ import math
 import triton
 import triton.language as tl
 
-from ._common import autotune, check_tensor, launch
+from ._common import autotune, cdiv, check_tensor, launch
 
 _GPU_CONFIGS = [
     triton.Config({"BLOCK": 256, "CB": 4}, num_warps=4),
@@ -130,7 +130,7 @@ def _grid(x):
     hw = h * w
     if n > 65535:
         raise ValueError(f"batch {n} exceeds the grid limit 65535")
-    return lambda meta: (triton.cdiv(hw, meta["BLOCK"]), triton.cdiv(c, meta["CB"]), n)
+    return lambda meta: (cdiv(hw, meta["BLOCK"]), cdiv(c, meta["CB"]), n)
 
 
 def forward(x, y, *, size, alpha, beta, k):

@@ -50,8 +50,8 @@ import torch
 import triton
 import triton.language as tl
 
-from ._common import (INTERP_TILE, autotune, check_device, check_no_overlap, check_tensor,
-                      launch, pair, run)
+from ._common import (INTERP_TILE, autotune, cdiv, check_device, check_no_overlap,
+                      check_tensor, launch, next_power_of_2, pair, run)
 
 _FWD_GPU = [
     triton.Config({"BLOCK": 256}, num_warps=4),
@@ -310,13 +310,13 @@ def forward(x, y, *, mode, kernel, stride, padding):
     if _is_global(h, w, kh, kw, ph, pw):
         planes = n * c
         hw = h * w
-        cols = min(triton.next_power_of_2(hw), 1024)
+        cols = min(next_power_of_2(hw), 1024)
         rows = max(2, _GLOBAL_LANES // cols)
-        run(_pool_global_fwd_kernel, (triton.cdiv(planes, rows),), 
+        run(_pool_global_fwd_kernel, (cdiv(planes, rows),), 
             x, y, planes, hw, IS_MAX=is_max, INDEX64=index64, COLS=cols, PLANES=rows,
             num_warps=4)
         return
-    launch(_pool_fwd_kernel, lambda meta: (triton.cdiv(total, meta["BLOCK"]),),
+    launch(_pool_fwd_kernel, lambda meta: (cdiv(total, meta["BLOCK"]),),
            (x, y, total, h, w, oh, ow),
            dict(KH=kh, KW=kw, SH=sh, SW=sw, PH=ph, PW=pw, IS_MAX=is_max, INDEX64=index64,
                 STORE_ARG=False))
@@ -368,14 +368,14 @@ def backward(x, y, dy, dx, *, mode, kernel, stride, padding, accumulate=False,
     total = n * c * nbh * nbw
     nh = -(-kh // sh)
     nw = -(-kw // sw)
-    cellp = max(2, triton.next_power_of_2(sh * sw))
+    cellp = max(2, next_power_of_2(sh * sw))
     index64 = x.numel() > _INT32_LIMIT
     if argmax is not None:
-        launch(_pool_fwd_kernel, lambda meta: (triton.cdiv(argmax.numel(), meta["BLOCK"]),),
+        launch(_pool_fwd_kernel, lambda meta: (cdiv(argmax.numel(), meta["BLOCK"]),),
                (x, argmax, argmax.numel(), h, w, oh, ow),
                dict(KH=kh, KW=kw, SH=sh, SW=sw, PH=ph, PW=pw, IS_MAX=True,
                     INDEX64=index64, STORE_ARG=True))
-    launch(_pool_bwd_kernel, lambda meta: (triton.cdiv(total, max(2, meta["LANES"] // cellp)),),
+    launch(_pool_bwd_kernel, lambda meta: (cdiv(total, max(2, meta["LANES"] // cellp)),),
            (x, x if argmax is None else argmax, dy, dx, total, h, w, oh, ow, nbh, nbw, obh, obw),
            dict(KH=kh, KW=kw, SH=sh, SW=sw, PH=ph, PW=pw, NH=nh, NW=nw, CELLP=cellp,
                 IS_MAX=is_max, FROM_ARGMAX=argmax is not None, ACC=accumulate,

@@ -22,6 +22,7 @@ import triton
 import triton.language as tl
 
 from ._common import INTERP_TILE, INTERPRET, check_tensor, float_workspace, run
+from ._common import cdiv, next_power_of_2
 
 _MAX_BLOCK_K = 1024          # columns per block of a row (tests lower it to exercise the loop)
 _REDUCE_BLOCK = 1024         # row losses summed per step of the final reduction
@@ -106,13 +107,13 @@ def _ce_bwd_kernel(logits_ptr, labels_ptr, dlogits_ptr, N, K, coef, ROWS: tl.con
 
 
 def _block_k(k: int) -> int:
-    return min(max(triton.next_power_of_2(k), 16), _MAX_BLOCK_K)
+    return min(max(next_power_of_2(k), 16), _MAX_BLOCK_K)
 
 
 def _rows_per_program(n: int, block_k: int) -> int:
     """As many rows as fit a tile of _ROW_TILE elements (at least one, at most n rounded up
     to a power of two)."""
-    return min(triton.next_power_of_2(n), max(1, _ROW_TILE // block_k))
+    return min(next_power_of_2(n), max(1, _ROW_TILE // block_k))
 
 
 def _num_warps(block_k: int) -> int:
@@ -148,7 +149,7 @@ def forward(logits: torch.Tensor, labels: torch.Tensor, loss: torch.Tensor,
     rows = float_workspace("softmax", workspace, workspace_bytes(n, k), logits.device)
     bk = _block_k(k)
     per = _rows_per_program(n, bk)
-    run(_ce_rows_kernel, (triton.cdiv(n, per),), logits, labels, rows, n, k, ROWS=per, BLOCK_K=bk,
+    run(_ce_rows_kernel, (cdiv(n, per),), logits, labels, rows, n, k, ROWS=per, BLOCK_K=bk,
         num_warps=_num_warps(bk))
     run(_mean_kernel, (1,), rows, loss, n, 1.0 / n, BLOCK=_REDUCE_BLOCK, num_warps=4)
 
@@ -173,6 +174,6 @@ def backward(logits: torch.Tensor, labels: torch.Tensor, dlogits: torch.Tensor, 
         raise ValueError("dlogits partly overlaps logits")
     bk = _block_k(k)
     per = _rows_per_program(n, bk)
-    run(_ce_bwd_kernel, (triton.cdiv(n, per),), logits, labels, dlogits, n, k, float(scale) / n,
+    run(_ce_bwd_kernel, (cdiv(n, per),), logits, labels, dlogits, n, k, float(scale) / n,
         ROWS=per, BLOCK_K=bk, ACCUMULATE=accumulate,
         num_warps=_num_warps(bk))

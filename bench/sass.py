@@ -1,0 +1,197 @@
+"""What the compiler makes of the kernels, without a GPU: each kernel a launcher runs on
+VGG16's shapes, compiled for the H200 (sm_90) on this machine, every config of an autotuned
+kernel: registers per thread, local memory (spills), shared memory, and its global memory
+and matrix instructions (vector width of the loads and stores, TMA, wgmma).
+
+    PYTHONPATH=. python bench/sass.py [--only CASE,...] [--batch 16] [--out PATH]
+
+How: the launchers run on CPU tensors with Triton's JIT in place of the interpreter and its
+launch captured (`JITFunction.run`), so each call's arguments are the real ones; each is then
+specialized as Triton's JIT would on a GPU (16-byte alignment of pointers, integers
+divisible by 16) and compiled for sm_90 through ptxas, which the triton wheel carries; the
+report reads the cubin with cuobjdump. It uses this machine's triton (CI's 3.9; the device
+machine runs 3.6, whose code generation may differ), so it finds spills, lost vector
+widths or shared memory past the H200's 227 KiB before a GPU call, not times.
+Run it as its own process: it must import triton before tinysn picks the interpreter.
+"""
+import argparse
+import os
+import re
+import subprocess
+import sys
+import tempfile
+
+os.environ["TRITON_INTERPRET"] = "0"      # before triton: real JIT functions to compile
+os.environ["TINYSN_AUTOTUNE"] = "0"       # one config per launch; the report compiles all
+os.environ.setdefault("TRITON_DEFAULT_FP_FUSION", "1")
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+import torch  # noqa: E402
+import triton  # noqa: E402
+from triton.backends.compiler import GPUTarget  # noqa: E402
+from triton.backends.nvidia.compiler import CUDABackend  # noqa: E402
+from triton.compiler import ASTSource  # noqa: E402
+from triton.runtime.autotuner import Autotuner  # noqa: E402
+from triton.runtime.jit import JITFunction, create_function_from_signature  # noqa: E402
+
+from bench import common  # noqa: E402
+
+TARGET = GPUTarget("cuda", 90, 32)
+BIN = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin")
+# the instruction kinds the report lists (SASS opcodes, modifiers kept: LDG.E.128 is a
+# 16-byte load per thread, LDG.E a 4-byte one)
+_OPCODES = ("LDG", "STG", "UTMALDG", "UTMASTG", "HGMMA", "HMMA", "LDGSTS", "RED", "ATOM")
+
+
+def cases(batch: int) -> dict:
+    """name -> a call of a tinysn launcher on VGG16's shapes (CPU tensors, batch `batch`)."""
+    from tinysn.kernels import conv, linear, pool, sgd
+
+    def t(*shape):
+        return torch.randn(*shape)
+
+    def ws(nbytes):
+        return torch.empty(max(nbytes, 4), dtype=torch.uint8)
+
+    def conv_case(phase, algo, c, hw, k):
+        x, w, dy = t(batch, c, hw, hw), t(k, c, 3, 3), t(batch, k, hw, hw)
+        kw = dict(stride=1, padding=1, algo=algo,
+                  workspace=ws(conv.workspace_bytes(x.shape, w.shape, 1, 1, phase, algo)))
+        if phase == "forward":
+            return lambda: conv.forward(x, w, t(k), torch.empty(dy.shape), relu=True, **kw)
+        if phase == "backward_data":
+            return lambda: conv.backward_data(dy, w, torch.empty(x.shape), relu_output=x, **kw)
+        return lambda: conv.backward_weight(x, dy, torch.empty(w.shape), None, **kw)
+
+    n = batch
+    return {
+        "conv fwd nhwc 256@56": conv_case("forward", "nhwc", 256, 56, 256),
+        "conv fwd implicit 512@14": conv_case("forward", "implicit", 512, 14, 512),
+        "conv dgrad flipped_nhwc 256@56": conv_case("backward_data", "flipped_nhwc", 256, 56,
+                                                    256),
+        "conv wgrad tma 256@56": conv_case("backward_weight", "tma", 256, 56, 256),
+        "conv wgrad splitk 128@112": conv_case("backward_weight", "splitk", 128, 112, 128),
+        "conv wgrad nhwc 64@224": conv_case("backward_weight", "nhwc", 64, 224, 64),
+        "bias grad 64@224": lambda: conv.backward_weight(t(n, 64, 224, 224),
+                                                         t(n, 64, 224, 224), None, t(64),
+                                                         stride=1, padding=1),
+        "pool 2x2/2 fwd": lambda: pool.forward(t(n, 64, 224, 224), torch.empty(n, 64, 112, 112),
+                                               mode="max", kernel=2, stride=2, padding=0),
+        "pool 2x2/2 bwd": lambda: pool.backward(
+            t(n, 64, 224, 224), t(n, 64, 112, 112), t(n, 64, 112, 112),
+            torch.empty(n, 64, 224, 224), mode="max", kernel=2, stride=2, padding=0),
+        "fc6 fwd": lambda: linear.forward(t(n, 25088), t(4096, 25088), t(4096),
+                                          torch.empty(n, 4096)),
+        "fc6 wgrad": lambda: linear.backward(t(n, 25088), None, t(n, 4096), None,
+                                             torch.empty(4096, 25088), torch.empty(4096)),
+        "sgd 1M": lambda: sgd.update(t(1 << 20), t(1 << 20), t(1 << 20), lr=0.01,
+                                     momentum=0.9, weight_decay=5e-4),
+    }
+
+
+def capture(call) -> list:
+    """[(JITFunction, args, kwargs)] of every kernel launch `call` makes, none run."""
+    calls = []
+    real_run = JITFunction.run
+
+    def record(self, *args, grid, warmup=False, **kwargs):
+        calls.append((self, args, kwargs))
+    JITFunction.run = record
+    try:
+        call()
+    finally:
+        JITFunction.run = real_run
+    return calls
+
+
+def _tuners() -> dict:
+    """id(JITFunction) -> its Autotuner, over tinysn's kernel modules."""
+    import importlib
+    import pkgutil
+    import tinysn.kernels as pkg
+    found = {}
+    for info in pkgutil.iter_modules(pkg.__path__):
+        module = importlib.import_module(f"tinysn.kernels.{info.name}")
+        for v in vars(module).values():
+            if isinstance(v, Autotuner):
+                found[id(v.fn)] = v
+    return found
+
+
+def variants(fn, args, kwargs, tuner) -> list:
+    """[(config text, args, kwargs)]: the call itself, or one per GPU config of its tuner
+    (descriptor boxes set by the tuner's config hook)."""
+    if tuner is None:
+        return [("", args, kwargs)]
+    from tinysn.kernels import _common
+    meta = set(tuner.configs[0].all_kwargs())
+    base = {k: v for k, v in kwargs.items() if k not in meta}
+    return [(str(cfg), _common._hooked(tuner, args, base, cfg), {**base, **cfg.all_kwargs()})
+            for cfg in tuner.all_configs]
+
+
+def compile_sm90(fn, args, kwargs):
+    """The call specialized as Triton's JIT would for these arguments, compiled for sm_90."""
+    backend = CUDABackend(TARGET)
+    kwargs = {"debug": False, **kwargs}
+    binder = create_function_from_signature(fn.signature, fn.params, backend)
+    bound, specialization, options = binder(*args, **kwargs)
+    options, signature, constexprs, attrs = fn._pack_args(backend, kwargs, bound,
+                                                          specialization, options)
+    return triton.compile(ASTSource(fn, signature, constexprs, attrs), target=TARGET,
+                          options=options.__dict__)
+
+
+def resources(compiled) -> dict:
+    """Registers, local (spill) and shared bytes, and the memory and matrix opcodes."""
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+        f.write(compiled.asm["cubin"])
+        f.flush()
+        usage = subprocess.run([os.path.join(BIN, "cuobjdump"), "--dump-resource-usage",
+                                f.name], capture_output=True, text=True, check=True).stdout
+        sass = subprocess.run([os.path.join(BIN, "cuobjdump"), "-sass", f.name],
+                              capture_output=True, text=True, check=True).stdout
+    fields = dict(re.findall(r"(REG|LOCAL|STACK):(\d+)", usage))
+    ops = sorted({word for line in sass.splitlines() for word in line.split()
+                  if word.startswith(_OPCODES)})
+    return {"registers": int(fields.get("REG", 0)), "local_bytes": int(fields.get("LOCAL", 0)),
+            "stack_bytes": int(fields.get("STACK", 0)),
+            "shared_bytes": int(compiled.metadata.shared), "opcodes": ops}
+
+
+def report(names, batch: int) -> list:
+    """One row per (case, kernel, config)."""
+    tuners, rows = _tuners(), []
+    for name, call in cases(batch).items():
+        if names and name not in names:
+            continue
+        for fn, args, kwargs in capture(call):
+            for config, a, kw in variants(fn, args, kwargs, tuners.get(id(fn))):
+                row = {"case": name, "kernel": fn.__name__, "config": config,
+                       "num_warps": kw.get("num_warps", 4)}
+                row.update(resources(compile_sm90(fn, a, kw)))
+                rows.append(row)
+                print(f"{name:32s} {fn.__name__:32s} w{row['num_warps']} "
+                      f"reg {row['registers']:3d} local {row['local_bytes']:4d} "
+                      f"smem {row['shared_bytes']:6d} {' '.join(row['opcodes'])}  {config}",
+                      flush=True)
+    return rows
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--only", default="", help="comma-separated case names")
+    ap.add_argument("--batch", type=int, default=16)
+    common.add_out_argument(ap)
+    args = ap.parse_args(argv)
+    names = [n for n in args.only.split(",") if n]
+    unknown = sorted(set(names) - set(cases(1)))
+    if unknown:
+        raise SystemExit(f"unknown case(s) {unknown}; cases: {sorted(cases(1))}")
+    rows = report(names, args.batch)
+    common.write(args.out, {"target": "sm_90", "triton": triton.__version__,
+                            "batch": args.batch, "rows": rows})
+    return rows
+
+
+if __name__ == "__main__":
+    main()

@@ -1,5 +1,5 @@
 """What the compiler makes of the kernels, without a GPU: each kernel a launcher runs on
-VGG16's shapes, compiled for the H200 (sm_90) on this machine, every config of an autotuned
+VGG16's shapes (ResNet-50's and AlexNet's where VGG16 has none of the kind), compiled for the H200 (sm_90) on this machine, every config of an autotuned
 kernel: registers per thread, local memory (spills), shared memory, and its global memory
 and matrix instructions (vector width of the loads and stores, TMA, wgmma).
 
@@ -44,7 +44,7 @@ _OPCODES = ("LDG", "STG", "UTMALDG", "UTMASTG", "HGMMA", "HMMA", "LDGSTS", "RED"
 
 def cases(batch: int) -> dict:
     """name -> a call of a tinysn launcher on VGG16's shapes (CPU tensors, batch `batch`)."""
-    from tinysn.kernels import conv, linear, pool, sgd
+    from tinysn.kernels import conv, join, linear, lrn, pool, sgd
 
     def t(*shape):
         return torch.randn(*shape)
@@ -52,14 +52,16 @@ def cases(batch: int) -> dict:
     def ws(nbytes):
         return torch.empty(max(nbytes, 4), dtype=torch.uint8)
 
-    def conv_case(phase, algo, c, hw, k):
-        x, w, dy = t(batch, c, hw, hw), t(k, c, 3, 3), t(batch, k, hw, hw)
-        kw = dict(stride=1, padding=1, algo=algo,
-                  workspace=ws(conv.workspace_bytes(x.shape, w.shape, 1, 1, phase, algo)))
+    def conv_case(phase, algo, c, hw, k, stride=1, accumulate=False):
+        x, w = t(batch, c, hw, hw), t(k, c, 3, 3)
+        dy = t(*conv.out_shape(x.shape, w.shape, stride, 1))
+        need = conv.workspace_bytes(x.shape, w.shape, stride, 1, phase, algo)
+        kw = dict(stride=stride, padding=1, algo=algo, workspace=ws(need))
         if phase == "forward":
             return lambda: conv.forward(x, w, t(k), torch.empty(dy.shape), relu=True, **kw)
-        if phase == "backward_data":
-            return lambda: conv.backward_data(dy, w, torch.empty(x.shape), relu_output=x, **kw)
+        if phase == "backward_data":      # accumulating: the data gradient of a fan-out
+            return lambda: conv.backward_data(dy, w, t(*x.shape), relu_output=x,
+                                              accumulate=accumulate, **kw)
         return lambda: conv.backward_weight(x, dy, torch.empty(w.shape), None, **kw)
 
     n = batch
@@ -68,6 +70,18 @@ def cases(batch: int) -> dict:
         "conv fwd implicit 512@14": conv_case("forward", "implicit", 512, 14, 512),
         "conv dgrad flipped_nhwc 256@56": conv_case("backward_data", "flipped_nhwc", 256, 56,
                                                     256),
+        "conv dgrad flipped+ 512@14": conv_case("backward_data", "flipped", 512, 14, 512,
+                                                accumulate=True),
+        "conv dgrad flipped_nhwc+ 256@56": conv_case("backward_data", "flipped_nhwc", 256, 56,
+                                                     256, accumulate=True),
+        "conv dgrad implicit 3x3/2 128@56": conv_case("backward_data", "implicit", 128, 56,
+                                                      128, stride=2),
+        "conv dgrad implicit+ 3x3/2 128@56": conv_case("backward_data", "implicit", 128, 56,
+                                                       128, stride=2, accumulate=True),
+        "conv dgrad transposed 3x3/2 128@56": conv_case("backward_data", "transposed", 128,
+                                                        56, 128, stride=2),
+        "conv dgrad transposed+ 3x3/2 128@56": conv_case("backward_data", "transposed", 128,
+                                                         56, 128, stride=2, accumulate=True),
         "conv wgrad tma 256@56": conv_case("backward_weight", "tma", 256, 56, 256),
         "conv wgrad splitk 128@112": conv_case("backward_weight", "splitk", 128, 112, 128),
         "conv wgrad nhwc 64@224": conv_case("backward_weight", "nhwc", 64, 224, 64),
@@ -79,6 +93,25 @@ def cases(batch: int) -> dict:
         "pool 2x2/2 bwd": lambda: pool.backward(
             t(n, 64, 224, 224), t(n, 64, 112, 112), t(n, 64, 112, 112),
             torch.empty(n, 64, 224, 224), mode="max", kernel=2, stride=2, padding=0),
+        "pool 3x3/2 bwd argmax": lambda: pool.backward(
+            t(n, 64, 112, 112), t(n, 64, 56, 56), t(n, 64, 56, 56), torch.empty(n, 64, 112, 112),
+            mode="max", kernel=3, stride=2, padding=1, workspace=ws(pool.argmax_workspace_bytes(
+                (n, 64, 112, 112), mode="max", kernel=3, stride=2, padding=1))),
+        "lrn fwd": lambda: lrn.forward(t(n, 96, 55, 55), torch.empty(n, 96, 55, 55), size=5,
+                                       alpha=1e-4, beta=0.75, k=2.0),
+        "lrn bwd": lambda: lrn.backward(t(n, 96, 55, 55), t(n, 96, 55, 55),
+                                        torch.empty(n, 96, 55, 55), size=5, alpha=1e-4,
+                                        beta=0.75, k=2.0),
+        "add fwd / bwd": lambda: (join.add_forward([t(n, 256, 56, 56), t(n, 256, 56, 56)],
+                                                   torch.empty(n, 256, 56, 56)),
+                                  join.add_backward(t(n, 256, 56, 56),
+                                                    [torch.empty(n, 256, 56, 56),
+                                                     torch.empty(n, 256, 56, 56)])),
+        "concat fwd / bwd": lambda: (join.concat_forward([t(n, 128, 28, 28), t(n, 128, 28, 28)],
+                                                         torch.empty(n, 256, 28, 28)),
+                                     join.concat_backward(t(n, 256, 28, 28),
+                                                          [torch.empty(n, 128, 28, 28),
+                                                           torch.empty(n, 128, 28, 28)])),
         "fc6 fwd": lambda: linear.forward(t(n, 25088), t(4096, 25088), t(4096),
                                           torch.empty(n, 4096)),
         "fc6 wgrad": lambda: linear.backward(t(n, 25088), None, t(n, 4096), None,
@@ -104,7 +137,8 @@ def capture(call) -> list:
 
 
 def _tuners() -> dict:
-    """id(JITFunction) -> its Autotuner, over tinysn's kernel modules."""
+    """id(JITFunction) -> its Autotuner, over tinysn's kernel modules (through a
+    triton.heuristics wrapper between them, where there is one)."""
     import importlib
     import pkgutil
     import tinysn.kernels as pkg
@@ -113,7 +147,10 @@ def _tuners() -> dict:
         module = importlib.import_module(f"tinysn.kernels.{info.name}")
         for v in vars(module).values():
             if isinstance(v, Autotuner):
-                found[id(v.fn)] = v
+                inner = v.fn
+                while not isinstance(inner, JITFunction):
+                    inner = inner.fn
+                found[id(inner)] = v
     return found
 
 
@@ -123,10 +160,16 @@ def variants(fn, args, kwargs, tuner) -> list:
     if tuner is None:
         return [("", args, kwargs)]
     from tinysn.kernels import _common
-    meta = set(tuner.configs[0].all_kwargs())
+    heuristics = getattr(tuner.fn, "values", {})       # triton.heuristics: name -> rule
+    meta = set(tuner.configs[0].all_kwargs()) | set(heuristics)
     base = {k: v for k, v in kwargs.items() if k not in meta}
-    return [(str(cfg), _common._hooked(tuner, args, base, cfg), {**base, **cfg.all_kwargs()})
-            for cfg in tuner.all_configs]
+    out = []
+    for cfg in tuner.all_configs:
+        kw = {**base, **cfg.all_kwargs()}
+        named = {**dict(zip(tuner.arg_names, args)), **kw}
+        kw.update({name: rule(named) for name, rule in heuristics.items()})
+        out.append((str(cfg), _common._hooked(tuner, args, base, cfg), kw))
+    return out
 
 
 def compile_sm90(fn, args, kwargs):

@@ -1,7 +1,8 @@
 """What the compiler makes of the kernels, without a GPU: each kernel a launcher runs on
-VGG16's shapes (ResNet-50's and AlexNet's where VGG16 has none of the kind), compiled for the H200 (sm_90) on this machine, every config of an autotuned
-kernel: registers per thread, local memory (spills), shared memory, and its global memory
-and matrix instructions (vector width of the loads and stores, TMA, wgmma).
+VGG16's shapes (ResNet-50's and AlexNet's where VGG16 has none of the kind), compiled for the
+H200 (sm_90) on this machine, every config of an autotuned kernel: registers per thread,
+local memory (spills), shared memory, and its global memory and matrix instructions (vector
+width of the loads and stores, TMA, wgmma).
 
     PYTHONPATH=. python bench/sass.py [--only CASE,...] [--batch 16] [--out PATH]
 
@@ -53,16 +54,19 @@ def cases(batch: int) -> dict:
         return torch.empty(max(nbytes, 4), dtype=torch.uint8)
 
     def conv_case(phase, algo, c, hw, k, stride=1, accumulate=False):
-        x, w = t(batch, c, hw, hw), t(k, c, 3, 3)
-        dy = t(*conv.out_shape(x.shape, w.shape, stride, 1))
-        need = conv.workspace_bytes(x.shape, w.shape, stride, 1, phase, algo)
-        kw = dict(stride=stride, padding=1, algo=algo, workspace=ws(need))
-        if phase == "forward":
-            return lambda: conv.forward(x, w, t(k), torch.empty(dy.shape), relu=True, **kw)
-        if phase == "backward_data":      # accumulating: the data gradient of a fan-out
-            return lambda: conv.backward_data(dy, w, t(*x.shape), relu_output=x,
-                                              accumulate=accumulate, **kw)
-        return lambda: conv.backward_weight(x, dy, torch.empty(w.shape), None, **kw)
+        def call():     # tensors made when the case runs, as for the other cases
+            x, w = t(batch, c, hw, hw), t(k, c, 3, 3)
+            dy = t(*conv.out_shape(x.shape, w.shape, stride, 1))
+            need = conv.workspace_bytes(x.shape, w.shape, stride, 1, phase, algo)
+            kw = dict(stride=stride, padding=1, algo=algo, workspace=ws(need))
+            if phase == "forward":
+                conv.forward(x, w, t(k), torch.empty(dy.shape), relu=True, **kw)
+            elif phase == "backward_data":      # accumulating: the data gradient of a fan-out
+                conv.backward_data(dy, w, t(*x.shape), relu_output=x, accumulate=accumulate,
+                                   **kw)
+            else:
+                conv.backward_weight(x, dy, torch.empty(w.shape), None, **kw)
+        return call
 
     n = batch
     return {

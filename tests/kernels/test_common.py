@@ -1,4 +1,5 @@
-"""The host arithmetic, argument and workspace checks every kernel module shares (tinysn/kernels/_common.py)."""
+"""The host arithmetic, argument and workspace checks every kernel module shares
+(tinysn/kernels/_common.py)."""
 import pytest
 import torch
 

@@ -23,6 +23,7 @@ try:  # triton >= 3.4 exposes the knob; the variable is the fallback for older r
 except AttributeError:
     pass
 
+
 def cdiv(a: int, b: int) -> int:
     """ceil(a / b) for the host's launch arithmetic. triton.cdiv is a constexpr function
     (meant for kernel code; about 3 us per host call against 0.1 here), and a layer's launch

@@ -182,6 +182,11 @@ def test_pool_deterministic_and_workspace():
     assert pool.argmax_workspace_bytes((2, 3, 11, 11), mode="avg", **kw) == 0
     assert pool.argmax_workspace_bytes((1, 1, 17, 17), mode="max", kernel=17, stride=1,
                                        padding=0) == 0                  # 289 taps
+    # windows that do not overlap: the gather's own scan reads x once; no argmax pass
+    assert pool.argmax_workspace_bytes((2, 3, 12, 12), mode="max", kernel=2, stride=2,
+                                       padding=0) == 0
+    assert pool.argmax_workspace_bytes((2, 3, 12, 12), mode="max", kernel=(3, 2),
+                                       stride=(2, 2), padding=0) == 2 * 3 * 5 * 6
 
 
 def test_max_backward_workspace_bad_input():

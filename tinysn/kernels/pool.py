@@ -38,7 +38,8 @@ Given a workspace of one byte per window (argmax_workspace_bytes; the planner gr
 where the pool has room at that step, ops.SPARE), the backward finds every window's argmax
 once, into it (the forward kernel with STORE_ARG: 9 loads per window, about 2.25 per pixel
 for 3x3/2), and the gather reads one byte per candidate window instead of scanning it: two
-launches, the same bits.
+launches, the same bits. Windows that do not overlap (kernel <= stride) take none: a cell's
+one window is the cell, so the gather's scan reads x once, as the argmax pass would again.
 
 Determinism: every output (and every dx) element is produced by one lane in a fixed order
 (window scan; candidate windows i, j ascending), so the autotuned block sizes do not change
@@ -384,10 +385,12 @@ def backward(x, y, dy, dx, *, mode, kernel, stride, padding, accumulate=False,
 
 def argmax_workspace_bytes(x_shape, *, mode, kernel, stride, padding) -> int:
     """Bytes of the optional backward workspace that holds every window's argmax (one uint8
-    tap per output element), or 0 where there is none: average pooling, and windows of
-    more than 256 taps."""
-    kh, kw, _, _, _, _ = _params(kernel, stride, padding)
-    if not _mode(mode) or kh * kw > 256:
+    tap per output element), or 0 where there is none: average pooling, windows of more
+    than 256 taps, and windows that do not overlap (kernel <= stride on both axes, as
+    VGG16's 2x2/2: each cell then lies in one window, so the gather's own scan reads x once,
+    and the argmax pass would only read it a second time)."""
+    kh, kw, sh, sw, _, _ = _params(kernel, stride, padding)
+    if not _mode(mode) or kh * kw > 256 or (kh <= sh and kw <= sw):
         return 0
     n, c, oh, ow = out_shape(x_shape, kernel, stride, padding)
     return n * c * oh * ow

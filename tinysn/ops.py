@@ -253,8 +253,10 @@ def _bn_backward(program, lp):
 
 def _conv_launches(layer, phase, algos) -> int:
     """One or two kernels per algorithm the pass runs (conv_k.LAUNCHES), and the bias
-    gradient's one or two in a backward pass (its partial sums sit in dW's room)."""
-    own = sum(conv_k.LAUNCHES[(p, a)] for p, a in (algos or {}).items())
+    gradient's in a backward pass (its partial sums sit in dW's room): one or two of its
+    own, or only their sum where the data gradient sums it as it copies dY."""
+    algos = algos or {}
+    own = sum(conv_k.LAUNCHES[(p, a)] for p, a in algos.items())
     if phase != "backward":
         return own
     own += _masks_dy(layer)                     # the fused ReLU's backward
@@ -262,6 +264,8 @@ def _conv_launches(layer, phase, algos) -> int:
         return own
     n, k, p, q = layer.shape
     c, r, s = layer.inputs[0].shape[1], *layer.attrs["kernel"]
+    if conv_k.fuses_bias_grad(algos.get("backward_data")):
+        return own + conv_k.nhwc_bias_launches(layer.shape, k * c * r * s)
     return own + conv_k.bias_grad_launches(n, k, p * q, k * c * r * s)
 
 

@@ -638,6 +638,42 @@ def test_bias_grad_tile_layouts(tile, programs, monkeypatch):
         assert groups == {1: 1, 10 ** 6: min(n, 2)}.get(programs, groups)   # room: 2 per channel
         assert conv.bias_grad_launches(n, k, p * p, dw.numel()) == 1 + (groups > 1)
 
+@pytest.mark.parametrize("programs", [1, 3, 10 ** 6])
+def test_flipped_nhwc_sums_the_bias_gradient_as_it_copies_dy(programs, monkeypatch):
+    """conv.backward with "flipped_nhwc", dW and db: db is summed by the copy of dY to
+    channels-last (no bias kernel runs), in as many image-and-pixel groups as the program
+    target and dW's room allow (one, some, as many as fit), their partial sums in dW's room
+    before dW is written; every gradient agrees with torch, and the launches with
+    nhwc_bias_launches."""
+    monkeypatch.setattr(conv, "_BIAS_PROGRAMS", programs)
+    ran = []
+    real_run = conv.run
+    monkeypatch.setattr(conv, "run", lambda kernel, *a, **kw: (ran.append(kernel),
+                                                                real_run(kernel, *a, **kw)))
+    gen = torch.Generator().manual_seed(programs)
+    for xs, ws, padding in (((3, 4, 9, 9), (8, 4, 3, 3), 1), ((2, 3, 5, 6), (4, 3, 1, 1), 0)):
+        x, w = _rand(xs, gen, "cpu"), _rand(ws, gen, "cpu")
+        dy = _rand(conv.out_shape(xs, ws, 1, padding), gen, "cpu")
+        dx, dw, db = _nan(xs, "cpu"), _nan(ws, "cpu"), _nan((ws[0],), "cpu")
+        need = conv.backward_workspace_bytes(xs, ws, 1, padding, "flipped_nhwc", "onepass",
+                                             True, True)
+        ran.clear()
+        conv.backward(x, w, dy, dx, dw, db, stride=1, padding=padding,
+                      algo_data="flipped_nhwc", algo_weight="onepass",
+                      workspace=_workspace(need, "cpu"), precision="ieee")
+        pq = dy.shape[2] * dy.shape[3]
+        _close(db, dy.double().sum((0, 2, 3)), xs[0] * pq, "ieee", "db")
+        _close(dw, torch.nn.grad.conv2d_weight(x.double(), ws, dy.double(), padding=padding),
+               xs[0] * pq, "ieee", "dw after the partial sums")
+        _close(dx, torch.nn.grad.conv2d_input(xs, w.double(), dy.double(), padding=padding),
+               ws[0] * ws[2] * ws[3], "ieee", "dx")
+        assert conv._bias_grad_kernel not in ran
+        groups = conv._nhwc_tiles(dy.shape, dw.numel())[4]
+        assert (groups > 1) == (programs > 1)
+        reduces = ran.count(conv._splitk_reduce_kernel)
+        assert reduces == conv.nhwc_bias_launches(dy.shape, dw.numel()) == int(groups > 1)
+
+
 # --------------------------------------------------------------------------------------------
 # GPU (device machine)
 # --------------------------------------------------------------------------------------------

@@ -1007,15 +1007,32 @@ _conv_bwd_data_t_acc = _autotune(_T_CONFIGS, _KEY, _bwd_data_macs, restore=["dx_
 # --------------------------------------------------------------------------------------------
 
 @triton.jit
-def _to_nhwc_kernel(x_ptr, xt_ptr, C, HW, BLOCK_C: tl.constexpr, BLOCK_P: tl.constexpr):
-    """Xt[n, p, c] = X[n, c, p] (p: flat pixel). A [BLOCK_C, BLOCK_P] tile is read along the
-    pixels and written along the channels; Triton transposes it through shared memory."""
-    base = tl.program_id(2).to(tl.int64) * C * HW
-    offs_p = tl.program_id(0) * BLOCK_P + tl.arange(0, BLOCK_P)
+def _to_nhwc_kernel(x_ptr, xt_ptr, sum_ptr, C, HW, TILES, PER_PROGRAM,
+                    SUM: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK_P: tl.constexpr):
+    """Xt[n, p, c] = X[n, c, p] (p: flat pixel) over the tiles [g*PER_PROGRAM,
+    (g+1)*PER_PROGRAM) of g = program_id(0), in order (tile t: image t // cdiv(HW, BLOCK_P),
+    its pixel block t % cdiv(HW, BLOCK_P)). A [BLOCK_C, BLOCK_P] tile is read along the
+    pixels and written along the channels; Triton transposes it through shared memory.
+    SUM: also sum[g, c] = the values of channel c the program moved (a bias gradient's
+    partial sums, taken from dY on its way to channels-last instead of a second read)."""
+    g = tl.program_id(0)
     offs_c = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
-    ok = (offs_c < C)[:, None] & (offs_p < HW)[None, :]
-    v = tl.load(x_ptr + base + (offs_c[:, None] * HW + offs_p[None, :]), mask=ok)
-    tl.store(xt_ptr + base + (offs_p[None, :] * C + offs_c[:, None]), v, mask=ok)
+    c_ok = offs_c < C
+    ptiles = tl.cdiv(HW, BLOCK_P)
+    pix = tl.arange(0, BLOCK_P)
+    acc = tl.zeros([BLOCK_C, BLOCK_P], dtype=tl.float32)
+    t_lo = g * PER_PROGRAM
+    for t in range(t_lo, tl.minimum(t_lo + PER_PROGRAM, TILES)):
+        base = (t // ptiles).to(tl.int64) * C * HW
+        offs_p = (t % ptiles) * BLOCK_P + pix
+        ok = c_ok[:, None] & (offs_p < HW)[None, :]
+        v = tl.load(x_ptr + base + (offs_c[:, None] * HW + offs_p[None, :]), mask=ok,
+                    other=0.0)
+        tl.store(xt_ptr + base + (offs_p[None, :] * C + offs_c[:, None]), v, mask=ok)
+        if SUM:
+            acc += v
+    if SUM:
+        tl.store(sum_ptr + g * C + offs_c, tl.sum(acc, axis=1), mask=c_ok)
 
 
 @triton.jit
@@ -1663,26 +1680,60 @@ def _tile_h_cap(n, p, tw, block_m=128):
     return min(reversed(caps), key=covered)
 
 
-def _launch_to_nhwc(x, xt):
-    """xt (flat) = x [N, C, H, W] channels-last, [N, H, W, C]."""
-    n, c, h, wd = x.shape
+def _nhwc_tiles(x_shape, room=None):
+    """(BLOCK_C, BLOCK_P, tiles, tiles per program, programs along the tiles) of
+    _to_nhwc_kernel over x [N, C, H, W]. A plain copy takes one tile per program; summed
+    (`room`: float32 partial sums that fit) it takes image-and-pixel groups, enough for about
+    _BIAS_PROGRAMS programs (the interpreter: one group, the sum itself)."""
+    n, c, h, wd = x_shape
     bc, bp = (min(64, next_power_of_2(c)), 256) if INTERPRET else (64, 64)
-    run(_to_nhwc_kernel, (cdiv(h * wd, bp), cdiv(c, bc), n),
-        x, xt, c, h * wd, BLOCK_C=bc, BLOCK_P=bp, num_warps=4)
+    tiles = n * cdiv(h * wd, bp)
+    want = tiles if room is None else \
+        max(1, min(tiles, room // c, cdiv(_BIAS_PROGRAMS, cdiv(c, bc))))
+    per = cdiv(tiles, want)
+    return bc, bp, tiles, per, cdiv(tiles, per)
+
+
+def fuses_bias_grad(algo_data) -> bool:
+    """True for the data-gradient algorithm that sums the bias gradient as it copies dY
+    (conv.backward does so where it computes dx, dW and db)."""
+    return algo_data == "flipped_nhwc"
+
+
+def nhwc_bias_launches(dy_shape, room) -> int:
+    """Kernels the bias gradient adds to a "flipped_nhwc" data gradient that sums it on the
+    way (`room` floats of dW for the partial sums): their fixed-order sum, where there are
+    several groups."""
+    return int(_nhwc_tiles(dy_shape, room)[4] > 1)
+
+
+def _launch_to_nhwc(x, xt, db=None, room=None):
+    """xt (flat) = x [N, C, H, W] channels-last, [N, H, W, C]; with `db` also db = x summed
+    over images and pixels per channel, through partial sums in `room` (float32) where it
+    takes several groups (_nhwc_tiles), then their fixed-order sum."""
+    c = x.shape[1]
+    bc, bp, tiles, per, groups = _nhwc_tiles(x.shape, None if db is None else room.numel())
+    sums = db if groups == 1 or db is None else room
+    run(_to_nhwc_kernel, (groups, cdiv(c, bc)), x, xt, xt if sums is None else sums,
+        c, x.shape[2] * x.shape[3], tiles, per, SUM=db is not None, BLOCK_C=bc, BLOCK_P=bp,
+        num_warps=4)
+    if db is not None and groups > 1:
+        _launch_splitk_reduce(room, db, c, groups)
 
 
 def _launch_nhwc(x, w, b, y, ws, ph, pw, prec, flip=False, accumulate=False, relu=False,
-                 mask=None):
+                 mask=None, bias_grad=None):
     """"nhwc": X [N, C, H, W] -> Xt [N, H, W, C] and w -> Wt [O, R*S, C] in the workspace
     `ws`, then the TMA kernel into Y [N, O, P, Q] (stride 1, padding (ph, pw)). flip: the
     "flipped_nhwc" data gradient, X = dY, Y = dX, Wt from the flipped weight; `mask`: Y
-    zeroed where it is <= 0 (a ReLU's backward, `_relu_mask`)."""
+    zeroed where it is <= 0 (a ReLU's backward, `_relu_mask`); `bias_grad` (db, room): db =
+    X's per-channel sum, taken as X is copied (_launch_to_nhwc)."""
     n, c, h, wd = x.shape
     _, o, p, q = y.shape
     r, s = w.shape[2:]
     xt = ws[:n * h * wd * c]
     wt = ws[n * h * wd * c:n * h * wd * c + o * r * s * c]
-    _launch_to_nhwc(x, xt)
+    _launch_to_nhwc(x, xt, *(bias_grad or ()))
     bo, bi = (min(64, next_power_of_2(o)), min(64, next_power_of_2(c)))
     run(_weight_ohwi_kernel, (cdiv(o, bo), cdiv(c, bi), r * s),
         w, wt, w.shape[0], w.shape[1], RS=r * s, FLIP=flip, BLOCK_O=bo, BLOCK_I=bi,
@@ -1744,9 +1795,11 @@ def _launch_bwd_data_t(dy, w, wt, dx, n, c, h, wd, k, p, q, sh, sw, ph, pw, r, s
                      mask, kernels=(_conv_bwd_data_t, _conv_bwd_data_t_acc))
 
 
-def _run_bwd_data(dy, w, dx, x_shape, geo, algo, ws, accumulate, prec, mask=None):
+def _run_bwd_data(dy, w, dx, x_shape, geo, algo, ws, accumulate, prec, mask=None,
+                  bias_grad=None):
     """dx (+)= the data gradient by `algo`; where `mask` (a ReLU's output, dx's shape), then
-    zeroed where mask <= 0, in the store."""
+    zeroed where mask <= 0, in the store. `bias_grad` (db, room; "flipped_nhwc" only): the
+    bias gradient too, summed as dY is copied channels-last."""
     sh, sw, ph, pw, p, q = geo
     n, c, h, wd = x_shape
     k, _, r, s = w.shape
@@ -1760,7 +1813,7 @@ def _run_bwd_data(dy, w, dx, x_shape, geo, algo, ws, accumulate, prec, mask=None
         return
     if algo == "flipped_nhwc":
         _launch_nhwc(dy, w, None, dx, ws, r - 1 - ph, s - 1 - pw, prec, flip=True,
-                     accumulate=accumulate, mask=mask)
+                     accumulate=accumulate, mask=mask, bias_grad=bias_grad)
         return
     if algo == "flipped":
         # dx = conv(dY, wF [C, K, R, S], stride 1, padding (R-1-ph, S-1-pw)): the forward
@@ -2035,8 +2088,12 @@ def backward(x, w, dy, dx, dw, db, *, stride, padding, algo_data="implicit",
     ws = _workspace(workspace, need, x.device)
     check_no_overlap("conv", [("dx", dx), ("dw", dw), ("db", db), ("workspace", ws)],
                       [("x", x), ("w", w), ("dy", dy)])
+    # "flipped_nhwc" copies all of dY: the bias gradient is summed on the way, its partial
+    # sums in dW's room (dW is written after)
+    fuse_bias = fuses_bias_grad(algo_data) and None not in (dx, dw, db)
     if dx is not None:
         _run_bwd_data(dy, w, dx, x.shape, geo, algo_data, ws, accumulate, prec,
-                      x if x_is_relu_output else None)
-    if dw is not None or db is not None:
-        _run_bwd_weight(x, dy, dw, db, geo, algo_weight, ws, prec)
+                      x if x_is_relu_output else None,
+                      (db, dw.view(-1)) if fuse_bias else None)
+    if dw is not None or (db is not None and not fuse_bias):
+        _run_bwd_weight(x, dy, dw, None if fuse_bias else db, geo, algo_weight, ws, prec)

@@ -49,6 +49,10 @@ _GPU_CONFIGS = [
     _cfg(32, 64, 64, 4, 4),
     _cfg(32, 32, 128, 4, 4),
     _cfg(16, 64, 128, 4, 4),
+    # one reduction step (a weight gradient's K = the batch, 32): no stages to pipeline, so
+    # a single buffer; the shared memory left lets more programs overlap their stores
+    _cfg(128, 128, 32, 8, 1),
+    _cfg(64, 128, 32, 4, 1),
 ]
 # under the interpreter (it pays per operation and per program): a small network's GEMMs are
 # one program of one reduction step
@@ -81,10 +85,13 @@ def _gemm_kernel(a_ptr, b_ptr, c_ptr, bias_ptr, rowsum_ptr, M, N, K,
     offs_m = pid_m * BM + tl.arange(0, BM)
     offs_n = pid_n * BN + tl.arange(0, BN)
     offs_k = tl.arange(0, BK)
-    # rows/columns past the edge wrap onto valid ones (their results are never stored), so
-    # only the K edge needs a load mask
-    am = (offs_m % M).to(tl.int64)
-    bn = (offs_n % N).to(tl.int64)
+    # rows and columns past the edge are masked (loaded as 0, never stored): unlike a wrap
+    # (`% M`), the mask keeps a tile's rows contiguous to the compiler, so an operand that is
+    # contiguous along M or N (dy transposed in dW, w in dx) loads 16 bytes at a time
+    m_in = offs_m < M
+    n_in = offs_n < N
+    am = offs_m.to(tl.int64)
+    bn = offs_n.to(tl.int64)
     kk = offs_k.to(tl.int64)
     a_ptrs = a_ptr + am[:, None] * sam + kk[None, :] * sak
     b_ptrs = b_ptr + kk[:, None] * sbk + bn[None, :] * sbn
@@ -93,8 +100,8 @@ def _gemm_kernel(a_ptr, b_ptr, c_ptr, bias_ptr, rowsum_ptr, M, N, K,
     rs = tl.zeros([BM], dtype=tl.float32)
     for k0 in range(0, K, BK):
         k_ok = offs_k < K - k0
-        a = tl.load(a_ptrs, mask=k_ok[None, :], other=0.0)
-        b = tl.load(b_ptrs, mask=k_ok[:, None], other=0.0)
+        a = tl.load(a_ptrs, mask=m_in[:, None] & k_ok[None, :], other=0.0)
+        b = tl.load(b_ptrs, mask=k_ok[:, None] & n_in[None, :], other=0.0)
         acc = tl.dot(a, b, acc, input_precision=PRECISION)
         if HAS_ROWSUM:
             rs += tl.sum(a, axis=1)

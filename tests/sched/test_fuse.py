@@ -100,9 +100,12 @@ def test_fuse_relu_must_be_a_bool():
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 @pytest.mark.parametrize("cuda_graph", [False, True])
-def test_fused_training_on_the_gpu_is_bitwise_the_unfused(cuda_graph):
+def test_fused_training_on_the_gpu_is_bitwise_the_unfused(cuda_graph, tmp_path, monkeypatch):
     """Policy "all" on the GPU (its conv algorithms from the measured rankings, the same for
-    both: channels-last ones on the 32x32 layers), eager and replayed: the same bits."""
+    both: channels-last ones on the 32x32 layers), eager and replayed: the same bits. The
+    rankings are this test's own (a private cache): a test beside it in another process
+    that times the same shapes would otherwise rewrite them between the two Runtimes."""
+    monkeypatch.setenv("TINYSN_CACHE_DIR", str(tmp_path))
     net = _vgg_like()
     gen = torch.Generator().manual_seed(1)
     images = torch.randn(4, 3, 32, 32, generator=gen)

@@ -445,7 +445,7 @@ def backward(x, gamma, dy, saved, dx, dgamma, dbeta, workspace, *, accumulate=Fa
         ROWS=rows, COLS=cols, num_warps=_WARPS)
     sums = ws[c * nch * 2: c * nch * 2 + 2 * c]
     cb, nchp = _finalize_shape(c, nch)
-    run(_bn_bwd_finalize_kernel, (cdiv(c, cb),), 
+    run(_bn_bwd_finalize_kernel, (cdiv(c, cb),),
         ws, sums, saved, dgamma if dgamma is not None else sums,
         dbeta if dbeta is not None else sums, c, nch,
         HAS_DG=dgamma is not None, HAS_DB=dbeta is not None, CB=cb, NCHP=nchp)

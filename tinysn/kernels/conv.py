@@ -1647,7 +1647,7 @@ def forward(x, w, b, y, *, stride, padding, algo="implicit", workspace=None, pre
     # im2col: col [N, C*R*S, P, Q], then a 1x1 conv of col with w as [K, C*R*S, 1, 1]
     crs = c * r * s
     bm, bk = (16, 16) if INTERPRET else (128, 32)
-    run(_im2col_kernel, (cdiv(n * p * q, bm), cdiv(crs, bk)), 
+    run(_im2col_kernel, (cdiv(n * p * q, bm), cdiv(crs, bk)),
         x, ws, n, c, sh, sw, ph, pw, H=h, W=wd, P=p, Q=q, R=r, S=s, BLOCK_M=bm, BLOCK_K=bk,
         num_warps=4)
     _launch_fwd(ws, w, b, y, n, crs, p, q, k, p, q, 1, 1, 0, 0, 1, 1, prec, relu=relu)
@@ -1789,7 +1789,7 @@ def _launch_bwd_data_t(dy, w, wt, dx, n, c, h, wd, k, p, q, sh, sw, ph, pw, r, s
         bk, bj = min(64, next_power_of_2(k)), min(1024, next_power_of_2(c * r * s))
     else:
         bk, bj = 64, 64
-    run(_weight_rsck_kernel, (cdiv(k, bk), cdiv(c * r * s, bj)), 
+    run(_weight_rsck_kernel, (cdiv(k, bk), cdiv(c * r * s, bj)),
         w, wt, k, c, RS=r * s, BLOCK_K=bk, BLOCK_J=bj, num_warps=4)
     _launch_bwd_data(dy, wt, dx, n, c, h, wd, k, p, q, sh, sw, ph, pw, r, s, accumulate, prec,
                      mask, kernels=(_conv_bwd_data_t, _conv_bwd_data_t_acc))
@@ -1819,7 +1819,7 @@ def _run_bwd_data(dy, w, dx, x_shape, geo, algo, ws, accumulate, prec, mask=None
         # dx = conv(dY, wF [C, K, R, S], stride 1, padding (R-1-ph, S-1-pw)): the forward
         # kernel with C <-> K and (H, W) <-> (P, Q)
         total = k * c * r * s
-        run(_weight_flip_kernel, (cdiv(total, _ELEM_BLOCK),), 
+        run(_weight_flip_kernel, (cdiv(total, _ELEM_BLOCK),),
             w, ws, total, k, c, RS=r * s, BLOCK=_ELEM_BLOCK, num_warps=4)
         _launch_fwd(dy, ws, None, dx, n, k, p, q, c, h, wd, 1, 1, r - 1 - ph, s - 1 - pw, r, s,
                     prec, accumulate, mask=mask)
@@ -1827,7 +1827,7 @@ def _run_bwd_data(dy, w, dx, x_shape, geo, algo, ws, accumulate, prec, mask=None
     # zero_insert: z [N, K, H+R-1, W+S-1], then a stride-1 conv of z with the flipped weight,
     # which is the implicit stride-1 kernel with padding (R-1, S-1) over z
     hz, wz = h + r - 1, wd + s - 1
-    run(_zero_insert_kernel, (n * k, cdiv(hz * wz, _ELEM_BLOCK)), 
+    run(_zero_insert_kernel, (n * k, cdiv(hz * wz, _ELEM_BLOCK)),
         dy, ws, p, q, hz, wz, sh, sw, r - 1 - ph, s - 1 - pw, BLOCK=_ELEM_BLOCK, num_warps=4)
     _launch_bwd_data(ws, w, dx, n, c, h, wd, k, hz, wz, 1, 1, r - 1, s - 1, r, s, accumulate,
                      prec, mask)

@@ -313,7 +313,7 @@ def forward(x, y, *, mode, kernel, stride, padding):
         hw = h * w
         cols = min(next_power_of_2(hw), 1024)
         rows = max(2, _GLOBAL_LANES // cols)
-        run(_pool_global_fwd_kernel, (cdiv(planes, rows),), 
+        run(_pool_global_fwd_kernel, (cdiv(planes, rows),),
             x, y, planes, hw, IS_MAX=is_max, INDEX64=index64, COLS=cols, PLANES=rows,
             num_warps=4)
         return

@@ -83,7 +83,7 @@ def update(param: torch.Tensor, grad: torch.Tensor, momentum_buf, *, lr: float,
             if a0 < b0 + 4 * n and b0 < a0 + 4 * n:
                 raise ValueError(f"sgd: {na} and {nb} overlap")
     buf = momentum_buf if momentum != 0.0 else param      # dummy pointer when unused
-    run(_sgd_kernel, (cdiv(n, BLOCK),), 
+    run(_sgd_kernel, (cdiv(n, BLOCK),),
         param, grad, buf, n, lr, momentum, weight_decay,
         HAS_WD=weight_decay != 0.0, HAS_MOMENTUM=momentum != 0.0, BLOCK=BLOCK,
         num_warps=NUM_WARPS, **_NO_FP_FUSION)

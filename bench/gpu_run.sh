@@ -2,14 +2,14 @@
 # Every GPU figure in few calls on the device machine; each stage has its own time limit and
 # writes its results straight into $OUT (never into the tracked bench/results/).
 #   PYTHONPATH=. OUT=/some/dir bash bench/gpu_run.sh STAGE...
-# stages: first-run streams tests runtime conv-check conv-gap cap kernels conv-configs profile pool train host-probe memory-a memory-b deep-graph trace oversub ddp-b32 ddp-largest
+# stages: first-run streams tests runtime conv-check conv-gap cap kernels conv-configs profile eager-profile pool train host-probe memory-a memory-b deep-graph trace oversub ddp-b32 ddp-largest
 # (the ddp stages need two GPUs: bench/ddp.py, one file with both stages' configurations)
 # Copy a result into bench/results/ by hand once it is checked, one file per configuration.
 set -u
 export PYTHONPATH=${PYTHONPATH:-.}
 export PYTHONUNBUFFERED=1
 OUT=${OUT:-/tmp/tinysn-gpu}
-STAGES="first-run streams tests runtime conv-check conv-gap cap kernels conv-configs profile pool train host-probe memory-a memory-b deep-graph trace oversub ddp-b32 ddp-largest"
+STAGES="first-run streams tests runtime conv-check conv-gap cap kernels conv-configs profile eager-profile pool train host-probe memory-a memory-b deep-graph trace oversub ddp-b32 ddp-largest"
 for stage in "$@"; do
   case " $STAGES " in *" $stage "*) ;; *) echo "unknown stage '$stage' (stages: $STAGES)"; exit 2 ;; esac
 done
@@ -54,6 +54,10 @@ for stage in "$@"; do
     # device time per kernel of an eager step at batch 32 (PROFILE_MODELS picks models)
     profile)  for model in ${PROFILE_MODELS:-alexnet vgg16 resnet50}; do
                 timeout ${PROFILE_S:-120} python3 bench/step_profile.py --model "$model" --out "$OUT/profile-$model-b32-$GPU.json" 2>&1 | tail -22
+              done ;;
+    # where an eager step's host time goes (cProfile; EAGER_MODELS picks models)
+    eager-profile) for model in ${EAGER_MODELS:-resnet50}; do
+                timeout ${EAGER_S:-150} python3 bench/eager_profile.py --model "$model" --out "$OUT/eager-profile-$model-b32-$GPU.json" 2>&1 | tail -16
               done ;;
     pool)     timeout 120 python3 bench/pool.py --out "$OUT/pool-$GPU.json" 2>&1 | tail -12 ;;
     # batch 32, each model in its own process and time limit (default kernels, autotuned; a

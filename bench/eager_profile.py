@@ -1,0 +1,145 @@
+"""Where an eager step's host time goes: the runtime's walk profiled with cProfile.
+
+    PYTHONPATH=. python bench/eager_profile.py [--model resnet50] [--batch 32] [--steps 10]
+                                               [--top 30] [--out PATH]
+
+At batch 32 an eager step of a deep net is bound by the host (bench/README.md, the training
+table): the GPU waits for launches. This script builds the model's Runtime (policy "all",
+default kernels), runs a few untimed steps, then measures, in this order:
+- **step**: synchronized steps, wall clock per step;
+- **issue**: the same number of steps with no synchronization until after the clock stops:
+  the host's own time per step (equal to the step when the host is the bound);
+- **profile**: the same steps under cProfile: the functions that took the most time
+  (`top`, per step), the Triton launches per step (calls of triton's `JITFunction.run`, or
+  the interpreter's `run` on a CPU), and how the profiled time splits between Triton's
+  launch path (everything under its `run`), tinysn's own code and the rest.
+cProfile slows every Python call, so its shares, not its absolute times, are the result.
+On a CPU the same code runs on Triton's interpreter (a smoke test: the kernels themselves
+are then the time).
+"""
+import argparse
+import cProfile
+import os
+import pstats
+import sys
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+import tinysn as sn  # noqa: E402
+import torch  # noqa: E402
+
+from bench import common  # noqa: E402
+from tinysn.cli import MODELS  # noqa: E402
+
+TINYSN_DIR = os.path.dirname(os.path.abspath(sn.__file__))
+TRITON_RUN = (("runtime", "jit.py", "run"), ("runtime", "interpreter.py", "run"))
+
+
+def sync(device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def per_step_s(step, device, steps: int, synchronize: bool) -> float:
+    """Seconds per step over `steps` steps; without `synchronize` the clock stops before the
+    device is waited for (the host's issue time)."""
+    sync(device)
+    t0 = time.perf_counter()
+    for _ in range(steps):
+        step()
+    if synchronize:
+        sync(device)
+    seconds = (time.perf_counter() - t0) / steps
+    sync(device)
+    return seconds
+
+
+def where(key) -> str:
+    """A profile entry's name: the file (tinysn's from the package, others from their
+    site-packages folder), line and function."""
+    path, line, name = key
+    if path.startswith(TINYSN_DIR):
+        path = "tinysn" + path[len(TINYSN_DIR):]
+    elif "site-packages" + os.sep in path:
+        path = path.split("site-packages" + os.sep, 1)[1]
+    return f"{path}:{line}({name})"
+
+
+def is_triton_run(key) -> bool:
+    path, _, name = key
+    parts = path.split(os.sep)
+    return any(name == fn and parts[-2:] == [folder, file] for folder, file, fn in TRITON_RUN)
+
+
+def profile_summary(stats: dict, steps: int, top: int) -> dict:
+    """Per-step figures from cProfile's raw `stats` ({(file, line, name): (primitive calls,
+    calls, own seconds, cumulative seconds, callers)})."""
+    total = sum(v[2] for v in stats.values())
+    runs = [v for k, v in stats.items() if is_triton_run(k)]
+    tinysn_own = sum(v[2] for k, v in stats.items() if k[0].startswith(TINYSN_DIR))
+    rows = sorted(stats.items(), key=lambda kv: -kv[1][2])[:top]
+    return {
+        "profiled_s_per_step": total / steps,
+        "triton_launches_per_step": sum(v[1] for v in runs) / steps,
+        "triton_launch_path_share": sum(v[3] for v in runs) / total if total else 0.0,
+        "tinysn_own_share": tinysn_own / total if total else 0.0,
+        "top": [{"function": where(k), "calls_per_step": v[1] / steps,
+                 "own_us_per_step": v[2] / steps * 1e6,
+                 "cumulative_us_per_step": v[3] / steps * 1e6} for k, v in rows],
+    }
+
+
+def measure(model: str, batch: int, steps: int, top: int, warmup: int = 3) -> dict:
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    net = MODELS[model](batch=batch)
+    rt = sn.Runtime(net, "40GiB" if device.type == "cuda" else "2GiB", "all", device=device,
+                    lr=0.01, momentum=0.9, weight_decay=5e-4)
+    images, labels = sn.data.synthetic(net, seed=0)
+    if device.type == "cuda":
+        images, labels = images.pin_memory(), labels.pin_memory()
+
+    def step():
+        rt.step(images, labels)
+    for _ in range(warmup):
+        step()
+    step_s = per_step_s(step, device, steps, synchronize=True)
+    issue_s = per_step_s(step, device, steps, synchronize=False)
+    profiler = cProfile.Profile()
+    profiler.enable()
+    for _ in range(steps):
+        step()
+    sync(device)
+    profiler.disable()
+    stats = pstats.Stats(profiler).stats
+    return {"model": model, "batch": batch, "steps": steps, "device": str(device),
+            "step_ms": step_s * 1e3, "issue_ms": issue_s * 1e3,
+            "plan_launches_per_step": sum(isinstance(op, sn.sched.plan.Launch)
+                                          for s in rt.plan.steps for op in s.ops),
+            **profile_summary(stats, steps, top)}
+
+
+def main(argv=None) -> dict:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--model", default="resnet50", choices=sorted(MODELS))
+    ap.add_argument("--batch", type=int, default=32)
+    ap.add_argument("--steps", type=int, default=10)
+    ap.add_argument("--top", type=int, default=30)
+    common.add_out_argument(ap)
+    args = ap.parse_args(argv)
+    if args.steps < 1 or args.batch < 1 or args.top < 1:
+        ap.error("--steps, --batch and --top must be at least 1")
+    r = measure(args.model, args.batch, args.steps, args.top)
+    print(f"{r['model']} batch {r['batch']} on {r['device']}: step {r['step_ms']:.2f} ms, "
+          f"host issue {r['issue_ms']:.2f} ms; {r['triton_launches_per_step']:.0f} Triton "
+          f"launches per step ({r['plan_launches_per_step']} layer launches)")
+    print(f"  under cProfile: Triton's launch path {r['triton_launch_path_share']:.0%}, "
+          f"tinysn's own code {r['tinysn_own_share']:.0%} of the profiled time")
+    for row in r["top"][:12]:
+        print(f"  {row['own_us_per_step']:9.0f} us own {row['calls_per_step']:7.0f} calls  "
+              f"{row['function']}")
+    common.write(args.out, r)
+    return r
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,30 @@
+"""bench/eager_profile.py: an eager step's host time split by cProfile (CPU smoke run)."""
+import json
+import os
+
+from bench import eager_profile
+
+
+def test_profiles_an_eager_step_and_counts_its_triton_launches(tmp_path):
+    out = tmp_path / "eager.json"
+    r = eager_profile.main(["--model", "lenet", "--batch", "2", "--steps", "1", "--top", "5",
+                            "--out", str(out)])
+    assert json.loads(out.read_text())["model"] == "lenet"
+    assert r["step_ms"] > 0 and r["issue_ms"] > 0
+    # every layer launch runs at least one Triton kernel, SGD one per parameter besides
+    assert r["triton_launches_per_step"] >= r["plan_launches_per_step"] > 0
+    # on the interpreter the kernels run inside Triton's `run`: nearly all the time (its
+    # cumulative time may pass the sum of own times by the profiler's rounding)
+    assert 0.5 < r["triton_launch_path_share"] < 1.05 and 0 < r["tinysn_own_share"] < 0.5
+    assert len(r["top"]) == 5
+    own = [row["own_us_per_step"] for row in r["top"]]
+    assert own == sorted(own, reverse=True) and own[0] > 0
+
+
+def test_names_tinysn_and_site_package_files_by_their_package():
+    here = os.path.join(eager_profile.TINYSN_DIR, "runtime.py")
+    assert eager_profile.where((here, 3, "step")) == "tinysn/runtime.py:3(step)"
+    pkg = os.path.join("/x", "lib", "site-packages", "triton", "runtime", "jit.py")
+    assert eager_profile.where((pkg, 9, "run")) == "triton/runtime/jit.py:9(run)"
+    assert eager_profile.is_triton_run((pkg, 9, "run"))
+    assert not eager_profile.is_triton_run((here, 9, "run"))

@@ -1,5 +1,6 @@
 """Dynamic conv workspaces: the fastest algorithm whose workspace fits in the free memory."""
 import pytest
+import torch
 
 import tinysn as sn
 from tinysn.kernels import conv
@@ -93,3 +94,27 @@ def test_max_pool_backward_gets_its_spare_workspace_under_all_only(policy):
     need = pool.argmax_workspace_bytes((2, 8, 12, 12), mode="max", kernel=3, stride=2,
                                        padding=1)
     assert need == 2 * 8 * 6 * 6 and p.tensors[launch.workspace].nbytes == need
+
+
+def test_a_process_keeps_the_rankings_it_planned_with(tmp_path, monkeypatch):
+    """Another process that times the same shapes rewrites the rankings file; this process's
+    next Runtime still gets the orders its first one planned with, so the two choose alike."""
+    net = conv_net()
+    keys = [(*g, ph) for g in workspace.net_geometries(net) for ph in workspace.PHASES]
+    orders = {}
+
+    def time_all(geometries, scratch, rep_ms, progress):     # no GPU: orders made up
+        measured = {k: [f"first-{k[-1]}", "second"] for k in keys}
+        return measured, {k: {a: 1.0 for a in v} for k, v in measured.items()}
+    monkeypatch.setattr(workspace, "_KEPT", {})
+    monkeypatch.setattr(workspace, "rankings_path",
+                        lambda device, kind="conv-rankings": str(tmp_path / f"{kind}.json"))
+    monkeypatch.setattr(workspace, "_compile_all", lambda *a: None)
+    monkeypatch.setattr(workspace, "_time_all", time_all)
+    scratch = torch.zeros(8, dtype=torch.uint8)
+    orders["first"] = workspace.measure_rankings(net, scratch, progress=False)
+    assert sorted(orders["first"]) == sorted(keys)
+    other = {k: list(reversed(v)) for k, v in orders["first"].items()}
+    workspace.save_rankings(workspace.rankings_path(None), other)   # the other process
+    assert workspace.load_rankings(workspace.rankings_path(None)) == other
+    assert workspace.measure_rankings(net, scratch, progress=False) == orders["first"]

@@ -161,6 +161,12 @@ def cached_rankings(net, device, kind: str = "conv-rankings"):
     return {key: tables[kind][key] for key in wanted}
 
 
+# (rankings file, key) -> the ranking this process planned with first: kept for the
+# process, so that two Runtimes of one process choose alike even when another process
+# rewrites the file between them (it times a shape too, and its order differs by noise)
+_KEPT = {}
+
+
 def measure_rankings(net, scratch, rep_ms: int = 8, progress: bool = True) -> dict:
     """Rankings of every conv shape of `net`: from the disk cache, the rest timed on the GPU.
 
@@ -172,7 +178,7 @@ def measure_rankings(net, scratch, rep_ms: int = 8, progress: bool = True) -> di
     them (kind "conv-times": the step-time model's conv times, `cached_rankings`); a shape
     missing from either is timed again. Every algorithm's kernels are compiled first, in
     parallel (`compiling_in_parallel`), then timed one by one. A notice and progress bars go
-    to stderr.
+    to stderr. A shape this process has ranked before keeps that ranking (`_KEPT`).
     """
     path, times_path = rankings_path(scratch.device), rankings_path(scratch.device, "conv-times")
     stored, times = load_rankings(path), load_rankings(times_path)
@@ -190,8 +196,9 @@ def measure_rankings(net, scratch, rep_ms: int = 8, progress: bool = True) -> di
         save_rankings(path, measured)
         save_rankings(times_path, seconds)
         stored.update(measured)
-    return {(*g, ph): stored[(*g, ph)] for g in net_geometries(net) for ph in PHASES
-            if (*g, ph) in stored}
+    return {key: _KEPT.setdefault((str(path), key), stored[key])
+            for key in ((*g, ph) for g in net_geometries(net) for ph in PHASES)
+            if key in stored}
 
 
 def _compile_all(geometries, scratch, progress) -> None:

@@ -4,8 +4,8 @@
                                                [--top 30] [--out PATH]
 
 At batch 32 an eager step of a deep net is bound by the host (bench/README.md, the training
-table): the GPU waits for launches. This script builds the model's Runtime (policy "all",
-default kernels), runs a few untimed steps, then measures, in this order:
+table): the GPU waits for launches. This script builds the model's Runtime as host_probe.py
+does (policy "all", default kernels, three untimed steps), then measures, in this order:
 - **step**: synchronized steps, wall clock per step;
 - **issue**: the same number of steps with no synchronization until after the clock stops:
   the host's own time per step (equal to the step when the host is the bound);
@@ -29,27 +29,22 @@ import tinysn as sn  # noqa: E402
 import torch  # noqa: E402
 
 from bench import common  # noqa: E402
+from bench.host_probe import eager_runtime, step_seconds  # noqa: E402
+from bench.train import sync  # noqa: E402
 from tinysn.cli import MODELS  # noqa: E402
 
 TINYSN_DIR = os.path.dirname(os.path.abspath(sn.__file__))
 TRITON_RUN = (("runtime", "jit.py", "run"), ("runtime", "interpreter.py", "run"))
 
 
-def sync(device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
-def per_step_s(step, device, steps: int, synchronize: bool) -> float:
-    """Seconds per step over `steps` steps; without `synchronize` the clock stops before the
-    device is waited for (the host's issue time)."""
+def issue_seconds(rt, images, labels, steps, device) -> float:
+    """Seconds per eager step over `steps` steps, the clock stopped before the device is
+    waited for: the host's own time per step."""
     sync(device)
-    t0 = time.perf_counter()
+    start = time.perf_counter()
     for _ in range(steps):
-        step()
-    if synchronize:
-        sync(device)
-    seconds = (time.perf_counter() - t0) / steps
+        rt.step(images, labels)
+    seconds = (time.perf_counter() - start) / steps
     sync(device)
     return seconds
 
@@ -89,25 +84,17 @@ def profile_summary(stats: dict, steps: int, top: int) -> dict:
     }
 
 
-def measure(model: str, batch: int, steps: int, top: int, warmup: int = 3) -> dict:
+def measure(model: str, batch: int, steps: int, top: int) -> dict:
+    """The step, issue and profile figures of `model`'s eager Runtime (host_probe's: policy
+    "all", warmed up, its batch in pinned host memory)."""
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    net = MODELS[model](batch=batch)
-    rt = sn.Runtime(net, "40GiB" if device.type == "cuda" else "2GiB", "all", device=device,
-                    lr=0.01, momentum=0.9, weight_decay=5e-4)
-    images, labels = sn.data.synthetic(net, seed=0)
-    if device.type == "cuda":
-        images, labels = images.pin_memory(), labels.pin_memory()
-
-    def step():
-        rt.step(images, labels)
-    for _ in range(warmup):
-        step()
-    step_s = per_step_s(step, device, steps, synchronize=True)
-    issue_s = per_step_s(step, device, steps, synchronize=False)
+    rt, images, labels = eager_runtime(model, batch, device)
+    step_s = step_seconds(rt, images, labels, steps, device)
+    issue_s = issue_seconds(rt, images, labels, steps, device)
     profiler = cProfile.Profile()
     profiler.enable()
     for _ in range(steps):
-        step()
+        rt.step(images, labels)
     sync(device)
     profiler.disable()
     stats = pstats.Stats(profiler).stats

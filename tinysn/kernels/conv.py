@@ -2090,7 +2090,7 @@ def backward(x, w, dy, dx, dw, db, *, stride, padding, algo_data="implicit",
                       [("x", x), ("w", w), ("dy", dy)])
     # "flipped_nhwc" copies all of dY: the bias gradient is summed on the way, its partial
     # sums in dW's room (dW is written after)
-    fuse_bias = fuses_bias_grad(algo_data) and None not in (dx, dw, db)
+    fuse_bias = fuses_bias_grad(algo_data) and all(t is not None for t in (dx, dw, db))
     if dx is not None:
         _run_bwd_data(dy, w, dx, x.shape, geo, algo_data, ws, accumulate, prec,
                       x if x_is_relu_output else None,

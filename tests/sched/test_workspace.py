@@ -101,7 +101,6 @@ def test_a_process_keeps_the_rankings_it_planned_with(tmp_path, monkeypatch):
     next Runtime still gets the orders its first one planned with, so the two choose alike."""
     net = conv_net()
     keys = [(*g, ph) for g in workspace.net_geometries(net) for ph in workspace.PHASES]
-    orders = {}
 
     def time_all(geometries, scratch, rep_ms, progress):     # no GPU: orders made up
         measured = {k: [f"first-{k[-1]}", "second"] for k in keys}
@@ -112,9 +111,9 @@ def test_a_process_keeps_the_rankings_it_planned_with(tmp_path, monkeypatch):
     monkeypatch.setattr(workspace, "_compile_all", lambda *a: None)
     monkeypatch.setattr(workspace, "_time_all", time_all)
     scratch = torch.zeros(8, dtype=torch.uint8)
-    orders["first"] = workspace.measure_rankings(net, scratch, progress=False)
-    assert sorted(orders["first"]) == sorted(keys)
-    other = {k: list(reversed(v)) for k, v in orders["first"].items()}
+    first = workspace.measure_rankings(net, scratch, progress=False)
+    assert sorted(first) == sorted(keys)
+    other = {k: list(reversed(v)) for k, v in first.items()}
     workspace.save_rankings(workspace.rankings_path(None), other)   # the other process
     assert workspace.load_rankings(workspace.rankings_path(None)) == other
-    assert workspace.measure_rankings(net, scratch, progress=False) == orders["first"]
+    assert workspace.measure_rankings(net, scratch, progress=False) == first

@@ -255,6 +255,7 @@ def test_cpu_smoke_plot_and_table(smoke, capsys):
 
 
 @pytest.mark.gpu
+@pytest.mark.timing
 def test_gpu_smoke_counts_the_cap_on_both_sides(tmp_path):
     """On the GPU the PyTorch search is capped for real and tinysn's process stays in its
     cap: LeNet under 256 MiB (PyTorch's cuBLAS workspaces need some 65 MiB of it), the

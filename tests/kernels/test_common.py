@@ -102,7 +102,57 @@ def test_compiling_in_parallel_compiles_without_running():
     assert not bool((ys == 7).all())
 
 
+class _FakeGPU:
+    """A GPU as bench_ms sees it, on the host's clock: each call's kernel runs `kernel_s`,
+    starting once the host has issued it and the GPU is free (after any held wait);
+    events read the GPU's clock. `issue_s(pass)` is the host's time per call in each timed
+    pass after the first three calls."""
+
+    def __init__(self, kernel_s, issue_s):
+        self.kernel_s, self.issue_s, self.host, self.gpu = kernel_s, issue_s, 0.0, 0.0
+        self.calls, self.holds = 0, []
+
+    def call(self):
+        self.calls += 1
+        self.host += self.issue_s(len(self.holds)) if self.calls > 3 else self.issue_s(0)
+        self.gpu = max(self.gpu, self.host) + self.kernel_s
+
+    def hold(self, seconds):
+        self.holds.append(seconds)
+        self.gpu = max(self.gpu, self.host) + seconds
+
+    def event(self, **_):
+        gpu = self
+
+        class Event:
+            def record(self):
+                self.at = max(gpu.gpu, gpu.host)
+
+            def elapsed_time(self, end):
+                return (end.at - self.at) * 1e3
+
+            def synchronize(self):
+                pass
+        return Event()
+
+
+def test_bench_ms_holds_longer_when_a_loaded_host_issued_slower_than_the_hold(monkeypatch):
+    """A kernel of 10 us that the host issues every 100 us, then, in the first held pass,
+    every 400 us (a loaded host): that pass's wait runs out before the last call is issued,
+    so bench_ms times the calls again behind a wait twice the issuing time, and reports the
+    kernel's 10 us, not the host's pace."""
+    gpu = _FakeGPU(kernel_s=1e-5, issue_s=lambda held: 4e-4 if held == 1 else 1e-4)
+    monkeypatch.setattr(_common.torch.cuda, "Event", gpu.event)
+    monkeypatch.setattr(_common.torch.cuda, "synchronize", lambda: None)
+    monkeypatch.setattr(_common, "_hold_queue", gpu.hold)
+    monkeypatch.setattr(_common.time, "perf_counter", lambda: gpu.host)
+    ms = _common.bench_ms(gpu.call, rep_ms=2)
+    assert len(gpu.holds) == 2 and gpu.holds[1] > 2 * gpu.holds[0]
+    assert ms == pytest.approx(0.01)
+
+
 @pytest.mark.gpu
+@pytest.mark.timing
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 def test_bench_ms_times_the_gpu_not_a_slow_host():
     """A call that costs the host 300 us and the GPU a few: bench_ms reports the GPU's time

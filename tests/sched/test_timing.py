@@ -246,6 +246,7 @@ def test_the_probe_times_bare_launches():
 
 
 @pytest.mark.gpu
+@pytest.mark.timing
 def test_an_eager_runtime_plans_with_its_hosts_probe_and_allocates_nothing_for_it():
     """On the GPU the probe allocates no device memory, and an eager Runtime's plan carries
     this process's probe (a replayed one none: it pays no per-launch host cost)."""

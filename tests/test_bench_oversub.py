@@ -222,7 +222,9 @@ def test_cpu_smoke_rows_have_every_key_and_sane_values(smoke):
     bandwidth = data["copy_bandwidth"]
     for r in rows:
         assert ROW_KEYS <= set(r), ROW_KEYS - set(r)
-        assert 0 < r["fraction"] <= 1.5
+        # two timings of LeNet on a CPU shared with another test worker: 1.50 seen once,
+        # so the bound only catches nonsense; the ratio itself is checked on the next line
+        assert 0 < r["fraction"] <= 3
         assert r["fraction"] == pytest.approx(r["images_per_s"] / r["no_move_images_per_s"])
         assert r["pcie_floor_s"] == pytest.approx(oversub.pcie_floor_s(
             r["bytes_to_host"], r["bytes_to_device"], bandwidth)) and r["pcie_floor_s"] >= 0

@@ -12,12 +12,18 @@ does (policy "all", default kernels, three untimed steps), then measures, in thi
 - **profile**: the same steps under cProfile: the functions that took the most time
   (`top`, per step), the Triton launches per step (calls of triton's `JITFunction.run`, or
   the interpreter's `run` on a CPU), and how the profiled time splits between Triton's
-  launch path (everything under its `run`), tinysn's own code and the rest.
+  launch path (everything under its `run`), tinysn's own code and the rest;
+- **own**: the same steps issued again with every Triton launch stubbed out (its `run`
+  returns at once: no argument binding, no launcher, no kernel): what is left of the host's
+  time per step is tinysn's own (the walk, the checks, the pool, torch's copies), and the
+  difference from **issue** is Triton's launch path, measured without a profiler. The
+  stubbed steps compute nothing, so they come last.
 cProfile slows every Python call, so its shares, not its absolute times, are the result.
 On a CPU the same code runs on Triton's interpreter (a smoke test: the kernels themselves
 are then the time).
 """
 import argparse
+import contextlib
 import cProfile
 import os
 import pstats
@@ -47,6 +53,28 @@ def issue_seconds(rt, images, labels, steps, device) -> float:
     seconds = (time.perf_counter() - start) / steps
     sync(device)
     return seconds
+
+
+@contextlib.contextmanager
+def triton_stubbed():
+    """Within the block every Triton launch (triton's `JITFunction.run`, the interpreter's
+    `InterpretedFunction.run`) returns at once and is counted; yields the count (a one-item
+    list). Nothing runs, so whatever the block computes is garbage."""
+    from triton.runtime import interpreter, jit
+
+    owners = [jit.JITFunction, interpreter.InterpretedFunction]
+    saved = [(owner, vars(owner)["run"]) for owner in owners]
+    calls = [0]
+
+    def run(self, *args, **kwargs):
+        calls[0] += 1
+    for owner in owners:
+        owner.run = run
+    try:
+        yield calls
+    finally:
+        for owner, original in saved:
+            owner.run = original
 
 
 def where(key) -> str:
@@ -98,8 +126,11 @@ def measure(model: str, batch: int, steps: int, top: int) -> dict:
     sync(device)
     profiler.disable()
     stats = pstats.Stats(profiler).stats
+    with triton_stubbed() as launches:
+        own_s = issue_seconds(rt, images, labels, steps, device)
     return {"model": model, "batch": batch, "steps": steps, "device": str(device),
             "step_ms": step_s * 1e3, "issue_ms": issue_s * 1e3,
+            "own_issue_ms": own_s * 1e3, "stubbed_launches_per_step": launches[0] / steps,
             "plan_launches_per_step": sum(isinstance(op, sn.sched.plan.Launch)
                                           for s in rt.plan.steps for op in s.ops),
             **profile_summary(stats, steps, top)}
@@ -119,6 +150,9 @@ def main(argv=None) -> dict:
     print(f"{r['model']} batch {r['batch']} on {r['device']}: step {r['step_ms']:.2f} ms, "
           f"host issue {r['issue_ms']:.2f} ms; {r['triton_launches_per_step']:.0f} Triton "
           f"launches per step ({r['plan_launches_per_step']} layer launches)")
+    print(f"  Triton's launches stubbed out: host issue {r['own_issue_ms']:.2f} ms per step "
+          f"(tinysn's own), so {r['issue_ms'] - r['own_issue_ms']:.2f} ms is Triton's "
+          f"launch path")
     print(f"  under cProfile: Triton's launch path {r['triton_launch_path_share']:.0%}, "
           f"tinysn's own code {r['tinysn_own_share']:.0%} of the profiled time")
     for row in r["top"][:12]:

@@ -16,9 +16,35 @@ def test_profiles_an_eager_step_and_counts_its_triton_launches(tmp_path):
     # on the interpreter the kernels run inside Triton's `run`: nearly all the time (its
     # cumulative time may pass the sum of own times by the profiler's rounding)
     assert 0.5 < r["triton_launch_path_share"] < 1.05 and 0 < r["tinysn_own_share"] < 0.5
+    # with Triton's launches stubbed out the same launches are counted, and the host's
+    # time is tinysn's own: a small part of a step whose kernels the interpreter runs
+    assert r["stubbed_launches_per_step"] == r["triton_launches_per_step"]
+    assert 0 < r["own_issue_ms"] < r["issue_ms"] / 2
     assert len(r["top"]) == 5
     own = [row["own_us_per_step"] for row in r["top"]]
     assert own == sorted(own, reverse=True) and own[0] > 0
+
+
+def test_the_stub_counts_launches_runs_nothing_and_restores_triton():
+    import torch
+    import triton
+    import triton.language as tl
+    from triton.runtime import interpreter, jit
+
+    @triton.jit
+    def fill(x_ptr, n, BLOCK: tl.constexpr):
+        offs = tl.arange(0, BLOCK)
+        tl.store(x_ptr + offs, 1.0, mask=offs < n)
+
+    runs = (jit.JITFunction.run, interpreter.InterpretedFunction.run)
+    x = torch.zeros(8)
+    with eager_profile.triton_stubbed() as calls:
+        fill[(1,)](x, 8, BLOCK=8)
+        fill[(1,)](x, 8, BLOCK=8)
+    assert calls == [2] and not x.any()
+    assert (jit.JITFunction.run, interpreter.InterpretedFunction.run) == runs
+    fill[(1,)](x, 8, BLOCK=8)
+    assert bool((x == 1).all())
 
 
 def test_names_tinysn_and_site_package_files_by_their_package():

@@ -17,12 +17,17 @@ does (policy "all", default kernels, three untimed steps), then measures, in thi
   returns at once: no argument binding, no launcher, no kernel): what is left of the host's
   time per step is tinysn's own (the walk, the checks, the pool, torch's copies), and the
   difference from **issue** is Triton's launch path, measured without a profiler. The
-  stubbed steps compute nothing, so they come last.
+  stubbed steps compute nothing, so they come last. `launches_by_kernel` counts each
+  stubbed kernel's launches per step.
+`--own-only` runs only that last part, on the CPU whatever the machine (the warm-up steps
+stubbed too, so nothing runs, nothing is tuned or timed into a cache): tinysn's own host
+time per step and the launches of any model in seconds.
 cProfile slows every Python call, so its shares, not its absolute times, are the result.
 On a CPU the same code runs on Triton's interpreter (a smoke test: the kernels themselves
 are then the time).
 """
 import argparse
+import collections
 import contextlib
 import cProfile
 import os
@@ -58,16 +63,16 @@ def issue_seconds(rt, images, labels, steps, device) -> float:
 @contextlib.contextmanager
 def triton_stubbed():
     """Within the block every Triton launch (triton's `JITFunction.run`, the interpreter's
-    `InterpretedFunction.run`) returns at once and is counted; yields the count (a one-item
-    list). Nothing runs, so whatever the block computes is garbage."""
+    `InterpretedFunction.run`) returns at once and is counted; yields the counts (a Counter
+    by kernel name). Nothing runs, so whatever the block computes is garbage."""
     from triton.runtime import interpreter, jit
 
     owners = [jit.JITFunction, interpreter.InterpretedFunction]
     saved = [(owner, vars(owner)["run"]) for owner in owners]
-    calls = [0]
+    calls = collections.Counter()
 
     def run(self, *args, **kwargs):
-        calls[0] += 1
+        calls[getattr(self.fn, "__name__", "?")] += 1
     for owner in owners:
         owner.run = run
     try:
@@ -112,6 +117,29 @@ def profile_summary(stats: dict, steps: int, top: int) -> dict:
     }
 
 
+def own_figures(rt, images, labels, steps, device, warmup=0) -> dict:
+    """tinysn's own host time per step (the issue time with every Triton launch stubbed
+    out, after `warmup` stubbed steps) and the stubbed launches per step, by kernel."""
+    with triton_stubbed() as launches:
+        for _ in range(warmup):
+            rt.step(images, labels)
+        launches.clear()
+        own_s = issue_seconds(rt, images, labels, steps, device)
+    return {"own_issue_ms": own_s * 1e3,
+            "stubbed_launches_per_step": sum(launches.values()) / steps,
+            "launches_by_kernel": {k: v / steps for k, v in launches.most_common()},
+            "plan_launches_per_step": sum(isinstance(op, sn.sched.plan.Launch)
+                                          for s in rt.plan.steps for op in s.ops)}
+
+
+def measure_own(model: str, batch: int, steps: int) -> dict:
+    """`own_figures` alone, on the CPU (see the module docstring, `--own-only`)."""
+    device = torch.device("cpu")
+    rt, images, labels = eager_runtime(model, batch, device, warmup=0)
+    return {"model": model, "batch": batch, "steps": steps, "device": str(device),
+            **own_figures(rt, images, labels, steps, device, warmup=3)}
+
+
 def measure(model: str, batch: int, steps: int, top: int) -> dict:
     """The step, issue and profile figures of `model`'s eager Runtime (host_probe's: policy
     "all", warmed up, its batch in pinned host memory)."""
@@ -126,14 +154,10 @@ def measure(model: str, batch: int, steps: int, top: int) -> dict:
     sync(device)
     profiler.disable()
     stats = pstats.Stats(profiler).stats
-    with triton_stubbed() as launches:
-        own_s = issue_seconds(rt, images, labels, steps, device)
     return {"model": model, "batch": batch, "steps": steps, "device": str(device),
             "step_ms": step_s * 1e3, "issue_ms": issue_s * 1e3,
-            "own_issue_ms": own_s * 1e3, "stubbed_launches_per_step": launches[0] / steps,
-            "plan_launches_per_step": sum(isinstance(op, sn.sched.plan.Launch)
-                                          for s in rt.plan.steps for op in s.ops),
-            **profile_summary(stats, steps, top)}
+            **profile_summary(stats, steps, top),
+            **own_figures(rt, images, labels, steps, device)}
 
 
 def main(argv=None) -> dict:
@@ -142,11 +166,30 @@ def main(argv=None) -> dict:
     ap.add_argument("--batch", type=int, default=32)
     ap.add_argument("--steps", type=int, default=10)
     ap.add_argument("--top", type=int, default=30)
+    ap.add_argument("--own-only", action="store_true",
+                    help="only tinysn's own host time and the launches, kernels stubbed, CPU")
     common.add_out_argument(ap)
     args = ap.parse_args(argv)
     if args.steps < 1 or args.batch < 1 or args.top < 1:
         ap.error("--steps, --batch and --top must be at least 1")
-    r = measure(args.model, args.batch, args.steps, args.top)
+    if args.own_only:
+        r = measure_own(args.model, args.batch, args.steps)
+        print_own(r)
+    else:
+        r = measure(args.model, args.batch, args.steps, args.top)
+        print_all(r)
+    common.write(args.out, r)
+    return r
+
+
+def print_own(r: dict) -> None:
+    print(f"{r['model']} batch {r['batch']}, Triton's launches stubbed out: tinysn's own host "
+          f"time {r['own_issue_ms']:.2f} ms per step; {r['stubbed_launches_per_step']:.0f} "
+          f"launches per step ({r['plan_launches_per_step']} layer launches)")
+    print("  " + ", ".join(f"{k} {v:.0f}" for k, v in r["launches_by_kernel"].items()))
+
+
+def print_all(r: dict) -> None:
     print(f"{r['model']} batch {r['batch']} on {r['device']}: step {r['step_ms']:.2f} ms, "
           f"host issue {r['issue_ms']:.2f} ms; {r['triton_launches_per_step']:.0f} Triton "
           f"launches per step ({r['plan_launches_per_step']} layer launches)")
@@ -158,8 +201,6 @@ def main(argv=None) -> dict:
     for row in r["top"][:12]:
         print(f"  {row['own_us_per_step']:9.0f} us own {row['calls_per_step']:7.0f} calls  "
               f"{row['function']}")
-    common.write(args.out, r)
-    return r
 
 
 if __name__ == "__main__":

@@ -42,13 +42,14 @@ def python_loop_seconds(n: int = 200_000) -> float:
     return time.perf_counter() - start
 
 
-def eager_runtime(name, batch, device):
-    """A model's eager Runtime as bench/train.py builds it, warmed up, with its batch."""
+def eager_runtime(name, batch, device, warmup=3):
+    """A model's eager Runtime as bench/train.py builds it, after `warmup` steps, with its
+    batch."""
     net = MODELS[name](batch=batch)
     rt = sn.Runtime(net, "20GiB" if device.type == "cuda" else "2GiB", "all", device=device,
                     lr=0.01, momentum=0.9, weight_decay=5e-4)
     images, labels = host_batch(net, device)
-    for _ in range(3):
+    for _ in range(warmup):
         rt.step(images, labels)
     return rt, images, labels
 

@@ -19,6 +19,7 @@ def test_profiles_an_eager_step_and_counts_its_triton_launches(tmp_path):
     # with Triton's launches stubbed out the same launches are counted, and the host's
     # time is tinysn's own: a small part of a step whose kernels the interpreter runs
     assert r["stubbed_launches_per_step"] == r["triton_launches_per_step"]
+    assert sum(r["launches_by_kernel"].values()) == r["stubbed_launches_per_step"]
     assert 0 < r["own_issue_ms"] < r["issue_ms"] / 2
     assert len(r["top"]) == 5
     own = [row["own_us_per_step"] for row in r["top"]]
@@ -41,10 +42,27 @@ def test_the_stub_counts_launches_runs_nothing_and_restores_triton():
     with eager_profile.triton_stubbed() as calls:
         fill[(1,)](x, 8, BLOCK=8)
         fill[(1,)](x, 8, BLOCK=8)
-    assert calls == [2] and not x.any()
+    assert calls == {"fill": 2} and not x.any()
     assert (jit.JITFunction.run, interpreter.InterpretedFunction.run) == runs
     fill[(1,)](x, 8, BLOCK=8)
     assert bool((x == 1).all())
+
+
+def test_own_only_counts_every_launch_of_a_resnet_step_by_kernel(tmp_path, capsys):
+    """--own-only: ResNet-50's launches without running a kernel (seconds on a CPU): one SGD
+    launch per parameter, six per batch norm (three each way)."""
+    import tinysn as sn
+    out = tmp_path / "own.json"
+    r = eager_profile.main(["--model", "resnet50", "--batch", "1", "--steps", "1", "--own-only",
+                            "--out", str(out)])
+    assert json.loads(out.read_text())["own_issue_ms"] == r["own_issue_ms"] > 0
+    net = sn.models.resnet50(batch=1)
+    bns = sum(layer.op == "bn" for layer in net.layers)
+    by = r["launches_by_kernel"]
+    assert by["_sgd_kernel"] == sum(len(layer.params) for layer in net.layers)
+    assert by["_bn_stats_kernel"] == by["_bn_dx_kernel"] == bns == 53
+    assert sum(by.values()) == r["stubbed_launches_per_step"] > r["plan_launches_per_step"]
+    assert "step_ms" not in r and "_sgd_kernel" in capsys.readouterr().out
 
 
 def test_names_tinysn_and_site_package_files_by_their_package():

@@ -132,19 +132,21 @@ def own_figures(rt, images, labels, steps, device, warmup=0) -> dict:
                                           for s in rt.plan.steps for op in s.ops)}
 
 
-def measure_own(model: str, batch: int, steps: int) -> dict:
+def measure_own(model: str, batch: int, steps: int, fuse_bn_relu=False) -> dict:
     """`own_figures` alone, on the CPU (see the module docstring, `--own-only`)."""
     device = torch.device("cpu")
-    rt, images, labels = eager_runtime(model, batch, device, warmup=0)
+    rt, images, labels = eager_runtime(model, batch, device, warmup=0,
+                                       fuse_bn_relu=fuse_bn_relu)
     return {"model": model, "batch": batch, "steps": steps, "device": str(device),
+            "fuse_bn_relu": fuse_bn_relu,
             **own_figures(rt, images, labels, steps, device, warmup=3)}
 
 
-def measure(model: str, batch: int, steps: int, top: int) -> dict:
+def measure(model: str, batch: int, steps: int, top: int, fuse_bn_relu=False) -> dict:
     """The step, issue and profile figures of `model`'s eager Runtime (host_probe's: policy
     "all", warmed up, its batch in pinned host memory)."""
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    rt, images, labels = eager_runtime(model, batch, device)
+    rt, images, labels = eager_runtime(model, batch, device, fuse_bn_relu=fuse_bn_relu)
     step_s = step_seconds(rt, images, labels, steps, device)
     issue_s = issue_seconds(rt, images, labels, steps, device)
     profiler = cProfile.Profile()
@@ -155,7 +157,7 @@ def measure(model: str, batch: int, steps: int, top: int) -> dict:
     profiler.disable()
     stats = pstats.Stats(profiler).stats
     return {"model": model, "batch": batch, "steps": steps, "device": str(device),
-            "step_ms": step_s * 1e3, "issue_ms": issue_s * 1e3,
+            "fuse_bn_relu": fuse_bn_relu, "step_ms": step_s * 1e3, "issue_ms": issue_s * 1e3,
             **profile_summary(stats, steps, top),
             **own_figures(rt, images, labels, steps, device)}
 
@@ -168,15 +170,17 @@ def main(argv=None) -> dict:
     ap.add_argument("--top", type=int, default=30)
     ap.add_argument("--own-only", action="store_true",
                     help="only tinysn's own host time and the launches, kernels stubbed, CPU")
+    ap.add_argument("--fuse-bn-relu", action="store_true",
+                    help="plan with each ReLU after a batch norm fused into it")
     common.add_out_argument(ap)
     args = ap.parse_args(argv)
     if args.steps < 1 or args.batch < 1 or args.top < 1:
         ap.error("--steps, --batch and --top must be at least 1")
     if args.own_only:
-        r = measure_own(args.model, args.batch, args.steps)
+        r = measure_own(args.model, args.batch, args.steps, args.fuse_bn_relu)
         print_own(r)
     else:
-        r = measure(args.model, args.batch, args.steps, args.top)
+        r = measure(args.model, args.batch, args.steps, args.top, args.fuse_bn_relu)
         print_all(r)
     common.write(args.out, r)
     return r

@@ -42,12 +42,12 @@ def python_loop_seconds(n: int = 200_000) -> float:
     return time.perf_counter() - start
 
 
-def eager_runtime(name, batch, device, warmup=3):
+def eager_runtime(name, batch, device, warmup=3, fuse_bn_relu=False):
     """A model's eager Runtime as bench/train.py builds it, after `warmup` steps, with its
     batch."""
     net = MODELS[name](batch=batch)
     rt = sn.Runtime(net, "20GiB" if device.type == "cuda" else "2GiB", "all", device=device,
-                    lr=0.01, momentum=0.9, weight_decay=5e-4)
+                    lr=0.01, momentum=0.9, weight_decay=5e-4, fuse_bn_relu=fuse_bn_relu)
     images, labels = host_batch(net, device)
     for _ in range(warmup):
         rt.step(images, labels)

@@ -16,8 +16,9 @@ figures those chose with, a missing budget is 0 (no trade search yet), a missing
 lookahead 1, a missing `in_place_gradients` False (every gradient in a block of its own),
 a missing `keep_pools` False (no pooling output kept), a missing `evict_by_next_use`
 False (the cache evicts the least recently used), a missing `rebuild_joins` False (no
-join rebuilt by `plan._rebuild_joins`) and a missing `fuse_relu` False (every ReLU its own
-layer). The prediction itself always
+join rebuilt by `plan._rebuild_joins`), a missing `fuse_relu` False (every ReLU its own
+layer) and a missing `fuse_bn_relu` False (no batch norm's ReLU fused). The prediction
+itself always
 uses today's model (DeviceModel.h200, with the conv times the run measured and its probe
 of the host, beside its timed steps or else when it planned, where it recorded them), so
 the table shows how well today's model explains every measured step.
@@ -63,6 +64,7 @@ def train_plan_kw(run: dict, row: dict) -> dict:
                 evict_by_next_use=row.get("evict_by_next_use", False),
                 rebuild_joins=row.get("rebuild_joins", False),
                 fuse_relu=row.get("fuse_relu", False),
+                fuse_bn_relu=row.get("fuse_bn_relu", False),
                 device_model=planned_with(row))
 
 
@@ -113,6 +115,7 @@ def memory_rows(path: Path) -> list:
                                evict_by_next_use=real.get("evict_by_next_use", False),
                                rebuild_joins=real.get("rebuild_joins", False),
                                fuse_relu=real.get("fuse_relu", False),
+                               fuse_bn_relu=real.get("fuse_bn_relu", False),
                                device_model=planned_with(real)), "model": name})
     return rows
 

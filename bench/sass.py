@@ -45,7 +45,7 @@ _OPCODES = ("LDG", "STG", "UTMALDG", "UTMASTG", "HGMMA", "HMMA", "LDGSTS", "RED"
 
 def cases(batch: int) -> dict:
     """name -> a call of a tinysn launcher on VGG16's shapes (CPU tensors, batch `batch`)."""
-    from tinysn.kernels import conv, join, linear, lrn, pool, sgd
+    from tinysn.kernels import bn, conv, join, linear, lrn, pool, sgd
 
     def t(*shape):
         return torch.randn(*shape)
@@ -116,6 +116,10 @@ def cases(batch: int) -> dict:
                                      join.concat_backward(t(n, 256, 28, 28),
                                                           [torch.empty(n, 128, 28, 28),
                                                            torch.empty(n, 128, 28, 28)])),
+        "bn fwd relu 64@112": lambda: bn.forward(     # ResNet-50's first, its ReLU fused
+            t(n, 64, 112, 112), t(64), t(64), torch.empty(n, 64, 112, 112), t(64), t(64),
+            torch.empty(2, 64), ws(bn.workspace_bytes((n, 64, 112, 112), "forward")),
+            relu=True),
         "fc6 fwd": lambda: linear.forward(t(n, 25088), t(4096, 25088), t(4096),
                                           torch.empty(n, 4096)),
         "fc6 wgrad": lambda: linear.backward(t(n, 25088), None, t(n, 4096), None,

@@ -164,7 +164,8 @@ def tinysn_row(net, policy, cuda_graph, device, args, host_memory=None) -> dict:
     try:
         rt = sn.Runtime(net, args.memory, policy, device=device, lr=args.lr,
                         momentum=args.momentum, weight_decay=args.weight_decay,
-                        cuda_graph=cuda_graph, host_memory=host_memory)
+                        cuda_graph=cuda_graph, host_memory=host_memory,
+                        fuse_bn_relu=args.fuse_bn_relu)
     except ValueError as err:
         raise Refused(str(err)) from None
     setup_s = time.perf_counter() - t0
@@ -189,6 +190,7 @@ def tinysn_row(net, policy, cuda_graph, device, args, host_memory=None) -> dict:
                evict_by_next_use=sn.plan.__kwdefaults__["evict_by_next_use"],
                rebuild_joins=sn.plan.__kwdefaults__["rebuild_joins"],
                fuse_relu=sn.plan.__kwdefaults__["fuse_relu"],
+               fuse_bn_relu=args.fuse_bn_relu,
                rebuilt_joins=rt.plan.rebuilt_joins,
                trade_budget=sn.plan.__kwdefaults__["trade_budget"],
                conv_algos=sorted({f"{p}:{a}" for d in rt.plan.conv_algos.values()
@@ -282,6 +284,8 @@ def parse_args(argv=None):
     ap.add_argument("--momentum", type=float, default=0.9)
     ap.add_argument("--weight-decay", type=float, default=5e-4)
     ap.add_argument("--no-compile", action="store_true", help="skip torch.compile")
+    ap.add_argument("--fuse-bn-relu", action="store_true",
+                    help="tinysn plans with each ReLU after a batch norm fused into it")
     common.add_out_argument(ap)
     args = ap.parse_args(argv)
     args.memory = args.memory or ("40GiB" if torch.cuda.is_available() else "1GiB")

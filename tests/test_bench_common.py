@@ -103,6 +103,16 @@ def test_train_bench_smoke_on_the_cpu(tmp_path):
     for row in run["pytorch"]:
         assert torch.allclose(torch.tensor(eager["losses"]), torch.tensor(row["losses"]),
                               rtol=1e-4)
+    assert eager["fuse_bn_relu"] is False
+
+
+def test_train_bench_plans_with_batch_norm_relus_fused_when_asked(tmp_path):
+    from bench import train
+    out = tmp_path / "fused.json"
+    train.main(["--model", "lenet", "--batch", "2", "--steps", "1", "--warmup", "1",
+                "--no-compile", "--fuse-bn-relu", "--out", str(out)])
+    eager = json.loads(out.read_text())["tinysn"][0]
+    assert eager["fuse_bn_relu"] is True and eager["peak_equals_plan"]
 
 
 def test_timed_steps_run_with_older_objects_frozen_and_count_collections():

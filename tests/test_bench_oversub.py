@@ -170,7 +170,7 @@ def test_a_failed_run_is_recorded_in_its_row():
               "recomputed_steps": 0, "speed_centric_everywhere": False,
               "in_place_gradients": True, "keep_pools": True, "evict_by_next_use": True,
               "rebuild_joins": True, "rebuilt_joins": ["add1"], "fuse_relu": True,
-              "trade_budget": 48,
+              "fuse_bn_relu": False, "trade_budget": 48,
               "device_model": {"launch_probe_s": 2e-5}, "timed_launch_probe_s": 3e-5}
     row = oversub.curve_row("m", 4, capped, {"error": "OutOfMemory: no"}, bandwidth)
     assert row["images_per_s"] == 8.0 and row["pcie_floor_s"] == 3.0

@@ -76,7 +76,7 @@ class OpSpec:
                            tensor the paper offloads after a checkpoint conv is its output
     is_relu                a ReLU: sched/fuse.py fuses it into the conv before it
     stores_relu            its forward kernel can store max(y, 0) itself, a ReLU after it
-                           fused into it (conv: `relu=True`)
+                           fused into it (conv, batch norm: `relu=True`)
     masks_through_relu     its backward can store dx through the backward of the ReLU whose
                            output its input is (`x_is_relu_output`: conv, pool)
     backward_in_place      its backward kernel writes each element of dx from the same
@@ -182,7 +182,8 @@ def _data_forward(program, layer, update_running):
 
 
 def _fused_relu(layer) -> bool:
-    """True for a conv that a ReLU was fused into (sched/fuse.py): its output is the ReLU's."""
+    """True for a conv or batch norm that a ReLU was fused into (sched/fuse.py): its output
+    is the ReLU's."""
     return layer.attrs.get("relu", False)
 
 
@@ -196,8 +197,8 @@ def _conv_forward(program, layer, update_running):
 
 
 def _masks_dy(layer) -> bool:
-    """True for a fused conv whose backward masks dy itself (sched/fuse.py: where one conv
-    or pool alone reads its output, that reader's backward did)."""
+    """True for a fused conv or batch norm whose backward masks dy itself (sched/fuse.py:
+    where one conv or pool alone reads its output, that reader's backward did)."""
     return _fused_relu(layer) and not layer.attrs.get("relu_masked", False)
 
 
@@ -229,26 +230,36 @@ def _bn_forward(program, layer, update_running):
     w, b = _param(program, layer, "weight"), _param(program, layer, "bias")
     mean, var = _buffer(program, layer, "running_mean"), _buffer(program, layer, "running_var")
     eps, momentum = layer.attrs.get("eps", 1e-5), layer.attrs.get("momentum", 0.1)
+    relu = _fused_relu(layer)
 
     def launch(rt, algos, ws):
         if rt.predicting:           # eval mode: normalise with the running statistics
-            bn_k.forward_eval(x(rt), w(rt), b(rt), y(rt), mean(rt), var(rt), eps=eps)
+            bn_k.forward_eval(x(rt), w(rt), b(rt), y(rt), mean(rt), var(rt), eps=eps,
+                              relu=relu)
         elif not update_running:    # a rebuild: the statistics its forward pass saved
-            bn_k.rebuild(x(rt), w(rt), b(rt), y(rt), saved(rt))
+            bn_k.rebuild(x(rt), w(rt), b(rt), y(rt), saved(rt), relu=relu)
         else:
             bn_k.forward(x(rt), w(rt), b(rt), y(rt), mean(rt), var(rt), saved(rt), ws, eps=eps,
-                         momentum=momentum)
+                         momentum=momentum, relu=relu)
     return launch
 
 
 def _bn_backward(program, lp):
+    """As a conv's (`_conv_backward`): a fused ReLU's backward first masks dy in place,
+    unless the reader of the output did."""
     layer, g = lp.layer, _grads(program, lp)
     x, w = _act(program, layer.inputs[0]), _param(program, layer, "weight")
     saved = _optional(program.saved[layer])
     dw, db = _param_grad(program, layer, "weight"), _param_grad(program, layer, "bias")
-    return lambda rt, algos, ws: bn_k.backward(
-        x(rt), w(rt), g.dy(rt), saved(rt), g.dx[0](rt), dw(rt), db(rt), ws,
-        accumulate=g.accumulate[0])
+    y = _act(program, layer) if _masks_dy(layer) else None
+
+    def launch(rt, algos, ws):
+        dy = g.dy(rt)
+        if y is not None:
+            act_k.backward(y(rt), dy, dy)
+        bn_k.backward(x(rt), w(rt), dy, saved(rt), g.dx[0](rt), dw(rt), db(rt), ws,
+                      accumulate=g.accumulate[0])
+    return launch
 
 
 def _conv_launches(layer, phase, algos) -> int:
@@ -289,7 +300,11 @@ def _bn_workspace(layer, phase) -> int:
 
 
 def _bn_launches(layer, phase, algos) -> int:
-    return 1 if phase == "recompute" else 3
+    """Three kernels each way (a rebuild: the normalisation alone), and in a backward pass
+    a fused ReLU's backward where this pass masks dy."""
+    if phase == "recompute":
+        return 1
+    return 3 + (phase == "backward" and _masks_dy(layer))
 
 
 def _relu_forward(program, layer, update_running):
@@ -460,8 +475,9 @@ SPECS = {
     # statistics, their finalisation, the normalisation (a rebuild: the normalisation
     # alone, from the saved statistics); backward: partial sums, their finalisation, dx
     "bn": OpSpec(_bn_forward, _bn_backward, backward_reads_input=True, recomputable=True,
-                 saves_statistics=True, counts_batches=True, workspace=_bn_workspace,
-                 backward_in_place=True, launches=_bn_launches),
+                 backward_reads_output=_masks_dy, saves_statistics=True, counts_batches=True,
+                 workspace=_bn_workspace, backward_in_place=True, launches=_bn_launches,
+                 stores_relu=True),
     "relu": OpSpec(_relu_forward, _relu_backward, backward_reads_output=True, recomputable=True,
                    in_place_in_caffe=True, backward_in_place=True, is_relu=True),
     "pool": OpSpec(_pool_forward, _pool_backward, backward_reads_input=_pool_reads_input,

@@ -335,3 +335,44 @@ def test_bn_eval_bad_input():
 @pytest.mark.parametrize("shape", [(1, 64, 56, 56), (32, 2048, 7, 7)])
 def test_bn_eval_gpu(shape):
     _check_eval(shape, device="cuda")
+
+
+@pytest.mark.parametrize("shape", [(3, 4, 7, 7), (2, 5, 33, 40)])
+def test_relu_stored_by_each_forward_is_the_relu_of_its_output_bitwise(shape):
+    """forward, rebuild and forward_eval with relu=True store exactly what kernels/act.py's
+    ReLU makes of their relu=False output (NaN stays NaN), and nothing else changes."""
+    from tinysn.kernels import act
+    c = shape[1]
+    x, gamma, beta = _rand(shape, 8), _rand((c,), 9), _rand((c,), 10)
+    x[0, 0, 0, 0] = NAN
+    outs = []
+    for relu in (False, True):
+        rm, rv, saved = torch.zeros(c), torch.ones(c), torch.empty(2, c)
+        y, again, ev = (torch.full_like(x, NAN) for _ in range(3))
+        bn.forward(x, gamma, beta, y, rm, rv, saved, _workspace(shape, "forward", "cpu"),
+                   relu=relu)
+        bn.rebuild(x, gamma, beta, again, saved, relu=relu)
+        bn.forward_eval(x, gamma, beta, ev, rm, rv, relu=relu)
+        outs.append((y, again, ev, saved, rm, rv))
+    for plain, fused in zip(outs[0][:3], outs[1][:3]):
+        relued = torch.empty_like(plain)
+        act.forward(plain, relued)
+        assert torch.equal(fused.nan_to_num(7.0), relued.nan_to_num(7.0))
+        kept = ~plain.isnan()          # the NaN's channel is NaN (its statistics are)
+        assert torch.equal(fused.isnan(), plain.isnan()) and bool(kept.any())
+        assert bool((fused[kept] >= 0).all()) and bool((fused[kept] == 0).any())
+    assert all(torch.equal(a.nan_to_num(7.0), b.nan_to_num(7.0))       # the statistics
+               for a, b in zip(outs[0][3:], outs[1][3:]))
+
+
+def test_relu_must_be_a_bool():
+    shape = (2, 3, 4, 4)
+    x, v = _rand(shape, 0), torch.ones(3)
+    y, saved = torch.zeros_like(x), torch.ones(2, 3)
+    for call in (lambda: bn.forward(x, v, v, y, v.clone(), v.clone(), saved.clone(),
+                                    _workspace(shape, "forward", "cpu"), relu=1),
+                 lambda: bn.rebuild(x, v, v, y, saved, relu="yes"),
+                 lambda: bn.forward_eval(x, v, v, y, v, v, relu=None)):
+        with pytest.raises(ValueError, match="relu must be a bool"):
+            call()
+    assert not y.any()

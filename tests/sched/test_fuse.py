@@ -70,16 +70,17 @@ def test_the_fused_plan_has_one_step_fewer_per_pass_of_each_pair():
         net, "64MiB", "baseline", fuse_relu=False).peak_bytes     # four tensors fewer
 
 
-@pytest.mark.parametrize("policy", ["baseline", "recompute", "all"])
-def test_fused_training_is_bitwise_the_unfused(policy):
-    """Two steps with momentum: losses, parameters and a prediction the same bits, and
-    peak == plan, with and without fusion."""
+def _assert_trains_alike(make_net, policy, flag):
+    """Two steps with momentum, then a prediction (eval mode), with the Runtime option
+    `flag` False and True: the same losses, parameters and prediction, bit for bit, and
+    peak == plan in both."""
     torch.manual_seed(0)
     images, labels = torch.randn(2, 3, 8, 8), torch.tensor([1, 3])
     runs = []
     for fuse in (False, True):
-        rt = sn.Runtime(_net(), memory="64MiB", policy=policy, device="cpu", momentum=0.9,
-                        fuse_relu=fuse)
+        rt = sn.Runtime(make_net(), memory="64MiB", policy=policy, device="cpu", momentum=0.9,
+                        **{flag: fuse})
+        assert fuse == any(layer.attrs.get("relu") for layer in rt.plan.net)
         losses = [rt.step(images, labels) for _ in range(2)]
         assert rt.stats.peak_bytes == rt.plan.peak_bytes
         runs.append((losses, rt.params(), rt.predict(images)))
@@ -89,12 +90,18 @@ def test_fused_training_is_bitwise_the_unfused(policy):
     assert torch.equal(y0, y1)
 
 
-def test_fuse_relu_must_be_a_bool():
+@pytest.mark.parametrize("policy", ["baseline", "recompute", "all"])
+def test_fused_training_is_bitwise_the_unfused(policy):
+    _assert_trains_alike(_net, policy, "fuse_relu")
+
+
+@pytest.mark.parametrize("flag", ["fuse_relu", "fuse_bn_relu"])
+def test_a_fusion_flag_must_be_a_bool(flag):
     net = _net()
-    with pytest.raises(ValueError, match="fuse_relu must be a bool"):
-        sn.plan(net, "64MiB", "liveness", fuse_relu=1)
-    with pytest.raises(ValueError, match="fuse_relu must be a bool"):
-        sn.Runtime(net, memory="64MiB", device="cpu", fuse_relu="yes")
+    with pytest.raises(ValueError, match=f"{flag} must be a bool"):
+        sn.plan(net, "64MiB", "liveness", **{flag: 1})
+    with pytest.raises(ValueError, match=f"{flag} must be a bool"):
+        sn.Runtime(net, memory="64MiB", device="cpu", **{flag: "yes"})
 
 
 @pytest.mark.gpu
@@ -106,14 +113,19 @@ def test_fused_training_on_the_gpu_is_bitwise_the_unfused(cuda_graph, tmp_path, 
     rankings are this test's own (a private cache): a test beside it in another process
     that times the same shapes would otherwise rewrite them between the two Runtimes."""
     monkeypatch.setenv("TINYSN_CACHE_DIR", str(tmp_path))
-    net = _vgg_like()
+    _assert_trains_alike_on_the_gpu(_vgg_like(), cuda_graph, "fuse_relu")
+
+
+def _assert_trains_alike_on_the_gpu(net, cuda_graph, flag):
+    """Four steps of `net` (batch 4, 32x32 images) under policy "all", with the Runtime
+    option `flag` False and True: the same conv algorithms, losses and parameters."""
     gen = torch.Generator().manual_seed(1)
     images = torch.randn(4, 3, 32, 32, generator=gen)
     labels = torch.randint(0, 10, (4,), generator=gen)
     runs = []
     for fuse in (False, True):
         rt = sn.Runtime(net, memory="1GiB", policy="all", device="cuda", momentum=0.9,
-                        cuda_graph=cuda_graph, fuse_relu=fuse)
+                        cuda_graph=cuda_graph, **{flag: fuse})
         losses = [rt.step(images, labels) for _ in range(4)]
         assert rt.stats.peak_bytes == rt.plan.peak_bytes
         runs.append((losses, rt.params(), rt.plan.conv_algos))
@@ -134,3 +146,55 @@ def _vgg_like():
         h = net.pool(h, "max", kernel=2, name=f"p{i}")
     net.softmax_loss(net.fc(h, 10, name="fc"))
     return net
+
+
+def _bn_net(batch=2):
+    """Batch norms whose ReLU is read by a conv (b1), by an add (b2: the batch norm's own
+    backward masks dy), by a max pool (b3), and one with no ReLU after it (b4)."""
+    net = sn.Net(input_shape=(3, 8, 8), classes=5, batch=batch)
+    x = net.data()
+    h = net.relu(net.bn(net.conv(x, 8, kernel=3, padding=1, name="c1"), name="b1"), name="r1")
+    a = net.relu(net.bn(net.conv(h, 8, kernel=3, padding=1, name="c2"), name="b2"), name="r2")
+    h = net.add(a, net.bn(net.conv(x, 8, kernel=3, padding=1, name="c3"), name="b4"),
+                name="add")
+    h = net.relu(net.bn(net.conv(h, 8, kernel=3, padding=1, name="c4"), name="b3"), name="r3")
+    h = net.pool(h, "max", kernel=2, name="p")
+    net.softmax_loss(net.fc(h, 5, name="fc"), name="loss")
+    return net
+
+
+def test_a_batch_norm_absorbs_its_relu_only_when_asked():
+    net = _bn_net()
+    assert fuse_relus(net) is net                       # no conv is read by a ReLU
+    fused = fuse_relus(net, batch_norms=True)
+    assert [layer.name for layer in fused] == ["data1", "c1", "b1", "c2", "b2", "c3", "b4",
+                                               "add", "c4", "b3", "p", "fc", "loss"]
+    assert {layer.name for layer in fused if layer.attrs.get("relu")} == {"b1", "b2", "b3"}
+    assert {layer.name for layer in fused if layer.attrs.get("relu_masked")} == {"b1", "b3"}
+    assert {layer.name for layer in fused
+            if layer.attrs.get("x_is_relu_output")} == {"c2", "p"}
+    assert fused.param_shapes() == net.param_shapes()
+    assert fused.buffer_shapes() == net.buffer_shapes()
+    plain, both = sn.plan(net, "64MiB", "liveness"), sn.plan(net, "64MiB", "liveness",
+                                                             fuse_bn_relu=True)
+    assert len(plain.steps) - len(both.steps) == 2 * 3
+    assert sn.plan(net, "64MiB", "baseline", fuse_bn_relu=True).peak_bytes < sn.plan(
+        net, "64MiB", "baseline").peak_bytes                # three tensors fewer
+
+
+@pytest.mark.parametrize("policy", ["baseline", "recompute", "all"])
+def test_batch_norm_fused_training_is_bitwise_the_unfused(policy):
+    """As above ("recompute" rebuilds fused batch norms' outputs in the backward pass)."""
+    _assert_trains_alike(_bn_net, policy, "fuse_bn_relu")
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("cuda_graph", [False, True])
+def test_batch_norm_fused_training_on_the_gpu_is_bitwise_the_unfused(cuda_graph, tmp_path,
+                                                                      monkeypatch):
+    """A small ResNet under policy "all" on the GPU, eager and replayed: the same bits with
+    the batch norms' ReLUs fused as without (private rankings, as the test above)."""
+    monkeypatch.setenv("TINYSN_CACHE_DIR", str(tmp_path))
+    net = sn.models.resnet(blocks=[1, 1, 1, 1], batch=4, classes=10, input_shape=(3, 32, 32))
+    _assert_trains_alike_on_the_gpu(net, cuda_graph, "fuse_bn_relu")

@@ -3,25 +3,27 @@ normalisation, unbiased for the running variance), NCHW float32, forward and bac
 
 API
     forward(x, gamma, beta, y, running_mean, running_var, saved, workspace, *,
-            eps=1e-5, momentum=0.1, update_running=True)
+            eps=1e-5, momentum=0.1, update_running=True, relu=False)
         y = (x - mean) * inv_std * gamma + beta, per channel over (N, H, W);
         saved[0] = mean, saved[1] = inv_std = 1 / sqrt(var + eps)   (saved is [2, C]);
         running_mean = (1 - m) running_mean + m mean,
         running_var  = (1 - m) running_var  + m var * n / (n - 1)   when update_running.
         update_running=False (a recomputed bn) gives the same y and saved, stats untouched.
+        relu=True stores max(y, 0) instead (a ReLU after the batch norm fused into it,
+        sched/fuse.py: kernels/act.py's bits, NaN kept); the statistics are y's before it.
     backward(x, gamma, dy, saved, dx, dgamma, dbeta, workspace, *, accumulate=False)
         dbeta = sum dy, dgamma = sum dy * xhat,
         dx (+)= gamma * inv_std / n * (n dy - dbeta - xhat dgamma).
         dx, dgamma, dbeta may each be None; dgamma / dbeta always overwrite.
         dx may be dy (in place: the sums are taken before dx is written), unless it
         accumulates; it must not otherwise overlap x, dy, saved or the workspace.
-    rebuild(x, gamma, beta, y, saved)
+    rebuild(x, gamma, beta, y, saved, *, relu=False)
         the forward's y again from the statistics it saved (the recompute policy rebuilding
         a dropped output): the normalisation pass alone, no workspace, the same bits as
         the forward's y for the same x; saved and the running statistics are not written.
     workspace_bytes(shape, phase) -> bytes of scratch, phase "forward" | "backward"
         (a rebuild needs none).
-    forward_eval(x, gamma, beta, y, running_mean, running_var, *, eps=1e-5)
+    forward_eval(x, gamma, beta, y, running_mean, running_var, *, eps=1e-5, relu=False)
         eval mode (nn.BatchNorm2d after .eval()): one elementwise pass,
         y = (x - running_mean) / sqrt(running_var + eps) * gamma + beta; no workspace,
         no statistics written, any batch (even one value per channel).
@@ -183,8 +185,9 @@ def _bn_finalize_kernel(ws, saved, rmean, rvar, C, NCH, total, unbias, eps, mome
 
 @triton.jit
 def _bn_norm_kernel(x, y, saved, gamma, beta, NC, C, HW,
-                    R: tl.constexpr, COLS: tl.constexpr):
-    """y = (x - mean) * (inv_std * gamma) + beta over [R rows of N*C, COLS of HW] tiles."""
+                    R: tl.constexpr, COLS: tl.constexpr, RELU: tl.constexpr = False):
+    """y = (x - mean) * (inv_std * gamma) + beta over [R rows of N*C, COLS of HW] tiles;
+    RELU: max(y, 0) stored instead (a ReLU fused into the batch norm, sched/fuse.py)."""
     rows = tl.program_id(0).to(tl.int64) * R + tl.arange(0, R)
     cols = tl.program_id(1) * COLS + tl.arange(0, COLS)
     rm = rows < NC
@@ -196,13 +199,17 @@ def _bn_norm_kernel(x, y, saved, gamma, beta, NC, C, HW,
     m = rm[:, None] & (cols < HW)[None, :]
     offs = (rows * HW)[:, None] + cols[None, :]
     v = tl.load(x + offs, mask=m, other=0.0)
-    tl.store(y + offs, (v - mean[:, None]) * scale[:, None] + b[:, None], mask=m)
+    out = (v - mean[:, None]) * scale[:, None] + b[:, None]
+    if RELU:
+        out = tl.where(out < 0.0, 0.0, out)      # as kernels/act.py: NaN propagates
+    tl.store(y + offs, out, mask=m)
 
 
 @triton.jit
 def _bn_eval_kernel(x, y, rmean, rvar, gamma, beta, NC, C, HW, eps,
-                    R: tl.constexpr, COLS: tl.constexpr):
-    """y = (x - rmean) * (gamma / sqrt(rvar + eps)) + beta over [R rows of N*C, COLS] tiles."""
+                    R: tl.constexpr, COLS: tl.constexpr, RELU: tl.constexpr = False):
+    """y = (x - rmean) * (gamma / sqrt(rvar + eps)) + beta over [R rows of N*C, COLS] tiles;
+    RELU as _bn_norm_kernel."""
     rows = tl.program_id(0).to(tl.int64) * R + tl.arange(0, R)
     cols = tl.program_id(1) * COLS + tl.arange(0, COLS)
     rm = rows < NC
@@ -214,7 +221,10 @@ def _bn_eval_kernel(x, y, rmean, rvar, gamma, beta, NC, C, HW, eps,
     m = rm[:, None] & (cols < HW)[None, :]
     offs = (rows * HW)[:, None] + cols[None, :]
     v = tl.load(x + offs, mask=m, other=0.0)
-    tl.store(y + offs, (v - mean[:, None]) * scale[:, None] + b[:, None], mask=m)
+    out = (v - mean[:, None]) * scale[:, None] + b[:, None]
+    if RELU:
+        out = tl.where(out < 0.0, 0.0, out)
+    tl.store(y + offs, out, mask=m)
 
 
 @triton.jit
@@ -329,10 +339,18 @@ def _elementwise_grid(n, c, hw):
     return (cdiv(n * c, r), cdiv(hw, cols)), r, cols
 
 
+def _check_relu(relu) -> bool:
+    if not isinstance(relu, bool):
+        raise ValueError(f"relu must be a bool, got {relu!r}")
+    return relu
+
+
 def forward(x, gamma, beta, y, running_mean, running_var, saved, workspace, *,
-            eps=1e-5, momentum=0.1, update_running=True):
-    """Training-mode batch norm; see the module docstring."""
+            eps=1e-5, momentum=0.1, update_running=True, relu=False):
+    """Training-mode batch norm; see the module docstring. `relu`: store max(y, 0), a ReLU
+    after the batch norm fused into it (sched/fuse.py; the same bits as the two layers)."""
     n, c, h, w = _check_x(x)
+    _check_relu(relu)
     dev = x.device
     check_tensor("y", y, x.shape)
     if y.device != dev:
@@ -369,14 +387,15 @@ def forward(x, gamma, beta, y, running_mean, running_var, saved, workspace, *,
         UPDATE=update_running, CB=cb, NCHP=nchp)
     grid, r, cols = _elementwise_grid(n, c, hw)
     run(_bn_norm_kernel, grid, x, y, saved, gamma, beta, n * c, c, hw, R=r, COLS=cols,
-        num_warps=_WARPS)
+        RELU=relu, num_warps=_WARPS)
 
 
-def rebuild(x, gamma, beta, y, saved):
+def rebuild(x, gamma, beta, y, saved, *, relu=False):
     """y again from the mean and inverse deviation the forward pass saved: its third
     kernel alone (x read once, not twice; one launch, not three), on the same inputs and
-    statistics, so the same bits."""
+    statistics, so the same bits (`relu` as in forward)."""
     n, c, h, w = _check_x_with_saved(x, "y", y, saved)
+    _check_relu(relu)
     dev = x.device
     _check_vec("gamma", gamma, c, dev)
     _check_vec("beta", beta, c, dev)
@@ -384,12 +403,14 @@ def rebuild(x, gamma, beta, y, saved):
                      [("x", x), ("gamma", gamma), ("beta", beta), ("saved", saved)])
     grid, r, cols = _elementwise_grid(n, c, h * w)
     run(_bn_norm_kernel, grid, x, y, saved, gamma, beta, n * c, c, h * w, R=r, COLS=cols,
-        num_warps=_WARPS)
+        RELU=relu, num_warps=_WARPS)
 
 
-def forward_eval(x, gamma, beta, y, running_mean, running_var, *, eps=1e-5):
-    """Eval-mode batch norm with the running statistics; see the module docstring."""
+def forward_eval(x, gamma, beta, y, running_mean, running_var, *, eps=1e-5, relu=False):
+    """Eval-mode batch norm with the running statistics; see the module docstring (`relu`
+    as in forward)."""
     check_tensor("x", x)
+    _check_relu(relu)
     n, c, h, w = _shape4(x.shape)
     dev = x.device
     check_tensor("y", y, x.shape)
@@ -402,7 +423,7 @@ def forward_eval(x, gamma, beta, y, running_mean, running_var, *, eps=1e-5):
         raise ValueError(f"eps must be a positive number, got {eps!r}")
     grid, r, cols = _elementwise_grid(n, c, h * w)
     run(_bn_eval_kernel, grid, x, y, running_mean, running_var, gamma, beta, n * c, c, h * w,
-        float(eps), R=r, COLS=cols, num_warps=_WARPS)
+        float(eps), R=r, COLS=cols, RELU=relu, num_warps=_WARPS)
 
 
 def _check_dx(dx, x, dy, saved, ws, accumulate):

@@ -1,4 +1,5 @@
-"""ReLU fused into the conv before it: one layer, and passes over memory fewer.
+"""ReLU fused into the conv (or batch norm) before it: one layer, and passes over memory
+fewer.
 
 A ReLU reads its input and writes its output, a pass over memory that moves twice the
 activation's bytes, and its backward pass reads y and dy and writes dx, three times. After a
@@ -8,7 +9,10 @@ masks dy by the output (the ReLU's backward, in place) and runs the conv's backw
 (ops.py, `_conv_backward`). Where the ReLU's output is read by one conv or pool alone, that
 reader's backward applies the mask as it stores dx (`x_is_relu_output`: a conv's data
 gradient, a pool's gather), so the pair does not pass over dy again (`relu_masked`). The
-numbers are the same bits as the separate layers'.
+numbers are the same bits as the separate layers'. A batch norm stores max(y, 0) the same
+way (kernels/bn.py, `relu=True`) and masks dy the same way in its backward; that fusion is
+asked for separately (`batch_norms`, `plan(..., fuse_bn_relu=True)`, default off until it is
+measured on a GPU): it is ResNet's and Inception's every ReLU after a batch norm.
 
 `fuse_relus(net)` returns a new Net in which each such pair is one conv layer: the conv's
 name, parameters and attributes, plus `relu=True` (and `relu_masked=True` where its reader
@@ -24,49 +28,49 @@ from __future__ import annotations
 from ..ops import spec
 
 
-def fusible(layer) -> bool:
-    """True for a layer that can store a ReLU of its output (OpSpec.stores_relu: a conv)
-    whose output is read by one layer alone, a ReLU."""
-    return (spec(layer).stores_relu and len(layer.consumers) == 1
-            and spec(layer.consumers[0]).is_relu)
+def fusible(layer, batch_norms: bool = False) -> bool:
+    """True for a layer that can store a ReLU of its output (OpSpec.stores_relu: a conv,
+    and a batch norm where `batch_norms`) whose output is read by one layer alone, a ReLU."""
+    return (spec(layer).stores_relu and (batch_norms or layer.op != "bn")
+            and len(layer.consumers) == 1 and spec(layer.consumers[0]).is_relu)
 
 
-def masked_by_reader(layer) -> bool:
+def masked_by_reader(layer, batch_norms: bool = False) -> bool:
     """True for a fusible layer whose ReLU's output one layer alone reads, and that one
     can store its dx through the ReLU (OpSpec.masks_through_relu: a conv or a pool): the
     reader's backward then stores the ReLU's input gradient directly."""
-    readers = layer.consumers[0].consumers if fusible(layer) else []
+    readers = layer.consumers[0].consumers if fusible(layer, batch_norms) else []
     return len(readers) == 1 and spec(readers[0]).masks_through_relu
 
 
-def _fused_attrs(layer) -> dict:
+def _fused_attrs(layer, batch_norms: bool) -> dict:
     attrs = dict(layer.attrs)
-    if fusible(layer):
+    if fusible(layer, batch_norms):
         attrs["relu"] = True
-        if masked_by_reader(layer):
+        if masked_by_reader(layer, batch_norms):
             attrs["relu_masked"] = True
     if spec(layer).masks_through_relu and spec(layer.inputs[0]).is_relu \
-            and masked_by_reader(layer.inputs[0].inputs[0]):
+            and masked_by_reader(layer.inputs[0].inputs[0], batch_norms):
         attrs["x_is_relu_output"] = True
     return attrs
 
 
-def fuse_relus(net):
-    """`net`, checked, with every fusible conv and its ReLU made one conv layer (a new Net);
-    `net` itself when there is nothing to fuse."""
+def fuse_relus(net, batch_norms: bool = False):
+    """`net`, checked, with every fusible conv (and, where `batch_norms`, batch norm) and
+    its ReLU made one layer (a new Net); `net` itself when there is nothing to fuse."""
     from ..graph import Net
 
     net.check()
-    if not any(fusible(layer) for layer in net.layers):
+    if not any(fusible(layer, batch_norms) for layer in net.layers):
         return net
     fused = Net(net.input_shape, net.classes, net.batch)
     copy = {}                       # layer of `net` -> the layer that stands for it
     for layer in net.layers:
-        if spec(layer).is_relu and fusible(layer.inputs[0]):
+        if spec(layer).is_relu and fusible(layer.inputs[0], batch_norms):
             copy[layer] = copy[layer.inputs[0]]
             continue
         copy[layer] = fused._add_layer(layer.op, layer.name, [copy[x] for x in layer.inputs],
-                                       layer.shape, _fused_attrs(layer), layer.params,
-                                       layer.buffers)
+                                       layer.shape, _fused_attrs(layer, batch_norms),
+                                       layer.params, layer.buffers)
     fused.loss = copy[net.loss]
     return fused

@@ -309,7 +309,7 @@ def plan(net, memory, policy: str = "all", *, momentum: float = 0.0, conv_algos=
          lookahead: int | None = None, device_model=None,
          in_place_gradients: bool = True, keep_pools: bool = True,
          evict_by_next_use: bool = True, rebuild_joins: bool = True,
-         fuse_relu: bool = True) -> Plan:
+         fuse_relu: bool = True, fuse_bn_relu: bool = False) -> Plan:
     """Dry-run one training iteration of `net` under a `memory` cap and `policy`.
 
     Raises OutOfMemory naming the first step that does not fit. `conv_algos` pins conv
@@ -362,6 +362,8 @@ def plan(net, memory, policy: str = "all", *, momentum: float = 0.0, conv_algos=
     `fuse_relu` (default True): plan `fuse.fuse_relus(net)`, each conv whose output only a
     ReLU reads made one layer with it (the plan's `net` and steps are the fused net's; the
     numbers are the same bits); False plans `net` as it is, as plans made before that did.
+    `fuse_bn_relu` (default False; with `fuse_relu`): each batch norm whose output only a
+    ReLU reads is made one layer with it too (the same bits; not yet measured on a GPU).
 
     A plan that fits under a cap fits under every larger cap, for every policy and layout
     (`_Search` says why). The returned plan's `capacity` is the pool it was made for: the
@@ -378,7 +380,7 @@ def plan(net, memory, policy: str = "all", *, momentum: float = 0.0, conv_algos=
                        lookahead=lookahead, device_model=device_model,
                        in_place_gradients=in_place_gradients, keep_pools=keep_pools,
                        evict_by_next_use=by_next_use, rebuild_joins=rebuild_joins,
-                       fuse_relu=fuse_relu)
+                       fuse_relu=fuse_relu, fuse_bn_relu=fuse_bn_relu)
     lru = search(False)             # checks every argument before anything is planned
     owner = lru                     # the search whose plan is chosen
     try:
@@ -434,7 +436,8 @@ def _search(net, memory, policy, *, momentum, conv_algos, checkpoints, block_byt
             bucket_bytes=liveness.BUCKET_BYTES, early_write_back=True,
             trade_budget=TRADE_BUDGET, lookahead=None, device_model=None,
             in_place_gradients=True, keep_pools=True,
-            evict_by_next_use=True, rebuild_joins=True, fuse_relu=True) -> "_Search":
+            evict_by_next_use=True, rebuild_joins=True, fuse_relu=True,
+            fuse_bn_relu=False) -> "_Search":
     """Check `plan`'s arguments (before any state changes) and set up its runs."""
     if layout not in ("auto", "first_fit", "two_ended"):
         raise ValueError(f"layout must be 'auto', 'first_fit' or 'two_ended', got {layout!r}")
@@ -457,11 +460,12 @@ def _search(net, memory, policy, *, momentum, conv_algos, checkpoints, block_byt
     elif not isinstance(device_model, DeviceModel):
         raise ValueError(f"device_model must be a timing.DeviceModel, got {device_model!r}")
     for name, flag in (("in_place_gradients", in_place_gradients), ("keep_pools", keep_pools),
-                       ("rebuild_joins", rebuild_joins), ("fuse_relu", fuse_relu)):
+                       ("rebuild_joins", rebuild_joins), ("fuse_relu", fuse_relu),
+                       ("fuse_bn_relu", fuse_bn_relu)):
         if not isinstance(flag, bool):
             raise ValueError(f"{name} must be a bool, got {flag!r}")
     if fuse_relu:
-        net = fuse.fuse_relus(net)
+        net = fuse.fuse_relus(net, batch_norms=fuse_bn_relu)
     program = liveness.Program(net, momentum=momentum, data_parallel=data_parallel,
                                bucket_bytes=liveness.parse_bucket_bytes(bucket_bytes),
                                in_place_gradients=in_place_gradients)

@@ -64,9 +64,11 @@ for stage in "$@"; do
     pool)     timeout 120 python3 bench/pool.py --out "$OUT/pool-$GPU.json" 2>&1 | tail -12 ;;
     # batch 32, each model in its own process and time limit (default kernels, autotuned; a
     # cold ResNet-50 took 149 s: torch.compile, tuning, rankings; TRAIN_MODELS picks models):
-    # PyTorch eager NCHW / channels-last / torch.compile, tinysn eager / graphed
+    # PyTorch eager NCHW / channels-last / torch.compile, tinysn eager / graphed; TRAIN_ARGS
+    # go to train.py and TRAIN_NAME into the file name (TRAIN_ARGS=--fuse-bn-relu
+    # TRAIN_NAME=fuse-bn: the batch norms' ReLUs fused, beside a default run)
     train)    for model in ${TRAIN_MODELS:-resnet50 vgg16 alexnet inception_v4}; do
-                timeout ${TRAIN_S:-150} python3 bench/train.py --model "$model" --batch 32 --out "$OUT/train-$model-b32-$GPU.json" 2>&1 | tail -8
+                timeout ${TRAIN_S:-150} python3 bench/train.py --model "$model" --batch 32 ${TRAIN_ARGS:-} --out "$OUT/train-$model-b32${TRAIN_NAME:+-$TRAIN_NAME}-$GPU.json" 2>&1 | tail -8
               done ;;
     # the host probe against ResNet-50's and AlexNet's eager steps, paired over a minute (untuned)
     host-probe) TINYSN_AUTOTUNE=0 timeout ${PROBE_S:-240} python3 bench/host_probe.py --out "$OUT/host-probe-$GPU.json" 2>&1 | tail -16 ;;

@@ -235,6 +235,7 @@ def label(row: dict, model: str = "") -> str:
         name = f"PyTorch {row['config']}"
     else:
         name = f'tinysn "{row["policy"]}", ' + ("CUDA graph" if row["cuda_graph"] else "eager")
+        name += ", batch norms' ReLUs fused" if row.get("fuse_bn_relu") else ""
     return f"{model}, {name}" if model else name
 
 
@@ -324,7 +325,7 @@ def main(argv=None) -> dict:
     runs = [("pytorch", lambda c=c: pytorch_row(net, c, device, args), {"config": c})
             for c in PYTORCH_CONFIGS if not (c == "torch.compile" and skip_compile)]
     runs += [("tinysn", lambda p=p, g=g: tinysn_row(net, p, g, device, args),
-              {"policy": p, "cuda_graph": g})
+              {"policy": p, "cuda_graph": g, "fuse_bn_relu": args.fuse_bn_relu})
              for p in args.policies.split(",") for g in (False, True)]
     for side, run, labels in runs:
         result[side].append(guarded(run, **labels))

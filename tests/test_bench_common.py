@@ -111,8 +111,11 @@ def test_train_bench_plans_with_batch_norm_relus_fused_when_asked(tmp_path):
     out = tmp_path / "fused.json"
     train.main(["--model", "lenet", "--batch", "2", "--steps", "1", "--warmup", "1",
                 "--no-compile", "--fuse-bn-relu", "--out", str(out)])
-    eager = json.loads(out.read_text())["tinysn"][0]
+    run = json.loads(out.read_text())
+    eager, graph = run["tinysn"]
     assert eager["fuse_bn_relu"] is True and eager["peak_equals_plan"]
+    assert train.table_rows(run)[3].startswith(
+        '| lenet, tinysn "all", CUDA graph, batch norms\' ReLUs fused | refused |')
 
 
 def test_timed_steps_run_with_older_objects_frozen_and_count_collections():

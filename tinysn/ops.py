@@ -56,7 +56,8 @@ class OpSpec:
     backward_reads_input   the backward kernel reads the layer's forward inputs (a bool, or
                            a function of the layer: max pooling does, average pooling not)
     backward_reads_output  the backward kernel reads the layer's own output (ReLU, and a conv
-                           with a ReLU fused into it: a bool, or a function of the layer)
+                           or batch norm with a ReLU fused into it: a bool, or a function of
+                           the layer)
     recomputable           cheap enough to drop and rebuild in the backward pass (§3.4)
     rebuildable            not cheap, but its output is a pure function of its inputs and
                            parameters, which no step updates before the backward pass reads
@@ -299,6 +300,15 @@ def _bn_workspace(layer, phase) -> int:
     return bn_k.workspace_bytes(tuple(layer.shape), phase)
 
 
+def _bn_cost(layer, phase) -> tuple:
+    """An elementwise-like layer's (`_streamed`), and in a backward pass that masks dy
+    for a fused ReLU, that pass too (it reads y and dy and writes dy: three times y)."""
+    flops, nbytes = _streamed(layer, phase)
+    if phase == "backward" and _masks_dy(layer):
+        return flops + layer.numel, nbytes + 3 * 4 * layer.numel
+    return flops, nbytes
+
+
 def _bn_launches(layer, phase, algos) -> int:
     """Three kernels each way (a rebuild: the normalisation alone), and in a backward pass
     a fused ReLU's backward where this pass masks dy."""
@@ -477,7 +487,7 @@ SPECS = {
     "bn": OpSpec(_bn_forward, _bn_backward, backward_reads_input=True, recomputable=True,
                  backward_reads_output=_masks_dy, saves_statistics=True, counts_batches=True,
                  workspace=_bn_workspace, backward_in_place=True, launches=_bn_launches,
-                 stores_relu=True),
+                 cost=_bn_cost, stores_relu=True),
     "relu": OpSpec(_relu_forward, _relu_backward, backward_reads_output=True, recomputable=True,
                    in_place_in_caffe=True, backward_in_place=True, is_relu=True),
     "pool": OpSpec(_pool_forward, _pool_backward, backward_reads_input=_pool_reads_input,

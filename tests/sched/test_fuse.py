@@ -3,6 +3,7 @@ import pytest
 import torch
 
 import tinysn as sn
+from tinysn.ops import spec
 from tinysn.sched.fuse import fuse_relus
 
 
@@ -175,6 +176,11 @@ def test_a_batch_norm_absorbs_its_relu_only_when_asked():
             if layer.attrs.get("x_is_relu_output")} == {"c2", "p"}
     assert fused.param_shapes() == net.param_shapes()
     assert fused.buffer_shapes() == net.buffer_shapes()
+    # the step-time model charges b2's backward its in-place ReLU pass (y, dy read, dy
+    # written), and b1's nothing: its reader, a conv, masks dx
+    for name, masks_dy in (("b2", True), ("b1", False)):
+        cost, plain_cost = (spec(n[name]).cost(n[name], "backward") for n in (fused, net))
+        assert cost[1] == plain_cost[1] + masks_dy * 3 * 4 * net[name].numel
     plain, both = sn.plan(net, "64MiB", "liveness"), sn.plan(net, "64MiB", "liveness",
                                                              fuse_bn_relu=True)
     assert len(plain.steps) - len(both.steps) == 2 * 3

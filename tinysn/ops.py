@@ -203,22 +203,33 @@ def _masks_dy(layer) -> bool:
     return _fused_relu(layer) and not layer.attrs.get("relu_masked", False)
 
 
+def _fused_relu_dy(program, layer, g):
+    """rt -> the pass's dy (`g.dy`), first masked in place by the backward of a ReLU fused
+    into the layer where the layer's own backward masks it (`_masks_dy`; dy is read by
+    this pass alone, so it may hold the layer's own output gradient)."""
+    y = _act(program, layer) if _masks_dy(layer) else None
+
+    def dy(rt):
+        grad = g.dy(rt)
+        if y is not None:
+            act_k.backward(y(rt), grad, grad)
+        return grad
+    return dy
+
+
 def _conv_backward(program, lp):
-    """A fused ReLU's backward first masks dy in place (dy is read by this pass alone, so
-    it may hold the conv's own output gradient), then the conv's backward runs on it; dx
-    goes through the ReLU before the conv where x is that ReLU's output (sched/fuse.py)."""
+    """A fused ReLU's backward first masks dy in place (`_fused_relu_dy`), then the conv's
+    backward runs on it; dx goes through the ReLU before the conv where x is that ReLU's
+    output (sched/fuse.py)."""
     layer, a, g = lp.layer, lp.layer.attrs, _grads(program, lp)
     x, w = _act(program, layer.inputs[0]), _param(program, layer, "weight")
     dw, db = _param_grad(program, layer, "weight"), _param_grad(program, layer, "bias")
-    y = _act(program, layer) if _masks_dy(layer) else None
+    dy = _fused_relu_dy(program, layer, g)
     through_relu = a.get("x_is_relu_output", False)
 
     def launch(rt, algos, ws):
-        dy = g.dy(rt)
-        if y is not None:
-            act_k.backward(y(rt), dy, dy)
         conv_k.backward(
-            x(rt), w(rt), dy, g.dx[0](rt), dw(rt), db(rt), stride=a["stride"],
+            x(rt), w(rt), dy(rt), g.dx[0](rt), dw(rt), db(rt), stride=a["stride"],
             padding=a["padding"], algo_data=algos.get("backward_data", "implicit"),
             algo_weight=algos["backward_weight"], workspace=ws, accumulate=g.accumulate[0],
             precision=rt.precision, x_is_relu_output=through_relu)
@@ -246,21 +257,15 @@ def _bn_forward(program, layer, update_running):
 
 
 def _bn_backward(program, lp):
-    """As a conv's (`_conv_backward`): a fused ReLU's backward first masks dy in place,
-    unless the reader of the output did."""
+    """As a conv's (`_conv_backward`): a fused ReLU's backward first masks dy in place."""
     layer, g = lp.layer, _grads(program, lp)
     x, w = _act(program, layer.inputs[0]), _param(program, layer, "weight")
     saved = _optional(program.saved[layer])
     dw, db = _param_grad(program, layer, "weight"), _param_grad(program, layer, "bias")
-    y = _act(program, layer) if _masks_dy(layer) else None
-
-    def launch(rt, algos, ws):
-        dy = g.dy(rt)
-        if y is not None:
-            act_k.backward(y(rt), dy, dy)
-        bn_k.backward(x(rt), w(rt), dy, saved(rt), g.dx[0](rt), dw(rt), db(rt), ws,
-                      accumulate=g.accumulate[0])
-    return launch
+    dy = _fused_relu_dy(program, layer, g)
+    return lambda rt, algos, ws: bn_k.backward(
+        x(rt), w(rt), dy(rt), saved(rt), g.dx[0](rt), dw(rt), db(rt), ws,
+        accumulate=g.accumulate[0])
 
 
 def _conv_launches(layer, phase, algos) -> int:

@@ -339,10 +339,9 @@ def _elementwise_grid(n, c, hw):
     return (cdiv(n * c, r), cdiv(hw, cols)), r, cols
 
 
-def _check_relu(relu) -> bool:
+def _check_relu(relu) -> None:
     if not isinstance(relu, bool):
         raise ValueError(f"relu must be a bool, got {relu!r}")
-    return relu
 
 
 def forward(x, gamma, beta, y, running_mean, running_var, saved, workspace, *,

@@ -18,9 +18,9 @@ the tracked GPU results, so the model's numbers come from measurements and not f
   mean of their probes. Per layer step rather than per Triton kernel, and scaled by the
   probe, because that is what varies least between the two models' runs: in one call
   they cost 7.41 and 7.38 probes per layer step (per kernel, 1.55x apart; commit
-  ac36b27's results); in the tracked runs, from two calls, 9.61 and 9.09 (this script
-  prints them), in earlier calls 8.1 and 11.6, 9.6 and 13.1, 5.8 and 10.2, 7.7 and 10.0,
-  and 13.0 and 10.3.
+  ac36b27's results); in the tracked runs, from two calls, 9.61 and 10.58 (this script
+  prints them), in earlier calls 9.61 and 9.09, 8.1 and 11.6, 9.6 and 13.1, 5.8 and 10.2,
+  7.7 and 10.0, and 13.0 and 10.3.
 
 The model's error against every measured run is bench/predict.py's table.
 """

@@ -132,7 +132,7 @@ def own_figures(rt, images, labels, steps, device, warmup=0) -> dict:
                                           for s in rt.plan.steps for op in s.ops)}
 
 
-def measure_own(model: str, batch: int, steps: int, fuse_bn_relu=False) -> dict:
+def measure_own(model: str, batch: int, steps: int, fuse_bn_relu=True) -> dict:
     """`own_figures` alone, on the CPU (see the module docstring, `--own-only`)."""
     device = torch.device("cpu")
     rt, images, labels = eager_runtime(model, batch, device, warmup=0,
@@ -142,7 +142,7 @@ def measure_own(model: str, batch: int, steps: int, fuse_bn_relu=False) -> dict:
             **own_figures(rt, images, labels, steps, device, warmup=3)}
 
 
-def measure(model: str, batch: int, steps: int, top: int, fuse_bn_relu=False) -> dict:
+def measure(model: str, batch: int, steps: int, top: int, fuse_bn_relu=True) -> dict:
     """The step, issue and profile figures of `model`'s eager Runtime (host_probe's: policy
     "all", warmed up, its batch in pinned host memory)."""
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -170,8 +170,9 @@ def main(argv=None) -> dict:
     ap.add_argument("--top", type=int, default=30)
     ap.add_argument("--own-only", action="store_true",
                     help="only tinysn's own host time and the launches, kernels stubbed, CPU")
-    ap.add_argument("--fuse-bn-relu", action="store_true",
-                    help="plan with each ReLU after a batch norm fused into it")
+    ap.add_argument("--fuse-bn-relu", action=argparse.BooleanOptionalAction, default=True,
+                    help="plan with each ReLU after a batch norm fused into it (the default; "
+                         "--no-fuse-bn-relu plans them apart)")
     common.add_out_argument(ap)
     args = ap.parse_args(argv)
     if args.steps < 1 or args.batch < 1 or args.top < 1:

@@ -65,8 +65,8 @@ for stage in "$@"; do
     # batch 32, each model in its own process and time limit (default kernels, autotuned; a
     # cold ResNet-50 took 149 s: torch.compile, tuning, rankings; TRAIN_MODELS picks models):
     # PyTorch eager NCHW / channels-last / torch.compile, tinysn eager / graphed; TRAIN_ARGS
-    # go to train.py and TRAIN_NAME into the file name (TRAIN_ARGS=--fuse-bn-relu
-    # TRAIN_NAME=fuse-bn: the batch norms' ReLUs fused, beside a default run)
+    # go to train.py and TRAIN_NAME into the file name (TRAIN_ARGS=--no-fuse-bn-relu
+    # TRAIN_NAME=bn-apart: the batch norms' ReLUs planned apart, beside a default run)
     train)    for model in ${TRAIN_MODELS:-resnet50 vgg16 alexnet inception_v4}; do
                 timeout ${TRAIN_S:-150} python3 bench/train.py --model "$model" --batch 32 ${TRAIN_ARGS:-} --out "$OUT/train-$model-b32${TRAIN_NAME:+-$TRAIN_NAME}-$GPU.json" 2>&1 | tail -8
               done ;;

@@ -42,7 +42,7 @@ def python_loop_seconds(n: int = 200_000) -> float:
     return time.perf_counter() - start
 
 
-def eager_runtime(name, batch, device, warmup=3, fuse_bn_relu=False):
+def eager_runtime(name, batch, device, warmup=3, fuse_bn_relu=True):
     """A model's eager Runtime as bench/train.py builds it, after `warmup` steps, with its
     batch."""
     net = MODELS[name](batch=batch)

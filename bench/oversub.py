@@ -250,7 +250,8 @@ def bound_by(seconds_per_step: float, floor_s: float) -> str:
 def tinysn_point(net, cap, device, args):
     """train.tinysn_row for policy "all", eager, plain SGD under `cap` (or its failure)."""
     run_args = SimpleNamespace(memory=cap, warmup=args.warmup, steps=args.steps,
-                               fuse_bn_relu=False, **SGD)
+                               fuse_bn_relu=sn.plan.__kwdefaults__["fuse_bn_relu"],
+                               **SGD)
     return train.guarded(lambda: train.tinysn_row(net, "all", False, device, run_args,
                                                   host_memory=args.host_memory))
 

@@ -131,9 +131,10 @@ def train_rows(path: Path) -> list:
         memory = run.get("memory") or "40GiB"
         measured = {"s": row["ms_per_step"] / 1e3, "moved": row["bytes_moved_per_step"],
                     "probe": row.get("timed_launch_probe_s")}
+        plan_kw = train_plan_kw(run, row)
         rows.append({**compare(net, memory, row["policy"], measured, row["cuda_graph"],
-                               **train_plan_kw(run, row)),
-                     "model": run["model"]})
+                               **plan_kw),
+                     "model": run["model"], "fuse_bn_relu": plan_kw["fuse_bn_relu"]})
     return rows
 
 
@@ -157,6 +158,7 @@ def table(rows) -> list:
              "|---|---|---|---|---|"]
     for r in rows:
         how = "CUDA graph" if r["cuda_graph"] else "eager"
+        how += ", batch norms' ReLUs fused" if r.get("fuse_bn_relu") else ""
         memory = format_bytes(sn.parse_bytes(r["memory"]))
         lines.append(f"| {r['model']} batch {r['batch']}, {memory}, \"{r['policy']}\", {how} | "
                      f"{r['measured_s']:.3f} | {r['predicted_s']:.3f} | {r['error']:+.0%} | "

@@ -235,7 +235,7 @@ def label(row: dict, model: str = "") -> str:
         name = f"PyTorch {row['config']}"
     else:
         name = f'tinysn "{row["policy"]}", ' + ("CUDA graph" if row["cuda_graph"] else "eager")
-        name += ", batch norms' ReLUs fused" if row.get("fuse_bn_relu") else ""
+        name += ", batch norms' ReLUs apart" if row.get("fuse_bn_relu") is False else ""
     return f"{model}, {name}" if model else name
 
 
@@ -285,8 +285,10 @@ def parse_args(argv=None):
     ap.add_argument("--momentum", type=float, default=0.9)
     ap.add_argument("--weight-decay", type=float, default=5e-4)
     ap.add_argument("--no-compile", action="store_true", help="skip torch.compile")
-    ap.add_argument("--fuse-bn-relu", action="store_true",
-                    help="tinysn plans with each ReLU after a batch norm fused into it")
+    ap.add_argument("--fuse-bn-relu", action=argparse.BooleanOptionalAction,
+                    default=sn.plan.__kwdefaults__["fuse_bn_relu"],
+                    help="tinysn plans with each ReLU after a batch norm fused into it "
+                         "(default: the planner's, on); --no-fuse-bn-relu plans them apart")
     common.add_out_argument(ap)
     args = ap.parse_args(argv)
     args.memory = args.memory or ("40GiB" if torch.cuda.is_available() else "1GiB")

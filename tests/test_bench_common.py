@@ -103,19 +103,19 @@ def test_train_bench_smoke_on_the_cpu(tmp_path):
     for row in run["pytorch"]:
         assert torch.allclose(torch.tensor(eager["losses"]), torch.tensor(row["losses"]),
                               rtol=1e-4)
-    assert eager["fuse_bn_relu"] is False
+    assert eager["fuse_bn_relu"] is True            # the planner's default
 
 
-def test_train_bench_plans_with_batch_norm_relus_fused_when_asked(tmp_path):
+def test_train_bench_plans_batch_norm_relus_apart_when_asked(tmp_path):
     from bench import train
-    out = tmp_path / "fused.json"
+    out = tmp_path / "apart.json"
     train.main(["--model", "lenet", "--batch", "2", "--steps", "1", "--warmup", "1",
-                "--no-compile", "--fuse-bn-relu", "--out", str(out)])
+                "--no-compile", "--no-fuse-bn-relu", "--out", str(out)])
     run = json.loads(out.read_text())
     eager, graph = run["tinysn"]
-    assert eager["fuse_bn_relu"] is True and eager["peak_equals_plan"]
+    assert eager["fuse_bn_relu"] is False and eager["peak_equals_plan"]
     assert train.table_rows(run)[3].startswith(
-        '| lenet, tinysn "all", CUDA graph, batch norms\' ReLUs fused | refused |')
+        '| lenet, tinysn "all", CUDA graph, batch norms\' ReLUs apart | refused |')
 
 
 def test_timed_steps_run_with_older_objects_frozen_and_count_collections():

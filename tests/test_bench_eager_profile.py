@@ -54,7 +54,7 @@ def test_own_only_counts_every_launch_of_a_resnet_step_by_kernel(tmp_path, capsy
     import tinysn as sn
     out = tmp_path / "own.json"
     r = eager_profile.main(["--model", "resnet50", "--batch", "1", "--steps", "1", "--own-only",
-                            "--out", str(out)])
+                            "--no-fuse-bn-relu", "--out", str(out)])
     assert json.loads(out.read_text())["own_issue_ms"] == r["own_issue_ms"] > 0
     net = sn.models.resnet50(batch=1)
     bns = sum(layer.op == "bn" for layer in net.layers)
@@ -64,7 +64,7 @@ def test_own_only_counts_every_launch_of_a_resnet_step_by_kernel(tmp_path, capsy
     assert sum(by.values()) == r["stubbed_launches_per_step"] > r["plan_launches_per_step"]
     assert "step_ms" not in r and "_sgd_kernel" in capsys.readouterr().out
     fused = eager_profile.main(["--model", "resnet50", "--batch", "1", "--steps", "1",
-                                "--own-only", "--fuse-bn-relu"])
+                                "--own-only"])
     # with them fused, the 16 ReLUs after an add are left: the other 33 follow a batch
     # norm and are read by one conv or pool alone, whose backward masks dx
     relus = {k: v for k, v in by.items() if k.startswith("_relu")}

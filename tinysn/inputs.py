@@ -34,7 +34,7 @@ def pick_device(device) -> torch.device:
 
 
 def check_options(policy, lr, momentum, weight_decay, seed, precision,
-                  fuse_relu=True, fuse_bn_relu=False) -> None:
+                  fuse_relu=True, fuse_bn_relu=True) -> None:
     """A known policy, non-negative numbers for the optimizer, a non-negative int seed, a
     precision of None, "tf32" or "ieee" and bools fuse_relu and fuse_bn_relu."""
     if policy not in POLICIES:

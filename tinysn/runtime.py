@@ -99,7 +99,7 @@ class Runtime:
                  conv_algos=None, precision=None, layout="auto", host_memory=None,
                  cuda_graph: bool = False, process_group=None,
                  bucket_bytes=liveness.BUCKET_BYTES, fuse_relu: bool = True,
-                 fuse_bn_relu: bool = False):
+                 fuse_bn_relu: bool = True):
         device = inputs.pick_device(device)
         inputs.check_graph_request(cuda_graph, device)
         inputs.check_options(policy, lr, momentum, weight_decay, seed, precision, fuse_relu,

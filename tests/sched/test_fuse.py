@@ -62,8 +62,8 @@ def test_dead_layers_are_named_as_in_the_net():
 
 def test_the_fused_plan_has_one_step_fewer_per_pass_of_each_pair():
     net = _net()
-    fused, plain = sn.plan(net, "64MiB", "liveness"), sn.plan(net, "64MiB", "liveness",
-                                                               fuse_relu=False)
+    fused = sn.plan(net, "64MiB", "liveness", fuse_bn_relu=False)     # the convs' alone
+    plain = sn.plan(net, "64MiB", "liveness", fuse_relu=False)
     assert len(plain.steps) - len(fused.steps) == 2 * 4         # a forward and a backward
     assert not {s.layer for s in fused.steps} & {"r1", "r2", "r4", "r7"}
     assert fused.peak_bytes <= plain.peak_bytes
@@ -164,7 +164,7 @@ def _bn_net(batch=2):
     return net
 
 
-def test_a_batch_norm_absorbs_its_relu_only_when_asked():
+def test_a_batch_norm_absorbs_its_relu_in_plans_unless_told_not_to():
     net = _bn_net()
     assert fuse_relus(net) is net                       # no conv is read by a ReLU
     fused = fuse_relus(net, batch_norms=True)
@@ -181,11 +181,11 @@ def test_a_batch_norm_absorbs_its_relu_only_when_asked():
     for name, masks_dy in (("b2", True), ("b1", False)):
         cost, plain_cost = (spec(n[name]).cost(n[name], "backward") for n in (fused, net))
         assert cost[1] == plain_cost[1] + masks_dy * 3 * 4 * net[name].numel
-    plain, both = sn.plan(net, "64MiB", "liveness"), sn.plan(net, "64MiB", "liveness",
-                                                             fuse_bn_relu=True)
+    plain = sn.plan(net, "64MiB", "liveness", fuse_bn_relu=False)
+    both = sn.plan(net, "64MiB", "liveness")            # the default fuses them
     assert len(plain.steps) - len(both.steps) == 2 * 3
-    assert sn.plan(net, "64MiB", "baseline", fuse_bn_relu=True).peak_bytes < sn.plan(
-        net, "64MiB", "baseline").peak_bytes                # three tensors fewer
+    assert sn.plan(net, "64MiB", "baseline").peak_bytes < sn.plan(
+        net, "64MiB", "baseline", fuse_bn_relu=False).peak_bytes    # three tensors fewer
 
 
 @pytest.mark.parametrize("policy", ["baseline", "recompute", "all"])

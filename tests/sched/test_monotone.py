@@ -59,11 +59,16 @@ def test_the_counterexample_is_monotone_now():
         assert p.required_bytes <= p.capacity <= cap
 
 
+# The figures below were found on nets whose batch norms' ReLUs are planned apart; fused,
+# the same nets fit elsewhere (every size shifts), so these plan them apart.
+APART = {"fuse_bn_relu": False}
+
+
 def test_out_of_memory_on_a_grid_cap_says_so():
     net = sn.models.resnet(blocks=[1, 1, 1, 1], batch=16, classes=10, input_shape=(3, 64, 64))
     with pytest.raises(sn.OutOfMemory, match=r"planned at 80,740,352 bytes, the grid cap at "
                                              r"or below the 81,477,321 asked for"):
-        sn.plan(net, 81_477_321, "all", momentum=0.9)
+        sn.plan(net, 81_477_321, "all", momentum=0.9, **APART)
 
 
 @pytest.mark.parametrize("policy", POLICIES)
@@ -188,8 +193,8 @@ def one_stage_resnet(batch):
 def test_feasibility_is_not_monotone_in_the_batch():
     """Every tensor's size changes with the batch, and with it first fit, the cache's
     evictions and the recompute choices: here batch 8 plans and batch 7 does not."""
-    assert fits(one_stage_resnet(8), 760_000, "all") is not None
-    assert fits(one_stage_resnet(7), 760_000, "all") is None
+    assert fits(one_stage_resnet(8), 760_000, "all", **APART) is not None
+    assert fits(one_stage_resnet(7), 760_000, "all", **APART) is None
 
 
 def test_max_batch_is_the_largest_batch_below_which_every_batch_plans():
@@ -198,11 +203,11 @@ def test_max_batch_is_the_largest_batch_below_which_every_batch_plans():
         return sn.models.resnet(blocks=[1, 2], batch=batch, classes=10, input_shape=(3, 16, 16))
 
     cap = 4_131_072
-    planned = [fits(model(b), cap, "all") is not None for b in range(1, 10)]
+    planned = [fits(model(b), cap, "all", **APART) is not None for b in range(1, 10)]
     assert planned == [True] * 4 + [False] + [True] * 3 + [False]
-    assert sn.max_batch(model, cap, "all") == 4
-    assert sn.max_batch(model, cap, "all", limit=3) == 3
-    assert sn.max_batch(one_stage_resnet, 760_000, "all") == 3
+    assert sn.max_batch(model, cap, "all", **APART) == 4
+    assert sn.max_batch(model, cap, "all", limit=3, **APART) == 3
+    assert sn.max_batch(one_stage_resnet, 760_000, "all", **APART) == 3
 
 
 @settings(max_examples=max(EXAMPLES // 10, 3), deadline=None,

@@ -37,7 +37,7 @@ def test_gradients_are_written_over_dy_in_place():
         if lp.in_place:
             dx, dy = lp.in_place
             assert dy in lp.reads and dx in lp.writes and prog.last_use(dy) == lp.index
-    p = sn.plan(net, "1GiB", "liveness")
+    p = sn.plan(net, "1GiB", "liveness", fuse_bn_relu=False)    # plans `prog`'s net
     hands = [(s, op) for s in p.steps for op in s.ops if isinstance(op, Hand)]
     assert len(hands) == sum(1 for lp in backward if lp.in_place)
     rows = p.placements()
@@ -59,13 +59,14 @@ def test_gradients_are_written_over_dy_in_place():
         sn.plan(net, "1GiB", "liveness", in_place_gradients="yes")
 
 
-def test_all_keeps_a_dropped_pooling_output_where_that_is_faster(resnet50_995):
+def test_all_keeps_a_dropped_pooling_output_where_that_is_faster(resnet50_995_apart):
     """ResNet-50 at 995 under 12 GiB: keeping the stem's max-pool output (0.8 GB) spares
     bringing its 3 GB input back before the first block's backward pass, where the pool
     is fullest; the model predicts that faster, so policy "all" keeps it. keep_pools=False
     plans without trying."""
-    net, kept = resnet50_995
-    apart = sn.plan(net, "12GiB", "all", host_memory="60GiB", keep_pools=False)
+    net, kept = resnet50_995_apart
+    apart = sn.plan(net, "12GiB", "all", host_memory="60GiB", keep_pools=False,
+                    fuse_bn_relu=False)
     maxpool = next(layer.index for layer in net.layers if layer.name == "maxpool")
     assert maxpool in recompute.kept(kept.drops) and not recompute.kept(apart.drops)
     assert kept.predicted_step_s < 0.9 * apart.predicted_step_s
@@ -74,22 +75,38 @@ def test_all_keeps_a_dropped_pooling_output_where_that_is_faster(resnet50_995):
         sn.plan(net, "12GiB", "all", keep_pools=1)
 
 
-def test_all_evicts_by_next_use_where_lru_brings_a_tensor_back_twice(resnet50_995):
+def test_all_evicts_by_next_use_where_lru_brings_a_tensor_back_twice(resnet50_995_apart):
     """ResNet-50 at 995 (each prefetch one step ahead): the LRU cache evicts a residual
     block's input in the middle of the block and copies it back for the add; evicting the
     tensor used furthest ahead copies nothing back twice, moves fewer bytes and is
     predicted faster, so that plan is chosen. Its operations pass every rule of
     check_plan."""
-    net = resnet50_995[0]
-    chosen = sn.plan(net, "12GiB", "all", host_memory="60GiB", lookahead=1)
-    lru = sn.plan(net, "12GiB", "all", host_memory="60GiB", evict_by_next_use=False,
-                  lookahead=1)
+    net = resnet50_995_apart[0]
+    kw = dict(host_memory="60GiB", lookahead=1, fuse_bn_relu=False)
+    chosen = sn.plan(net, "12GiB", "all", **kw)
+    lru = sn.plan(net, "12GiB", "all", evict_by_next_use=False, **kw)
     assert plan_mod._refetches(lru) and not plan_mod._refetches(chosen)
     assert chosen.bytes_to_device < lru.bytes_to_device
     assert chosen.predicted_step_s < 0.97 * lru.predicted_step_s
     check_plan(chosen)
     with pytest.raises(ValueError, match="evict_by_next_use must be a bool"):
         sn.plan(net, "12GiB", "all", evict_by_next_use="yes")
+
+
+def test_all_judges_each_eviction_order_after_its_joins_are_rebuilt():
+    """ResNet-50 at 995, each batch norm's ReLU fused (each prefetch one step ahead):
+    evicting by next use plans faster than LRU before any join is rebuilt, but LRU's plan
+    then rebuilds joins to a faster step than the other's reaches, so LRU's is chosen."""
+    net = sn.models.resnet50(batch=995)
+    kw = dict(host_memory="60GiB", lookahead=1)
+    chosen = sn.plan(net, "12GiB", "all", **kw)
+    lru = sn.plan(net, "12GiB", "all", evict_by_next_use=False, **kw)
+    unjoined = sn.plan(net, "12GiB", "all", rebuild_joins=False, **kw)
+    unjoined_lru = sn.plan(net, "12GiB", "all", rebuild_joins=False, evict_by_next_use=False,
+                           **kw)
+    assert unjoined.predicted_step_s < unjoined_lru.predicted_step_s    # next use's, there
+    assert chosen.rebuilt_joins == lru.rebuilt_joins and chosen.rebuilt_joins
+    assert chosen.predicted_step_s == lru.predicted_step_s < 0.97 * unjoined.predicted_step_s
 
 
 def test_plan_rejects_bad_arguments():

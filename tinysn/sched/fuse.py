@@ -11,8 +11,8 @@ reader's backward applies the mask as it stores dx (`x_is_relu_output`: a conv's
 gradient, a pool's gather), so the pair does not pass over dy again (`relu_masked`). The
 numbers are the same bits as the separate layers'. A batch norm stores max(y, 0) the same
 way (kernels/bn.py, `relu=True`) and masks dy the same way in its backward; that fusion is
-asked for separately (`batch_norms`, `plan(..., fuse_bn_relu=True)`, default off until it is
-measured on a GPU): it is ResNet's and Inception's every ReLU after a batch norm.
+planned by default too (`batch_norms`; `plan(..., fuse_bn_relu=False)` turns it off): it is
+ResNet's and Inception's every ReLU after a batch norm.
 
 `fuse_relus(net)` returns a new Net in which each such pair is one conv layer: the conv's
 name, parameters and attributes, plus `relu=True` (and `relu_masked=True` where its reader

@@ -96,8 +96,8 @@ class DeviceModel:
 # The fitted figures of DeviceModel.h200 (bench/calibrate.py prints them from bench/results).
 H200_CONV_FLOPS_PER_S = 91.9e12
 H200_CONV_BYTES_PER_S = 2.28e12
-H200_LAUNCH_PER_PROBE = 9.35     # an eager layer step's host time over a bare launch's
-H200_LAUNCH_PROBE_S = 21.7e-6    # the bare launch on the hosts of the runs it was fitted on
+H200_LAUNCH_PER_PROBE = 10.09    # an eager layer step's host time over a bare launch's
+H200_LAUNCH_PROBE_S = 19.2e-6    # the bare launch on the hosts of the runs it was fitted on
 
 
 def host_launch_s(probe_s: float | None = None) -> float:

@@ -40,7 +40,7 @@ import tinysn as sn  # noqa: E402
 import torch  # noqa: E402
 
 from bench import common  # noqa: E402
-from bench.host_probe import eager_runtime, step_seconds  # noqa: E402
+from bench.host_probe import FUSE_BN_RELU, eager_runtime, step_seconds  # noqa: E402
 from bench.train import sync  # noqa: E402
 from tinysn.cli import MODELS  # noqa: E402
 
@@ -132,7 +132,7 @@ def own_figures(rt, images, labels, steps, device, warmup=0) -> dict:
                                           for s in rt.plan.steps for op in s.ops)}
 
 
-def measure_own(model: str, batch: int, steps: int, fuse_bn_relu=True) -> dict:
+def measure_own(model: str, batch: int, steps: int, fuse_bn_relu=FUSE_BN_RELU) -> dict:
     """`own_figures` alone, on the CPU (see the module docstring, `--own-only`)."""
     device = torch.device("cpu")
     rt, images, labels = eager_runtime(model, batch, device, warmup=0,
@@ -142,7 +142,7 @@ def measure_own(model: str, batch: int, steps: int, fuse_bn_relu=True) -> dict:
             **own_figures(rt, images, labels, steps, device, warmup=3)}
 
 
-def measure(model: str, batch: int, steps: int, top: int, fuse_bn_relu=True) -> dict:
+def measure(model: str, batch: int, steps: int, top: int, fuse_bn_relu=FUSE_BN_RELU) -> dict:
     """The step, issue and profile figures of `model`'s eager Runtime (host_probe's: policy
     "all", warmed up, its batch in pinned host memory)."""
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -170,7 +170,8 @@ def main(argv=None) -> dict:
     ap.add_argument("--top", type=int, default=30)
     ap.add_argument("--own-only", action="store_true",
                     help="only tinysn's own host time and the launches, kernels stubbed, CPU")
-    ap.add_argument("--fuse-bn-relu", action=argparse.BooleanOptionalAction, default=True,
+    ap.add_argument("--fuse-bn-relu", action=argparse.BooleanOptionalAction,
+                    default=FUSE_BN_RELU,
                     help="plan with each ReLU after a batch norm fused into it (the default; "
                          "--no-fuse-bn-relu plans them apart)")
     common.add_out_argument(ap)

@@ -31,6 +31,8 @@ from tinysn.cli import MODELS  # noqa: E402
 from tinysn.sched.plan import Launch  # noqa: E402
 from tinysn.sched.timing import measure_launch_s  # noqa: E402
 
+FUSE_BN_RELU = sn.plan.__kwdefaults__["fuse_bn_relu"]   # the planner's default, as a user gets
+
 PROBES = ("bare_launch_s", "python_loop_s")
 
 
@@ -42,7 +44,7 @@ def python_loop_seconds(n: int = 200_000) -> float:
     return time.perf_counter() - start
 
 
-def eager_runtime(name, batch, device, warmup=3, fuse_bn_relu=True):
+def eager_runtime(name, batch, device, warmup=3, fuse_bn_relu=FUSE_BN_RELU):
     """A model's eager Runtime as bench/train.py builds it, after `warmup` steps, with its
     batch."""
     net = MODELS[name](batch=batch)

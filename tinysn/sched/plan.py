@@ -354,10 +354,10 @@ def plan(net, memory, policy: str = "all", *, momentum: float = 0.0, conv_algos=
     s, which was the faster before they were rebuilt, 1.255 against 1.313). LRU order
     can evict a residual block's input in the middle of the block, only to bring it back
     for the add (ResNet-50 under 12 GiB at batch 995, its batch norms' ReLUs apart: 6.4 GB
-    more copied back, predicted 1.195 s a step against 1.126). Where LRU brings nothing back twice the second search
-    is skipped: it doubles planning time and found at most 0.4% (ResNet-152, batch 256),
-    and at 512 LRU's plan was the faster. False plans with LRU alone, as plans made before
-    this did.
+    more copied back, predicted 1.195 s a step against 1.126). Where LRU brings nothing
+    back twice the second search is skipped: it doubles planning time and found at most
+    0.4% (ResNet-152, batch 256), and at 512 LRU's plan was the faster. False plans with
+    LRU alone, as plans made before this did.
     `rebuild_joins` (policy "all", default True): last, also try dropping the outputs of
     joins (a residual add, a concat) whose copies the plan moves, and rebuilding them from
     the join's inputs, each choice judged as it will run (`_rebuild_joins`); False plans as

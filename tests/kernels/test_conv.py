@@ -686,6 +686,7 @@ GPU_CASES = EDGE_CASES + [
     (4, 40, 13, 13, 24, 3, 3, 2, 1),        # strided 3x3
     (2, 130, 6, 6, 70, 3, 3, 1, 1),         # reduction over several K blocks
     (2, 36, 14, 14, 44, 3, 3, 1, 1),        # channels-last: several patches, channel blocks
+    (2, 8, 32, 32, 12, 3, 3, 1, 1),         # channels-last, 32-pixel rows: per-element epilogue
 ]
 
 
@@ -715,7 +716,7 @@ def test_conv_gpu_random_shapes(precision, case, seed, accumulate, dx_none):
 @pytest.mark.parametrize("index", range(config_count(conv)))
 def test_conv_gpu_every_config(index, precision):
     with pinned(conv, index):
-        for j, case in enumerate(CONFIG_CASES + GPU_CASES[-7:]):
+        for j, case in enumerate(CONFIG_CASES + GPU_CASES[-8:]):
             _check(case, "cuda", precision, seed=index, bias=j != 1,
                    accumulate=(index + j) % 2 == 1)
 

@@ -110,15 +110,18 @@ def test_pool_edge(case, mode, accumulate):
     _check(shape, mode, kernel, stride, padding, 3, accumulate)
 
 
-@pytest.mark.parametrize("kernel,stride,padding", [(3, 2, 1), (3, 1, 1), (2, 2, 0), (4, 3, 2),
-                                                   (5, 5, 0)])
-def test_max_pool_ties_and_nan_match_torch(kernel, stride, padding):
+@pytest.mark.parametrize("kernel,stride,padding,size", [
+    (3, 2, 1, 7), (3, 1, 1, 7), (2, 2, 0, 7), (4, 3, 2, 7), (5, 5, 0, 7),
+    (2, 2, 0, 8)])          # windows that tile the input (_pool_tiles_bwd_kernel)
+def test_max_pool_ties_and_nan_match_torch(kernel, stride, padding, size):
     # Ties: the first maximum in scan order gets the gradient, as in torch (so the result is
-    # bitwise torch's, float32 against float32). NaN propagates; -inf windows still pick
-    # their first in-image cell.
+    # bitwise torch's, float32 against float32). NaN propagates, and of two NaNs in a window
+    # the later in scan order gets the gradient; -inf windows still pick their first
+    # in-image cell.
     g = torch.Generator().manual_seed(kernel * 10 + stride)
-    x = torch.randint(0, 3, (2, 3, 7, 7), generator=g).float()
+    x = torch.randint(0, 3, (2, 3, size, size), generator=g).float()
     x[0, 0, 2, 3] = NAN
+    x[0, 1, 2, 2] = x[0, 1, 3, 3] = NAN
     x[1, 2, 0, 0] = NAN
     x[1, 1] = float("-inf")
     x[1, 0, 4, 4] = float("-inf")

@@ -1079,8 +1079,9 @@ def _conv_nhwc_kernel(x_desc, w_desc, b_ptr, y_ptr, m_ptr, yin_desc, m_desc, N, 
 
     EPI_TMA: the epilogue's reads of Y (ACCUMULATE) and of the ReLU output (MASK) come through
     the TMA unit too, as [NB, BLOCK_N, TH, TW] boxes of yin_desc / m_desc (NCHW, Q a multiple
-    of 4), not as per-element loads: those, TW pixels apart by channel, made a masked data
-    gradient about 1.5x as slow on the H200 (bench/conv_gap.py).
+    of 4), not as per-element loads: on short rows (TW < 32) those, TW pixels apart by
+    channel, made a masked data gradient about 1.4x as slow on the H200; on rows of 32
+    pixels the boxes were the slower (bench/conv_gap.py; _launch_nhwc picks).
     """
     NB: tl.constexpr = (BLOCK_M // TW + THC - 1) // THC
     TH: tl.constexpr = BLOCK_M // TW // NB
@@ -1749,9 +1750,12 @@ def _launch_nhwc(x, w, b, y, ws, ph, pw, prec, flip=False, accumulate=False, rel
         th, nb = _patch(meta["BLOCK_M"], tw, thc)
         return (cdiv(n, nb) * cdiv(p, th) * tq * cdiv(o, meta["BLOCK_N"]),)
     m = y if mask is None else mask
-    # the epilogue reads through the TMA unit where it reads at all and TMA can: 16-byte
-    # aligned rows (then TW >= 4); otherwise the descriptors are unread stand-ins over wt
-    epi_tma = (accumulate or mask is not None) and q % 4 == 0 and \
+    # the epilogue reads through the TMA unit where it reads at all, TMA can (16-byte aligned
+    # rows, then TW >= 4) and its rows are short: per-element loads, TW pixels apart by
+    # channel, took a masked data gradient 0.64 ms against 0.47 at 512@28 (TW 4) and 0.66
+    # against 0.47 at 256@56 (TW 8), but 0.81 against 1.08 at 64@224 (TW 32; VGG16's shapes
+    # at batch 32 on the H200, bench/conv_gap.py); else the descriptors are unread stand-ins
+    epi_tma = (accumulate or mask is not None) and q % 4 == 0 and tw < _EPI_LOAD_TW and \
         y.data_ptr() % 16 == 0 and m.data_ptr() % 16 == 0
     stand_in = None if epi_tma else _nchw_desc(wt[:4].view(1, 1, 1, 4))
     yin_desc, m_desc = (_nchw_desc(y), _nchw_desc(m)) if epi_tma else (stand_in, stand_in)
@@ -1761,6 +1765,11 @@ def _launch_nhwc(x, w, b, y, ws, ph, pw, prec, flip=False, accumulate=False, rel
             dict(H=h, W=wd, P=p, Q=q, R=r, S=s, TW=tw, THC=thc, HAS_BIAS=b is not None,
                  ACCUMULATE=accumulate, PRECISION=prec, RELU=relu, MASK=mask is not None,
                  EPI_TMA=epi_tma))
+
+
+# rows of this many pixels or more: the channels-last kernel's epilogue loads Y and the ReLU
+# mask per element, as it stores (see _launch_nhwc)
+_EPI_LOAD_TW = 32
 
 
 def _nchw_desc(t):

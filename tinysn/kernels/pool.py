@@ -291,6 +291,57 @@ def _pool_bwd_kernel(x, argmax, dy, dx, total, H, W, OH, OW, NBH, NBW, OBH, OBW,
     tl.store(dptrs, acc, mask=inb)
 
 
+@autotune(_BWD_GPU, _BWD_INTERP, key=["ROWS", "W", "KH", "KW"], restore=["dx"])
+@triton.heuristics({"BR": lambda a: max(1, a["LANES"] // (a["KH"] * a["BC"]))})
+@triton.jit
+def _pool_tiles_bwd_kernel(x, dy, dx, ROWS, W, OW, KH: tl.constexpr, KW: tl.constexpr,
+                           IS_MAX: tl.constexpr, ACC: tl.constexpr, INDEX64: tl.constexpr,
+                           MASK: tl.constexpr, BC: tl.constexpr, LANES: tl.constexpr,
+                           BR: tl.constexpr):
+    """The backward of windows that tile the input (kernel = stride, no padding, H and W
+    multiples of the kernel, KH and KW powers of 2; VGG's 2x2/2): window row o of every
+    plane covers KH whole input rows, one contiguous run of KH * W pixels, so a program
+    takes BR window rows and BC columns of each of their KH input rows as one [BR, KH, BC]
+    tile of contiguous rows (16-byte loads and stores, where the cell-per-lane gather
+    reads and writes 4 bytes at a time). Each window's gradient goes to its argmax by the
+    forward's scan rule (row-major; the first maximum, or the last NaN, wins); avg: dy /
+    (KH * KW) to every cell. MASK and ACC as _pool_bwd_kernel."""
+    BW: tl.constexpr = BC // KW
+    if INDEX64:
+        rows = tl.program_id(0).to(tl.int64) * BR + tl.arange(0, BR)
+    else:
+        rows = tl.program_id(0) * BR + tl.arange(0, BR)
+    c0 = tl.program_id(1) * BC
+    cols = c0 + tl.arange(0, BC)
+    kh = tl.arange(0, KH)
+    offs = (rows[:, None, None] * KH + kh[None, :, None]) * W + cols[None, None, :]
+    ok = (rows < ROWS)[:, None, None] & (kh < KH)[None, :, None] & (cols < W)[None, None, :]
+    wcols = c0 // KW + tl.arange(0, BW)
+    dok = (rows < ROWS)[:, None] & (wcols < OW)[None, :]
+    g = tl.load(dy + rows[:, None] * OW + wcols[None, :], mask=dok, other=0.0)   # [BR, BW]
+    if IS_MAX or MASK:
+        v = tl.load(x + offs, mask=ok, other=0.0)
+    if IS_MAX:
+        win = tl.reshape(v, (BR, KH, BW, KW))
+        tap = (tl.arange(0, KH)[None, :, None, None] * KW
+               + tl.arange(0, KW)[None, None, None, :])
+        top = tl.max(tl.max(win, axis=3), axis=1)                                   # [BR, BW]
+        nan = win != win
+        first = tl.min(tl.min(tl.where(win == top[:, None, :, None], tap, KH * KW), axis=3),
+                       axis=1)
+        last_nan = tl.max(tl.max(tl.where(nan, tap, -1), axis=3), axis=1)
+        arg = tl.where(last_nan >= 0, last_nan, first)
+        grad = tl.where(tap == arg[:, None, :, None], g[:, None, :, None], 0.0)
+    else:
+        grad = tl.zeros((BR, KH, BW, KW), tl.float32) + (g / (KH * KW))[:, None, :, None]
+    out = tl.reshape(grad, (BR, KH, BC))
+    if ACC:
+        out += tl.load(dx + offs, mask=ok, other=0.0)
+    if MASK:            # as kernels/act.py's backward: where(y <= 0, 0, g)
+        out = tl.where(v <= 0.0, 0.0, out)
+    tl.store(dx + offs, out, mask=ok)
+
+
 # ----------------------------------------------------------------------------- launchers
 
 def _is_global(h, w, kh, kw, ph, pw):
@@ -363,6 +414,9 @@ def backward(x, y, dy, dx, *, mode, kernel, stride, padding, accumulate=False,
     n, c, oh, ow = shape
     h, w = x.shape[2], x.shape[3]
     argmax = _argmax_buffer(workspace, shape, kernel, is_max, x, dx)
+    if argmax is None and _tiles_input(h, w, kh, kw, sh, sw, ph, pw):
+        _launch_tiles_bwd(x, dy, dx, oh, is_max, accumulate, x_is_relu_output)
+        return
     obh, obw = ph // sh, pw // sw                    # first cell's owner window row / col
     nbh = (h - 1 + ph) // sh - obh + 1
     nbw = (w - 1 + pw) // sw - obw + 1
@@ -381,6 +435,25 @@ def backward(x, y, dy, dx, *, mode, kernel, stride, padding, accumulate=False,
            dict(KH=kh, KW=kw, SH=sh, SW=sw, PH=ph, PW=pw, NH=nh, NW=nw, CELLP=cellp,
                 IS_MAX=is_max, FROM_ARGMAX=argmax is not None, ACC=accumulate,
                 INDEX64=index64, MASK=x_is_relu_output))
+
+
+def _tiles_input(h, w, kh, kw, sh, sw, ph, pw):
+    """The windows tile the input exactly, in power-of-2 sides (_pool_tiles_bwd_kernel)."""
+    return ((kh, kw) == (sh, sw) and ph == pw == 0 and h % kh == 0 and w % kw == 0
+            and kh * kw > 1 and kh & (kh - 1) == 0 and kw & (kw - 1) == 0)
+
+
+def _launch_tiles_bwd(x, dy, dx, oh, is_max, accumulate, relu_mask):
+    """dx of windows that tile x: [rows, KH, columns] tiles of whole input rows."""
+    n, c, h, w = dx.shape
+    kh, kw = h // oh, w // dy.shape[3]
+    rows = n * c * oh
+    bc = max(kw, min(next_power_of_2(w), 256))
+    launch(_pool_tiles_bwd_kernel, lambda meta: (cdiv(rows, max(1, meta["LANES"] // (kh * bc))),
+                                                 cdiv(w, bc)),
+           (x, dy, dx, rows, w, dy.shape[3]),
+           dict(KH=kh, KW=kw, IS_MAX=is_max, ACC=accumulate, INDEX64=dx.numel() > _INT32_LIMIT,
+                MASK=relu_mask, BC=bc))
 
 
 def argmax_workspace_bytes(x_shape, *, mode, kernel, stride, padding) -> int:

@@ -33,6 +33,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import tinysn as sn  # noqa: E402
 from bench.common import add_out_argument, write  # noqa: E402
 from tinysn.sched import workspace  # noqa: E402
+from tinysn.sched.fuse import fusible  # noqa: E402
 from tinysn.sched.timing import DeviceModel, simulate  # noqa: E402
 from tinysn.units import format_bytes  # noqa: E402
 
@@ -134,8 +135,15 @@ def train_rows(path: Path) -> list:
         plan_kw = train_plan_kw(run, row)
         rows.append({**compare(net, memory, row["policy"], measured, row["cuda_graph"],
                                **plan_kw),
-                     "model": run["model"], "fuse_bn_relu": plan_kw["fuse_bn_relu"]})
+                     "model": run["model"],
+                     "fuse_bn_relu": plan_kw["fuse_bn_relu"] and fuses_a_batch_norm(net)})
     return rows
+
+
+def fuses_a_batch_norm(net) -> bool:
+    """Whether `fuse_bn_relu` changes `net`'s plan: some batch norm's ReLU can fuse into it
+    (VGG16 and AlexNet have none, so their rows carry no fusion label)."""
+    return any(layer.op == "bn" and fusible(layer, batch_norms=True) for layer in net.layers)
 
 
 def main(argv=None) -> list:

@@ -23,6 +23,12 @@ candidate windows (at most ceil(kh/sh) * ceil(kw/sw) of them). One lane handles 
 it loads dy of each candidate window once and adds it to the cell pixels that the window
 covers (avg: dy / (kh*kw)) or that are the window's argmax (max).
 
+Windows that tile the input (kernel = stride, no padding, H and W multiples of the kernel,
+power-of-2 sides: VGG's 2x2/2) take a second backward kernel, which needs no cells: window
+row o covers KH whole input rows, so a program loads [rows, KH, columns] tiles of x and
+stores dx 16 bytes at a time (the gather's lanes read and write 4 bytes at a time), with
+the same scan rule and the same bits.
+
 Max pooling stores no argmax indices. The backward recomputes each candidate window's
 argmax from x, with the forward's scan and tie rule, so the gradient goes to the same pixel
 torch picks (first maximum in scan order; with ties the input is not differentiable and

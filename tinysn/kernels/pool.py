@@ -321,7 +321,8 @@ def _pool_tiles_bwd_kernel(x, dy, dx, ROWS, W, OW, KH: tl.constexpr, KW: tl.cons
     cols = c0 + tl.arange(0, BC)
     kh = tl.arange(0, KH)
     offs = (rows[:, None, None] * KH + kh[None, :, None]) * W + cols[None, None, :]
-    ok = (rows < ROWS)[:, None, None] & (kh < KH)[None, :, None] & (cols < W)[None, None, :]
+    ok = (rows < ROWS)[:, None, None] & (cols < W)[None, None, :]
+    ok = ok & (kh >= 0)[None, :, None]          # every kh: only broadcasts to the tile's shape
     wcols = c0 // KW + tl.arange(0, BW)
     dok = (rows < ROWS)[:, None] & (wcols < OW)[None, :]
     g = tl.load(dy + rows[:, None] * OW + wcols[None, :], mask=dok, other=0.0)   # [BR, BW]
@@ -421,7 +422,7 @@ def backward(x, y, dy, dx, *, mode, kernel, stride, padding, accumulate=False,
     h, w = x.shape[2], x.shape[3]
     argmax = _argmax_buffer(workspace, shape, kernel, is_max, x, dx)
     if argmax is None and _tiles_input(h, w, kh, kw, sh, sw, ph, pw):
-        _launch_tiles_bwd(x, dy, dx, oh, is_max, accumulate, x_is_relu_output)
+        _launch_tiles_bwd(x, dy, dx, kh, kw, is_max, accumulate, x_is_relu_output)
         return
     obh, obw = ph // sh, pw // sw                    # first cell's owner window row / col
     nbh = (h - 1 + ph) // sh - obh + 1
@@ -449,15 +450,16 @@ def _tiles_input(h, w, kh, kw, sh, sw, ph, pw):
             and kh * kw > 1 and kh & (kh - 1) == 0 and kw & (kw - 1) == 0)
 
 
-def _launch_tiles_bwd(x, dy, dx, oh, is_max, accumulate, relu_mask):
-    """dx of windows that tile x: [rows, KH, columns] tiles of whole input rows."""
-    n, c, h, w = dx.shape
-    kh, kw = h // oh, w // dy.shape[3]
-    rows = n * c * oh
+def _launch_tiles_bwd(x, dy, dx, kh, kw, is_max, accumulate, relu_mask):
+    """dx of kh x kw windows that tile x: [rows, kh, columns] tiles of whole input rows, a
+    row of windows per tile row (columns: up to 256 pixels of a row)."""
+    n, c, oh, ow = dy.shape
+    rows, w = n * c * oh, dx.shape[3]
     bc = max(kw, min(next_power_of_2(w), 256))
-    launch(_pool_tiles_bwd_kernel, lambda meta: (cdiv(rows, max(1, meta["LANES"] // (kh * bc))),
-                                                 cdiv(w, bc)),
-           (x, dy, dx, rows, w, dy.shape[3]),
+
+    def grid(meta):
+        return (cdiv(rows, max(1, meta["LANES"] // (kh * bc))), cdiv(w, bc))
+    launch(_pool_tiles_bwd_kernel, grid, (x, dy, dx, rows, w, ow),
            dict(KH=kh, KW=kw, IS_MAX=is_max, ACC=accumulate, INDEX64=dx.numel() > _INT32_LIMIT,
                 MASK=relu_mask, BC=bc))
 

@@ -53,9 +53,10 @@ for stage in "$@"; do
     # the conv autotuners' config lists: every tuner under a wider sweep on VGG16 / ResNet-50 shapes, greedy pick
     # (CONFIGS_ARGS="--tuners weight --kernel-size 3" CONFIGS_NAME=weight-3x3: one tuner's 3x3 rows)
     conv-configs) timeout ${CONFIGS_S:-300} python3 bench/conv_configs.py ${CONFIGS_ARGS:-} --out "$OUT/conv-configs${CONFIGS_NAME:+-$CONFIGS_NAME}-$GPU.json" 2>&1 | tail -34 ;;
-    # device time per kernel of an eager step at batch 32 (PROFILE_MODELS picks models)
+    # device time per kernel of an eager step at batch 32 (PROFILE_MODELS picks models;
+    # PROFILE_ARGS=--pytorch also profiles the torch.compile step, in the same file)
     profile)  for model in ${PROFILE_MODELS:-alexnet vgg16 resnet50}; do
-                timeout ${PROFILE_S:-120} python3 bench/step_profile.py --model "$model" --out "$OUT/profile-$model-b32-$GPU.json" 2>&1 | tail -22
+                timeout ${PROFILE_S:-120} python3 bench/step_profile.py --model "$model" ${PROFILE_ARGS:-} --out "$OUT/profile-$model-b32-$GPU.json" 2>&1 | tail -${PROFILE_LINES:-22}
               done ;;
     # where an eager step's host time goes (cProfile; EAGER_MODELS picks models)
     eager-profile) for model in ${EAGER_MODELS:-resnet50}; do

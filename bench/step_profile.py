@@ -11,6 +11,11 @@ than the model predicts, this table says which kernels the model underrates. Eac
 is listed with its calls per step, ms per step and share of the busy time; the JSON keeps
 every kernel.
 
+With `--pytorch` the best PyTorch configuration of bench/train.py on VGG16 and AlexNet
+(torch.compile, default mode, the same SGD settings and host batch) is profiled the same way
+after its warm-up steps, in the same process: its kernels and busy time sit beside tinysn's
+in the JSON (`pytorch`), so the two steps can be compared kernel by kernel.
+
 Then one more eager step is timed launch by launch (tinysn.trace's Recorder: CUDA events
 around each layer step) beside the model's time for the same launch (the conv passes' from
 the runtime's own rankings, `conv_times`): `launches` in the JSON, largest overrun first,
@@ -81,6 +86,33 @@ def launch_times(recorded, predicted, plan) -> list:
     return sorted(rows, key=lambda r: -r["over_ms"])
 
 
+def profiled_kernels(step, steps: int) -> list:
+    """kernel_times of `steps` calls of `step` under torch.profiler (CUDA activity only)."""
+    torch.cuda.synchronize()
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        for _ in range(steps):
+            step()
+        torch.cuda.synchronize()
+    return kernel_times(device_events(prof), steps)
+
+
+def pytorch_profile(net, steps: int, warmup: int = 5) -> dict:
+    """The torch.compile step of bench/train.py (its PyTorch reference on VGG16 and AlexNet
+    at batch 32 on the H200) on `net`'s torch twin: {"config", "busy_ms_per_step",
+    "kernels"}, profiled after `warmup` steps (compiling)."""
+    from bench.train import host_batch, torch_step
+    device = torch.device("cuda")
+    model = net.to_torch().to(device).train()
+    opt = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9, weight_decay=5e-4)
+    step = torch_step(torch.compile(model), opt, host_batch(net, device), device,
+                      torch.contiguous_format)
+    for _ in range(warmup):
+        step()
+    rows = profiled_kernels(step, steps)
+    return {"config": "torch.compile", "kernels": rows,
+            "busy_ms_per_step": sum(r["ms_per_step"] for r in rows)}
+
+
 def recorded_step(rt, images, labels) -> list:
     """The trace events of one eager step of `rt` (tinysn.trace.Recorder)."""
     rt.recorder = Recorder()
@@ -98,6 +130,8 @@ def main(argv=None) -> int:
     ap.add_argument("--memory", default="40GiB")
     ap.add_argument("--steps", type=int, default=5, help="profiled steps")
     ap.add_argument("--top", type=int, default=25, help="kernels printed")
+    ap.add_argument("--pytorch", action="store_true",
+                    help="also profile the torch.compile step, in the same process")
     common.add_out_argument(ap)
     args = ap.parse_args(argv)
     if not torch.cuda.is_available():
@@ -109,14 +143,9 @@ def main(argv=None) -> int:
     images, labels = (t.pin_memory() for t in sn.data.synthetic(net, seed=0))
     for _ in range(3):
         rt.step(images, labels)
-    torch.cuda.synchronize()
     t0 = time.perf_counter()
-    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
-        for _ in range(args.steps):
-            rt.step(images, labels)
-        torch.cuda.synchronize()
+    rows = profiled_kernels(lambda: rt.step(images, labels), args.steps)
     eager_ms = (time.perf_counter() - t0) / args.steps * 1e3
-    rows = kernel_times(device_events(prof), args.steps)
     busy = sum(r["ms_per_step"] for r in rows)
     predicted = simulate(rt.plan, rt.plan.device_model.__class__.h200(
         graphed=True, conv_times=rt.plan.device_model.conv_times))
@@ -131,10 +160,18 @@ def main(argv=None) -> int:
     for r in launches[:args.top]:
         print(f"{r['launch'][:31]:<32}{r['measured_ms']:>12.3f}{r['predicted_ms']:>10.3f}  "
               f"{', '.join(r['algos'].values())}")
-    common.write(args.out, {"model": args.model, "batch": args.batch, "steps": args.steps,
-                            "busy_ms_per_step": busy, "profiled_eager_ms_per_step": eager_ms,
-                            "predicted_kernel_ms_per_step": predicted.compute_s * 1e3,
-                            "kernels": rows, "launches": launches})
+    result = {"model": args.model, "batch": args.batch, "steps": args.steps,
+              "busy_ms_per_step": busy, "profiled_eager_ms_per_step": eager_ms,
+              "predicted_kernel_ms_per_step": predicted.compute_s * 1e3,
+              "kernels": rows, "launches": launches}
+    if args.pytorch:
+        rt.close()
+        result["pytorch"] = reference = pytorch_profile(net, args.steps)
+        print(f"{reference['config']}: GPU busy {reference['busy_ms_per_step']:.3f} ms/step "
+              f"against tinysn's {busy:.3f}")
+        for r in reference["kernels"][:args.top]:
+            print(f"{r['kernel'][:47]:<48}{r['calls_per_step']:>7.1f}{r['ms_per_step']:>10.3f}")
+    common.write(args.out, result)
     return 0
 
 

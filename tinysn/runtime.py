@@ -444,7 +444,8 @@ def _build_launchers(program, data_parallel: bool) -> dict:
 def _then_update(kernel, lp, program, data_parallel: bool):
     """`kernel`, then (data parallel) the start of the all-reduce of the gradient bucket
     that ends at this pass, then the SGD updates of the buckets `program.updates` places
-    here, each bucket's after its all-reduce."""
+    here, each bucket's after its all-reduce, two parameters per launch
+    (sgd.update_many)."""
     p = program
     reduce = p.reduces.get(lp.index) if data_parallel else None
     buckets = p.updates.get(lp.index, [])
@@ -461,8 +462,8 @@ def _then_update(kernel, lp, program, data_parallel: bool):
         for bucket, tensors in zip(buckets, updates):
             if data_parallel:
                 rt.grad_sync.finish(bucket)
-            for param, grad, mom in tensors:
-                sgd_k.update(rt.view(param), rt.view(grad),
-                             None if mom is None else rt.view(mom), lr=rt.lr,
-                             momentum=rt.momentum, weight_decay=rt.weight_decay)
+            sgd_k.update_many([(rt.view(param), rt.view(grad),
+                                None if mom is None else rt.view(mom))
+                               for param, grad, mom in tensors], lr=rt.lr,
+                              momentum=rt.momentum, weight_decay=rt.weight_decay)
     return launch

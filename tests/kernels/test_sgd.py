@@ -80,6 +80,35 @@ def test_sgd_deterministic():
     assert torch.equal(outs[0][0], outs[1][0]) and torch.equal(outs[0][1], outs[1][1])
 
 
+@pytest.mark.parametrize("momentum,weight_decay", [(0.0, 0.0), (0.9, 1e-4)])
+def test_sgd_update_many_matches_one_update_each(momentum, weight_decay, device="cpu"):
+    """Two tensors share a launch (the second starting mid-grid, after the first's blocks),
+    an odd one out gets its own, an empty one none; each ends bitwise as update() leaves it."""
+    sizes = [5000, 37, 9000, 0, 4096]
+    hp = dict(lr=0.1, momentum=momentum, weight_decay=weight_decay)
+
+    def fresh():
+        return [(_rand((n,), 3 * i, device), _rand((n,), 3 * i + 1, device),
+                 _rand((n,), 3 * i + 2, device) * 0.1) for i, n in enumerate(sizes)]
+    alone, together = fresh(), fresh()
+    for p, g, b in alone:
+        sgd.update(p, g, b, **hp)
+    sgd.update_many(together, **hp)
+    for (p, _, b), (q, _, c) in zip(alone, together):
+        assert torch.equal(p, q) and torch.equal(b, c)
+
+
+def test_sgd_update_many_checks_every_item_before_any_launch():
+    """A bad third item (a launch of its own) is named before the first pair is touched."""
+    p, g, b = _rand((10,), 0), _rand((10,), 1), torch.zeros(10)
+    before = p.clone()
+    with pytest.raises(ValueError, match="grad"):
+        sgd.update_many([(p, g, b), (p.clone(), g.clone(), b.clone()),
+                         (p.clone(), _rand((11,), 2), b.clone())], lr=0.1, momentum=0.9,
+                        weight_decay=0.0)
+    assert torch.equal(p, before)
+
+
 def test_sgd_bad_input():
     p, g, b = _rand((10,), 0), _rand((10,), 1), torch.zeros(10)
     hp = dict(lr=0.1, momentum=0.9, weight_decay=0.0)
@@ -108,3 +137,10 @@ def test_sgd_bad_input():
 @pytest.mark.skipif(not GPU, reason="needs CUDA")
 def test_sgd_gpu(shape, momentum, weight_decay):
     _check(shape, 0.1, momentum, weight_decay, device="cuda")
+
+
+@pytest.mark.parametrize("momentum,weight_decay", [(0.0, 0.0), (0.9, 1e-4)])
+@pytest.mark.gpu
+@pytest.mark.skipif(not GPU, reason="needs CUDA")
+def test_sgd_gpu_update_many_matches_one_update_each(momentum, weight_decay):
+    test_sgd_update_many_matches_one_update_each(momentum, weight_decay, device="cuda")

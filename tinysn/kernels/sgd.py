@@ -12,6 +12,9 @@ param.add_(d_p, alpha=-lr) are single FMAs in torch's kernels; buf.mul_(momentum
 two rounded ops), so results match torch.optim.SGD bitwise on the CPU interpreter and are
 expected to on the GPU (torch's foreach kernels may round differently there: ~1 ulp).
 One 1-D blocked memory-bound kernel: reads param, grad (and buf), writes param (and buf).
+update_many(items, ...) applies it to a list of (param, grad, buf) with one launch per two
+tensors (a layer's weight and bias, a batch norm's scale and shift): the same bits as one
+update() each, with half the launches, which a step's host pays for one by one.
 """
 import torch
 import triton
@@ -28,9 +31,26 @@ _NO_FP_FUSION = {} if INTERPRET else {"enable_fp_fusion": False}
 
 
 @triton.jit
-def _sgd_kernel(p_ptr, g_ptr, buf_ptr, n, lr, momentum, weight_decay,
-                HAS_WD: tl.constexpr, HAS_MOMENTUM: tl.constexpr, BLOCK: tl.constexpr):
-    offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+def _sgd_kernel(p_ptr, g_ptr, buf_ptr, n, p2_ptr, g2_ptr, buf2_ptr, n2, lr, momentum,
+                weight_decay, HAS_WD: tl.constexpr, HAS_MOMENTUM: tl.constexpr,
+                BLOCK: tl.constexpr):
+    """The update of two tensors in one launch: programs [0, cdiv(n, BLOCK)) update the
+    first (n elements), the rest the second (n2; 0 when there is one tensor)."""
+    first = tl.cdiv(n, BLOCK)
+    block = tl.program_id(0)
+    if block < first:
+        _sgd_block(p_ptr, g_ptr, buf_ptr, n, block, lr, momentum, weight_decay,
+                   HAS_WD, HAS_MOMENTUM, BLOCK)
+    else:
+        _sgd_block(p2_ptr, g2_ptr, buf2_ptr, n2, block - first, lr, momentum, weight_decay,
+                   HAS_WD, HAS_MOMENTUM, BLOCK)
+
+
+@triton.jit
+def _sgd_block(p_ptr, g_ptr, buf_ptr, n, block, lr, momentum, weight_decay,
+               HAS_WD: tl.constexpr, HAS_MOMENTUM: tl.constexpr, BLOCK: tl.constexpr):
+    """Block `block` of one tensor's update (the module docstring's arithmetic)."""
+    offs = block.to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
     mask = offs < n
     p = tl.load(p_ptr + offs, mask=mask)
     d = tl.load(g_ptr + offs, mask=mask)
@@ -60,9 +80,29 @@ def update(param: torch.Tensor, grad: torch.Tensor, momentum_buf, *, lr: float,
     param, grad, momentum_buf: contiguous float32 of one shape on one device, non-overlapping.
     momentum_buf may be None only when momentum == 0 (it is then left untouched).
     """
+    update_many([(param, grad, momentum_buf)], lr=lr, momentum=momentum,
+                weight_decay=weight_decay)
+
+
+def update_many(items, *, lr: float, momentum: float, weight_decay: float) -> None:
+    """update() on each (param, grad, momentum_buf) of `items`, two tensors per launch. Every
+    item is checked before the first launch, so bad input changes nothing."""
     lr = _number("lr", lr)
     momentum = _number("momentum", momentum)
     weight_decay = _number("weight_decay", weight_decay)
+    todo = [t for t in (_checked(*item, momentum) for item in items) if t[0].numel()]
+    for pair in (todo[i:i + 2] for i in range(0, len(todo), 2)):
+        (p, g, b), (p2, g2, b2) = pair[0], pair[-1]
+        n, n2 = p.numel(), (p2.numel() if len(pair) == 2 else 0)
+        run(_sgd_kernel, (cdiv(n, BLOCK) + cdiv(n2, BLOCK),),
+            p, g, b, n, p2, g2, b2, n2, lr, momentum, weight_decay,
+            HAS_WD=weight_decay != 0.0, HAS_MOMENTUM=momentum != 0.0, BLOCK=BLOCK,
+            num_warps=NUM_WARPS, **_NO_FP_FUSION)
+
+
+def _checked(param, grad, momentum_buf, momentum):
+    """(param, grad, buf) after the checks update() documents; buf is param (an unread
+    pointer) where momentum is 0."""
     check_tensor("param", param)
     check_tensor("grad", grad, shape=param.shape)
     tensors = [("param", param), ("grad", grad)]
@@ -75,18 +115,12 @@ def update(param: torch.Tensor, grad: torch.Tensor, momentum_buf, *, lr: float,
     for name, t in tensors[1:]:
         if t.device != param.device:
             raise ValueError(f"sgd: {name} is on {t.device} but param is on {param.device}")
-    if n == 0:
-        return
     for i, (na, a) in enumerate(tensors):
         for nb, b in tensors[i + 1:]:
             a0, b0 = a.data_ptr(), b.data_ptr()
-            if a0 < b0 + 4 * n and b0 < a0 + 4 * n:
+            if n and a0 < b0 + 4 * n and b0 < a0 + 4 * n:
                 raise ValueError(f"sgd: {na} and {nb} overlap")
-    buf = momentum_buf if momentum != 0.0 else param      # dummy pointer when unused
-    run(_sgd_kernel, (cdiv(n, BLOCK),),
-        param, grad, buf, n, lr, momentum, weight_decay,
-        HAS_WD=weight_decay != 0.0, HAS_MOMENTUM=momentum != 0.0, BLOCK=BLOCK,
-        num_warps=NUM_WARPS, **_NO_FP_FUSION)
+    return param, grad, momentum_buf if momentum != 0.0 else param
 
 
 def workspace_bytes(*args, **kwargs) -> int:

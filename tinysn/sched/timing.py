@@ -30,6 +30,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field, fields
 
+from ..kernels._common import cdiv
 from ..ops import spec
 from .plan import Evict, Launch, Mark, Offload, Prefetch, Sync, Wait
 from .workspace import conv_geometry, key_from_text, key_text
@@ -197,10 +198,11 @@ def kernel_seconds(plan, launch: Launch, model: DeviceModel) -> float:
 
 def kernel_launches(plan, launch: Launch) -> int:
     """Triton kernels one Launch runs: its layer's own (OpSpec.launches, by phase and conv
-    algorithm) and, in a backward step, one SGD update per parameter tensor."""
+    algorithm) and, in a backward step, the SGD updates of its parameter tensors, two per
+    launch (sgd.update_many)."""
     layer, phase = _layer_phase(plan, launch)
     own = spec(layer).launches(layer, phase, launch.algos)
-    return own + (len(layer.params) if phase == "backward" else 0)
+    return own + (cdiv(len(layer.params), 2) if phase == "backward" else 0)
 
 
 def _layer_phase(plan, launch: Launch) -> tuple:

@@ -39,6 +39,9 @@ from tinysn.sched.timing import simulate  # noqa: E402
 from tinysn.trace import COMPUTE, THREADS, Recorder  # noqa: E402
 
 
+SGD = {"lr": 0.01, "momentum": 0.9, "weight_decay": 5e-4}   # tinysn's and PyTorch's alike
+
+
 def kernel_times(events, steps: int) -> list:
     """[{"kernel", "calls_per_step", "ms_per_step"}] from profiler events (each with `name`
     and `device_time` in us, or None for host-only events), largest first."""
@@ -103,7 +106,7 @@ def pytorch_profile(net, steps: int, warmup: int = 5) -> dict:
     from bench.train import host_batch, torch_step
     device = torch.device("cuda")
     model = net.to_torch().to(device).train()
-    opt = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9, weight_decay=5e-4)
+    opt = torch.optim.SGD(model.parameters(), **SGD)
     step = torch_step(torch.compile(model), opt, host_batch(net, device), device,
                       torch.contiguous_format)
     for _ in range(warmup):
@@ -138,8 +141,7 @@ def main(argv=None) -> int:
         print("bench/step_profile.py needs a CUDA GPU")
         return 1
     net = MODELS[args.model](batch=args.batch)
-    rt = sn.Runtime(net, args.memory, "all", device="cuda", lr=0.01, momentum=0.9,
-                    weight_decay=5e-4)
+    rt = sn.Runtime(net, args.memory, "all", device="cuda", **SGD)
     images, labels = (t.pin_memory() for t in sn.data.synthetic(net, seed=0))
     for _ in range(3):
         rt.step(images, labels)

@@ -188,8 +188,19 @@ def _fused_relu(layer) -> bool:
     return layer.attrs.get("relu", False)
 
 
+def _conv_act(program, layer):
+    """`_act` for a conv's input or output: the view channels-last where the runtime's plan
+    stores `layer`'s output so (Plan.channels_last, sched/channels_last.py)."""
+    view = _act(program, layer)
+
+    def act(rt):
+        t = view(rt)
+        return conv_k.channels_last_view(t) if layer.name in rt.plan.channels_last else t
+    return act
+
+
 def _conv_forward(program, layer, update_running):
-    x, y = _act(program, layer.inputs[0]), _act(program, layer)
+    x, y = _conv_act(program, layer.inputs[0]), _conv_act(program, layer)
     w, b = _param(program, layer, "weight"), _param(program, layer, "bias")
     a, relu = layer.attrs, _fused_relu(layer)
     return lambda rt, algos, ws: conv_k.forward(
@@ -222,7 +233,7 @@ def _conv_backward(program, lp):
     backward runs on it; dx goes through the ReLU before the conv where x is that ReLU's
     output (sched/fuse.py)."""
     layer, a, g = lp.layer, lp.layer.attrs, _grads(program, lp)
-    x, w = _act(program, layer.inputs[0]), _param(program, layer, "weight")
+    x, w = _conv_act(program, layer.inputs[0]), _param(program, layer, "weight")
     dw, db = _param_grad(program, layer, "weight"), _param_grad(program, layer, "bias")
     dy = _fused_relu_dy(program, layer, g)
     through_relu = a.get("x_is_relu_output", False)

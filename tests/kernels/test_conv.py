@@ -675,6 +675,89 @@ def test_flipped_nhwc_sums_the_bias_gradient_as_it_copies_dy(programs, monkeypat
 
 
 # --------------------------------------------------------------------------------------------
+# channels-last activations (sched/channels_last.py): same bits as the NCHW runs
+# --------------------------------------------------------------------------------------------
+
+def _cl(t):
+    return t.contiguous(memory_format=torch.channels_last)
+
+
+# (N, C, H, W, K, kernel, padding), stride 1
+CL_CASES = [
+    (2, 8, 8, 8, 8, 3, 1),      # patch rows of 8: the data gradient's mask through TMA boxes
+    (1, 4, 3, 32, 8, 3, 1),     # rows of 32: the mask loaded per element
+    (2, 8, 6, 6, 4, 3, 0),      # unpadded: "tma" does not apply
+]
+CL_GPU_CASES = [(8, 64, 28, 28, 64, 3, 1), (2, 64, 56, 56, 128, 3, 1),
+                (2, 64, 112, 112, 64, 3, 1)]
+
+
+def _check_channels_last(case, device, precision="ieee"):
+    """Every pass that accepts a channels-last x or y gives the NCHW run's bits: the
+    forward's store ("implicit", "nhwc", ReLU fused), the "nhwc" forward reading x in
+    place, and the backward with x a channels-last ReLU output (its mask in the data
+    gradient's store; the weight gradient's "nhwc" in place, "tma" through its copies)."""
+    n, c, h, w, k, r, pad = case
+    gen = torch.Generator().manual_seed(sum(case))
+    x = torch.relu(_rand((n, c, h, w), gen, device))
+    wt, b = _rand((k, c, r, r), gen, device), _rand((k,), gen, device)
+    p, q = h + 2 * pad - r + 1, w + 2 * pad - r + 1
+    dy = _rand((n, k, p, q), gen, device)
+    kw = dict(stride=1, padding=pad, precision=precision)
+    for algo in ("implicit", "nhwc"):
+        ws = _workspace(conv.workspace_bytes(x.shape, wt.shape, 1, pad, "forward", algo), device)
+        ref = _nan((n, k, p, q), device)
+        conv.forward(x, wt, b, ref, algo=algo, workspace=ws, relu=True, **kw)
+        for x_in in ([x, _cl(x)] if algo == "nhwc" else [x]):
+            y = _cl(_nan((n, k, p, q), device))
+            conv.forward(x_in, wt, b, y, algo=algo, workspace=ws, relu=True, **kw)
+            assert conv.is_channels_last(y) and torch.equal(y, ref), (algo, x_in.stride())
+    for algo_weight in ("nhwc", "tma"):
+        if not conv._applies(algo_weight, x.shape, wt.shape, 1, pad, "backward_weight"):
+            continue
+        assert conv.reads_channels_last("backward_weight", algo_weight, x.shape, wt.shape)
+        ws = _workspace(conv.backward_workspace_bytes(x.shape, wt.shape, 1, pad, "flipped_nhwc",
+                                                      algo_weight), device)
+        outs = []
+        for x_in in (x, _cl(x)):
+            grads = _nan(x.shape, device), _nan(wt.shape, device), _nan((k,), device)
+            conv.backward(x_in, wt, dy, *grads, algo_data="flipped_nhwc",
+                          algo_weight=algo_weight, workspace=ws, x_is_relu_output=True, **kw)
+            outs.append(grads)
+        for name, got, ref in zip(("dx", "dw", "db"), outs[1], outs[0]):
+            assert torch.equal(got, ref), (algo_weight, name)
+        assert (outs[1][0][x == 0] == 0).all()      # the mask was read where x is 0
+
+
+@pytest.mark.parametrize("case", CL_CASES)
+def test_channels_last_same_bits(case):
+    _check_channels_last(case, "cpu")
+
+
+def test_channels_last_refused_where_unsupported():
+    """A channels-last x or y an algorithm cannot read or write: one line naming it,
+    before any write."""
+    gen = torch.Generator().manual_seed(0)
+    x, w = _cl(_rand((1, 4, 6, 6), gen, "cpu")), _rand((4, 4, 3, 3), gen, "cpu")
+    dy = _rand((1, 4, 6, 6), gen, "cpu")
+    kw = dict(stride=1, padding=1)
+    y = _nan((1, 4, 6, 6), "cpu")
+    with pytest.raises(ValueError, match="channels-last x needs forward algo"):
+        conv.forward(x, w, None, y, algo="implicit", **kw)
+    ws = _workspace(conv.workspace_bytes(x.shape, w.shape, 1, 1, "forward", "im2col"), "cpu")
+    with pytest.raises(ValueError, match="channels-last y needs forward algo"):
+        conv.forward(x.contiguous(), w, None, _cl(y), algo="im2col", workspace=ws, **kw)
+    dx, dw = _nan(x.shape, "cpu"), _nan(w.shape, "cpu")
+    with pytest.raises(ValueError, match="channels-last x needs backward_weight algo"):
+        conv.backward(x, w, dy, dx, dw, None, algo_weight="onepass", **kw)
+    with pytest.raises(ValueError, match="channels-last x needs backward_data algo"):
+        conv.backward(x, w, dy, dx, dw, None, x_is_relu_output=True, **kw)
+    with pytest.raises(ValueError, match="channels-last relu_output needs backward_data"):
+        conv.backward_data(dy, w, dx, relu_output=x, **kw)
+    assert y.isnan().all() and dx.isnan().all() and dw.isnan().all()
+
+
+# --------------------------------------------------------------------------------------------
 # GPU (device machine)
 # --------------------------------------------------------------------------------------------
 
@@ -738,3 +821,11 @@ def test_conv_gpu_deterministic():
         outs.append((dx, dw, db))
     for a, b in zip(*outs):
         assert torch.equal(a, b)
+
+
+@pytest.mark.gpu
+@gpu
+@pytest.mark.parametrize("precision", ["ieee", "tf32"])
+@pytest.mark.parametrize("case", CL_CASES + CL_GPU_CASES)
+def test_channels_last_gpu_same_bits(case, precision):
+    _check_channels_last(case, "cuda", precision)

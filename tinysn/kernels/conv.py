@@ -108,6 +108,7 @@ Design and shortfalls: docs/kernels.md; measurements: bench/README.md.
 """
 import functools
 
+import torch
 import triton
 import triton.language as tl
 from triton.tools.tensor_descriptor import TensorDescriptor
@@ -539,11 +540,12 @@ def _conv_fwd_kernel(x_ptr, w_ptr, b_ptr, y_ptr, m_ptr,
                      HAS_BIAS: tl.constexpr, ACCUMULATE: tl.constexpr, PRECISION: tl.constexpr,
                      BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                      GROUP_M: tl.constexpr, PIX: tl.constexpr, RELU: tl.constexpr = False,
-                     MASK: tl.constexpr = False):
+                     MASK: tl.constexpr = False, Y_NHWC: tl.constexpr = False):
     """Y[(n,p,q), k] (+)= sum_(c,r,s) X[n, c, p*SH-PH+r, q*SW-PW+s] * W[k, c, r, s] (+ b[k]),
     then max(Y, 0) where RELU (a ReLU fused into the conv; never with ACCUMULATE), or 0 where
     MASK and m_ptr's element at Y's place is <= 0 (a ReLU's backward fused into a data
-    gradient that runs this kernel: m_ptr is that ReLU's output).
+    gradient that runs this kernel: m_ptr is that ReLU's output). Y_NHWC: Y is stored
+    channels-last, [N, P, Q, K] (a forward pass alone: no ACCUMULATE, no MASK).
 
     The gathered x tile is [BLOCK_K, BLOCK_M] with the pixel axis fast; the weight tile is
     [BLOCK_N, BLOCK_K], read along (c,r,s), its contiguous axis (16-byte loads). Addresses: one
@@ -603,21 +605,28 @@ def _conv_fwd_kernel(x_ptr, w_ptr, b_ptr, y_ptr, m_ptr,
 
     if HAS_BIAS:
         acc += tl.load(b_ptr + offs_n, mask=n_ok, other=0.0)[None, :]
-    y_m = dimg * (K * PQ) + pq
-    if PQ % 4 != 0:
-        y_m = tl.max_contiguous(tl.multiple_of(y_m, 1), BLOCK_M)
     y_base = img0.to(tl.int64) * (K * PQ)                   # 64-bit base, 32-bit offsets
-    y_off = y_m[None, :] + (offs_n * PQ)[:, None]
-    y_ptrs = y_ptr + y_base + y_off
-    mask = n_ok[:, None] & m_ok[None, :]
-    out = tl.trans(acc)                                                      # [BN, BM]
-    if ACCUMULATE:
-        out += tl.load(y_ptrs, mask=mask, other=0.0)
-    if RELU:
-        out = tl.where(out < 0.0, 0.0, out)      # as kernels/act.py: NaN propagates
-    if MASK:
-        out = _relu_mask(out, m_ptr + y_base + y_off, mask)
-    tl.store(y_ptrs, out, mask=mask)
+    if Y_NHWC:                     # [BM, BN] stored along the channels
+        if RELU:
+            acc = tl.where(acc < 0.0, 0.0, acc)
+        y_rows = (dimg * PQ + pq) * K
+        tl.store(y_ptr + y_base + (y_rows[:, None] + offs_n[None, :]), acc,
+                 mask=m_ok[:, None] & n_ok[None, :])
+    else:
+        y_m = dimg * (K * PQ) + pq
+        if PQ % 4 != 0:
+            y_m = tl.max_contiguous(tl.multiple_of(y_m, 1), BLOCK_M)
+        y_off = y_m[None, :] + (offs_n * PQ)[:, None]
+        y_ptrs = y_ptr + y_base + y_off
+        mask = n_ok[:, None] & m_ok[None, :]
+        out = tl.trans(acc)                                                  # [BN, BM]
+        if ACCUMULATE:
+            out += tl.load(y_ptrs, mask=mask, other=0.0)
+        if RELU:
+            out = tl.where(out < 0.0, 0.0, out)      # as kernels/act.py: NaN propagates
+        if MASK:
+            out = _relu_mask(out, m_ptr + y_base + y_off, mask)
+        tl.store(y_ptrs, out, mask=mask)
 
 
 _conv_fwd = _autotune(_FWD_CONFIGS, _KEY, _fwd_macs)(_conv_fwd_kernel)
@@ -1062,11 +1071,13 @@ def _conv_nhwc_kernel(x_desc, w_desc, b_ptr, y_ptr, m_ptr, yin_desc, m_desc, N, 
                       HAS_BIAS: tl.constexpr, ACCUMULATE: tl.constexpr, PRECISION: tl.constexpr,
                       BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                       GROUP_M: tl.constexpr, RELU: tl.constexpr = False,
-                      MASK: tl.constexpr = False, EPI_TMA: tl.constexpr = False):
+                      MASK: tl.constexpr = False, EPI_TMA: tl.constexpr = False,
+                      Y_NHWC: tl.constexpr = False, M_NHWC: tl.constexpr = False):
     """Stride 1: Y[n, k, p, q] (+)= sum_(r,s,c) Xt[n, p-PH+r, q-PW+s, c] Wt[k, (r,s,c)] (+ b[k])
-    from the channels-last copies Xt [N, H, W, C] and Wt [K, R*S*C] (descriptors x_desc and
-    w_desc; Y stays NCHW), then max(Y, 0) where RELU, or masked where MASK (as
-    _conv_fwd_kernel).
+    from the channels-last Xt [N, H, W, C] (x's copy, or x itself where it is stored so) and
+    Wt [K, R*S*C] (descriptors x_desc and w_desc; Y NCHW, or channels-last [N, P, Q, K]
+    where Y_NHWC, a forward pass alone), then max(Y, 0) where RELU, or masked where MASK (as
+    _conv_fwd_kernel; M_NHWC: the ReLU output is channels-last).
 
     A program's pixels are the same [TH, TW] patch of NB consecutive images (NB * TH * TW =
     BLOCK_M; TH is BLOCK_M // TW capped at THC, see _patch). For each tap and block of
@@ -1113,23 +1124,35 @@ def _conv_nhwc_kernel(x_desc, w_desc, b_ptr, y_ptr, m_ptr, yin_desc, m_desc, N, 
     p = p0 + (offs_m // TW) % TH
     q = q0 + offs_m % TW
     PQ: tl.constexpr = P * Q
-    y_off = (img.to(tl.int64) * (K * PQ) + p * Q + q)[None, :] + (offs_n * PQ)[:, None]
-    y_ptrs = y_ptr + y_off
-    mask = n_ok[:, None] & ((img < N) & (p < P) & (q < Q))[None, :]
-    out = tl.trans(acc)                                                      # [BN, BM]
-    if ACCUMULATE:
-        if EPI_TMA:
-            out += _nchw_box(yin_desc, img0, k0, p0, q0, BLOCK_N, BLOCK_M)
-        else:
-            out += tl.load(y_ptrs, mask=mask, other=0.0)
-    if RELU:
-        out = tl.where(out < 0.0, 0.0, out)      # as kernels/act.py: NaN propagates
-    if MASK:
-        if EPI_TMA:
-            out = _relu_gate(out, _nchw_box(m_desc, img0, k0, p0, q0, BLOCK_N, BLOCK_M))
-        else:
-            out = _relu_mask(out, m_ptr + y_off, mask)
-    tl.store(y_ptrs, out, mask=mask)
+    pix = img.to(tl.int64) * PQ + p * Q + q
+    pix_ok = (img < N) & (p < P) & (q < Q)
+    if Y_NHWC:                     # [BM, BN] stored along the channels
+        if RELU:
+            acc = tl.where(acc < 0.0, 0.0, acc)
+        tl.store(y_ptr + ((pix * K)[:, None] + offs_n[None, :]), acc,
+                 mask=pix_ok[:, None] & n_ok[None, :])
+    else:
+        y_off = (img.to(tl.int64) * (K * PQ) + p * Q + q)[None, :] + (offs_n * PQ)[:, None]
+        y_ptrs = y_ptr + y_off
+        mask = n_ok[:, None] & pix_ok[None, :]
+        out = tl.trans(acc)                                                  # [BN, BM]
+        if ACCUMULATE:
+            if EPI_TMA:
+                out += _nchw_box(yin_desc, img0, k0, p0, q0, BLOCK_N, BLOCK_M)
+            else:
+                out += tl.load(y_ptrs, mask=mask, other=0.0)
+        if RELU:
+            out = tl.where(out < 0.0, 0.0, out)      # as kernels/act.py: NaN propagates
+        if MASK:
+            if EPI_TMA and M_NHWC:
+                out = _relu_gate(out, _nhwc_box(m_desc, img0, k0, p0, q0, BLOCK_N, BLOCK_M))
+            elif EPI_TMA:
+                out = _relu_gate(out, _nchw_box(m_desc, img0, k0, p0, q0, BLOCK_N, BLOCK_M))
+            elif M_NHWC:
+                out = _relu_mask(out, m_ptr + ((pix * K)[None, :] + offs_n[:, None]), mask)
+            else:
+                out = _relu_mask(out, m_ptr + y_off, mask)
+        tl.store(y_ptrs, out, mask=mask)
 
 
 @triton.jit
@@ -1142,6 +1165,14 @@ def _nchw_box(desc, img0, k0, p0, q0, BLOCK_N: tl.constexpr, BLOCK_M: tl.constex
     return tl.permute(box, (1, 0, 2, 3)).reshape(BLOCK_N, BLOCK_M)
 
 
+@triton.jit
+def _nhwc_box(desc, img0, k0, p0, q0, BLOCK_N: tl.constexpr, BLOCK_M: tl.constexpr):
+    """As _nchw_box, from a channels-last tensor: its [NB, TH, TW, BLOCK_N] box at
+    (img0, p0, q0, k0), as the [BLOCK_N, BLOCK_M] tile."""
+    box = desc.load([img0, p0, q0, k0])
+    return tl.trans(box.reshape(BLOCK_M, BLOCK_N))
+
+
 def _nhwc_boxes(nargs):
     """The TMA boxes of one config's tiles (a box shape is part of a descriptor): the
     autotuner's config hook."""
@@ -1149,9 +1180,10 @@ def _nhwc_boxes(nargs):
     th, nb = _patch(nargs["BLOCK_M"], tw, nargs["THC"])
     nargs["x_desc"].block_shape = [nb, th, tw, nargs["BLOCK_K"]]
     nargs["w_desc"].block_shape = [nargs["BLOCK_N"], nargs["BLOCK_K"]]
-    if nargs.get("EPI_TMA"):        # the epilogue's NCHW boxes (else unread stand-ins)
-        for name in ("yin_desc", "m_desc"):
-            nargs[name].block_shape = [nb, nargs["BLOCK_N"], th, tw]
+    if nargs.get("EPI_TMA"):        # the epilogue's boxes (else unread stand-ins)
+        nargs["yin_desc"].block_shape = [nb, nargs["BLOCK_N"], th, tw]
+        nargs["m_desc"].block_shape = [nb, th, tw, nargs["BLOCK_N"]] if nargs.get("M_NHWC") \
+            else [nb, nargs["BLOCK_N"], th, tw]
 
 
 def _nhwc_cfg(bm, bn, bk, warps, stages):
@@ -1281,6 +1313,30 @@ def _shifted_rows_kernel(src_ptr, dst_ptr, ROWS, PW, W: tl.constexpr, WP: tl.con
     take = ok & (col < W) & (src_col >= 0) & (src_col < W)
     v = tl.load(src_ptr + row * W + src_col, mask=take, other=0.0)
     tl.store(dst_ptr + i.to(tl.int64) * ROWS * WP + offs, v, mask=ok)
+
+
+@triton.jit
+def _shifted_from_nhwc_kernel(x_ptr, dst_ptr, N, C, PW, H: tl.constexpr, W: tl.constexpr,
+                              WP: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK_W: tl.constexpr):
+    """dst[i, n, c, h, w] = x[n, h, w + i - PW, c] where both w and w + i - PW are inside
+    the row's W pixels, else 0, for rows of WP >= W pixels: _shifted_rows_kernel's copies of
+    x shifted by kernel column i = program_id(2), from a channels-last x [N, H, W, C]. A
+    program moves BLOCK_C channels of one image row (program_id(0) = n * H + h): read along
+    the channels, written along the pixels (Triton transposes through shared memory)."""
+    row = tl.program_id(0)
+    i = tl.program_id(2)
+    n = row // H
+    h = row - n * H
+    offs_c = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
+    offs_w = tl.arange(0, BLOCK_W)
+    src_w = offs_w + (i - PW)
+    c_ok = offs_c < C
+    take = c_ok[:, None] & ((offs_w < W) & (src_w >= 0) & (src_w < W))[None, :]
+    v = tl.load(x_ptr + row.to(tl.int64) * (W * C) + (src_w * C)[None, :] + offs_c[:, None],
+                mask=take, other=0.0)
+    dst = dst_ptr + ((i * N + n).to(tl.int64) * C * H + h) * WP
+    tl.store(dst + (offs_c * (H * WP))[:, None] + offs_w[None, :], v,
+             mask=c_ok[:, None] & (offs_w < WP)[None, :])
 
 
 @triton.jit
@@ -1545,10 +1601,45 @@ _BIAS_TILE = INTERP_TILE if INTERPRET else 0     # see _bias_blocks
 _BIAS_PROGRAMS = 1 if INTERPRET else 1056         # see bias_groups (8 per SM on an H200)
 
 
-def _check_4d(name, t, shape=None):
-    check_tensor(name, t, shape)
+def _check_4d(name, t, shape=None, channels_last=False):
+    """A contiguous float32 4-D tensor (of `shape`); where `channels_last`, one stored
+    channels-last (`is_channels_last`) too."""
+    stored = _nhwc_storage(t) if channels_last and isinstance(t, torch.Tensor) and \
+        t.dim() == 4 and is_channels_last(t) else t
+    check_tensor(name, stored)
+    if shape is not None and tuple(t.shape) != tuple(shape):
+        raise ValueError(f"{name} must have shape {tuple(shape)}, got {tuple(t.shape)}")
     if t.dim() != 4:
         raise ValueError(f"conv: {name} must be 4-D, got shape {tuple(t.shape)}")
+
+
+# the algorithms that read x (forward, the data gradient's ReLU mask, the weight gradient)
+# or write y (forward) stored channels-last
+_READS_CHANNELS_LAST = {"forward": ("nhwc",), "backward_data": ("flipped_nhwc",),
+                        "backward_weight": ("nhwc", "tma")}
+WRITES_CHANNELS_LAST = ("implicit", "nhwc")
+
+
+def reads_channels_last(phase, algo, x_shape, w_shape) -> bool:
+    """True where `phase` run by `algo` can read a channels-last x (in place, or into the
+    copy it makes anyway: "tma" only where it copies x, `_tma_layout`)."""
+    if algo not in _READS_CHANNELS_LAST[phase]:
+        return False
+    return algo != "tma" or _tma_layout(x_shape, w_shape)[1]
+
+
+def _check_reads(phase, algo, x, w_shape, name="x"):
+    """One line naming what a channels-last `x` needs of `phase`'s algorithm, if anything."""
+    if not is_channels_last(x):
+        return
+    if not reads_channels_last(phase, algo, x.shape, w_shape):
+        raise ValueError(f"conv: a channels-last {name} needs {phase} algo among "
+                         f"{_READS_CHANNELS_LAST[phase]} (\"tma\" where it copies x), "
+                         f"got {algo!r}")
+    if algo == "nhwc" and x.data_ptr() % 16:
+        raise ValueError(f"conv: {phase} algo 'nhwc' reads a channels-last {name} in place "
+                         f"(a TMA descriptor's base) and needs it 16-byte aligned; its "
+                         f"address is {x.data_ptr()}")
 
 
 def _workspace(workspace, need, device):
@@ -1607,13 +1698,15 @@ def _weight_grid(k, c, rs, splits):
 
 
 def _launch_fwd(x, w, b, y, n, c, h, wd, k, p, q, sh, sw, ph, pw, r, s, prec,
-                accumulate=False, relu=False, mask=None):
+                accumulate=False, relu=False, mask=None, y_nhwc=False):
     is_1x1 = r == 1 and s == 1 and sh == 1 and sw == 1 and ph == 0 and pw == 0
+    flags = dict(Y_NHWC=True) if y_nhwc else {}     # (the plain launch's key stays as it was)
     _launch(_conv_fwd_acc if accumulate else _conv_fwd, _tile_grid(n * p * q, k),
             (x, w, b if b is not None else y, y, y if mask is None else mask,
              n, c, k, sh, sw, ph, pw),
             dict(H=h, W=wd, P=p, Q=q, R=r, S=s, IS_1X1=is_1x1, HAS_BIAS=b is not None,
-                 ACCUMULATE=accumulate, PRECISION=prec, RELU=relu, MASK=mask is not None))
+                 ACCUMULATE=accumulate, PRECISION=prec, RELU=relu, MASK=mask is not None,
+                 **flags))
 
 
 def forward(x, w, b, y, *, stride, padding, algo="implicit", workspace=None, precision=None,
@@ -1626,13 +1719,17 @@ def forward(x, w, b, y, *, stride, padding, algo="implicit", workspace=None, pre
     _algo("forward", algo)
     if not isinstance(relu, bool):
         raise ValueError(f"relu must be a bool, got {relu!r}")
-    _check_4d("x", x)
+    _check_4d("x", x, channels_last=True)
     _check_4d("w", w)
     sh, sw, ph, pw, p, q = _geometry(x.shape, w.shape, stride, padding)
     _check_applies("forward", algo, x.shape, w.shape, (sh, sw, ph, pw))
     n, c, h, wd = x.shape
     k, _, r, s = w.shape
-    _check_4d("y", y, (n, k, p, q))
+    _check_4d("y", y, (n, k, p, q), channels_last=True)
+    _check_reads("forward", algo, x, w.shape)
+    if is_channels_last(y) and algo not in WRITES_CHANNELS_LAST:
+        raise ValueError(f"conv: a channels-last y needs forward algo among "
+                         f"{WRITES_CHANNELS_LAST}, got {algo!r}")
     if b is not None:
         check_tensor("b", b, (k,))
     check_device("conv", x, w=w, b=b, y=y, workspace=workspace)
@@ -1640,7 +1737,8 @@ def forward(x, w, b, y, *, stride, padding, algo="implicit", workspace=None, pre
                                                "forward", algo), x.device)
     check_no_overlap("conv", [("y", y), ("workspace", ws)], [("x", x), ("w", w), ("b", b)])
     if algo == "implicit":
-        _launch_fwd(x, w, b, y, n, c, h, wd, k, p, q, sh, sw, ph, pw, r, s, prec, relu=relu)
+        _launch_fwd(x, w, b, y, n, c, h, wd, k, p, q, sh, sw, ph, pw, r, s, prec, relu=relu,
+                    y_nhwc=is_channels_last(y))
         return
     if algo == "nhwc":
         _launch_nhwc(x, w, b, y, ws, ph, pw, prec, relu=relu)
@@ -1732,9 +1830,12 @@ def _launch_nhwc(x, w, b, y, ws, ph, pw, prec, flip=False, accumulate=False, rel
     n, c, h, wd = x.shape
     _, o, p, q = y.shape
     r, s = w.shape[2:]
-    xt = ws[:n * h * wd * c]
     wt = ws[n * h * wd * c:n * h * wd * c + o * r * s * c]
-    _launch_to_nhwc(x, xt, *(bias_grad or ()))
+    if is_channels_last(x):     # read in place: no copy (and no bias gradient taken on one)
+        xt = _nhwc_storage(x)
+    else:
+        xt = ws[:n * h * wd * c]
+        _launch_to_nhwc(x, xt, *(bias_grad or ()))
     bo, bi = (min(64, next_power_of_2(o)), min(64, next_power_of_2(c)))
     run(_weight_ohwi_kernel, (cdiv(o, bo), cdiv(c, bi), r * s),
         w, wt, w.shape[0], w.shape[1], RS=r * s, FLIP=flip, BLOCK_O=bo, BLOCK_I=bi,
@@ -1755,16 +1856,20 @@ def _launch_nhwc(x, w, b, y, ws, ph, pw, prec, flip=False, accumulate=False, rel
     # channel, took a masked data gradient 0.64 ms against 0.47 at 512@28 (TW 4) and 0.66
     # against 0.47 at 256@56 (TW 8), but 0.81 against 1.08 at 64@224 (TW 32; VGG16's shapes
     # at batch 32 on the H200, bench/conv_gap.py); else the descriptors are unread stand-ins
+    m_nhwc = mask is not None and is_channels_last(mask)
     epi_tma = (accumulate or mask is not None) and q % 4 == 0 and tw < _EPI_LOAD_TW and \
-        y.data_ptr() % 16 == 0 and m.data_ptr() % 16 == 0
-    stand_in = None if epi_tma else _nchw_desc(wt[:4].view(1, 1, 1, 4))
-    yin_desc, m_desc = (_nchw_desc(y), _nchw_desc(m)) if epi_tma else (stand_in, stand_in)
+        y.data_ptr() % 16 == 0 and m.data_ptr() % 16 == 0 and not (m_nhwc and o % 4)
+    if epi_tma:
+        yin_desc = _nchw_desc(y)
+        m_desc = _nhwc_desc(_nhwc_storage(m)) if m_nhwc else _nchw_desc(m)
+    else:
+        yin_desc = m_desc = _nchw_desc(wt[:4].view(1, 1, 1, 4))
     _launch(_conv_nhwc_acc if accumulate else _conv_nhwc, grid,
             (x_desc, w_desc, b if b is not None else y, y, m, yin_desc, m_desc,
              n, c, o, ph, pw),
             dict(H=h, W=wd, P=p, Q=q, R=r, S=s, TW=tw, THC=thc, HAS_BIAS=b is not None,
                  ACCUMULATE=accumulate, PRECISION=prec, RELU=relu, MASK=mask is not None,
-                 EPI_TMA=epi_tma))
+                 EPI_TMA=epi_tma, Y_NHWC=is_channels_last(y), M_NHWC=m_nhwc))
 
 
 # rows of this many pixels or more: the channels-last kernel's epilogue loads Y and the ReLU
@@ -1776,6 +1881,32 @@ def _nchw_desc(t):
     """A TMA descriptor over the NCHW tensor `t` (its box is set per config, _nhwc_boxes)."""
     n, c, h, w = t.shape
     return TensorDescriptor(t, [n, c, h, w], [c * h * w, h * w, w, 1], [1, 1, 1, 4])
+
+
+def _nhwc_desc(t):
+    """A TMA descriptor over the contiguous [N, H, W, C] tensor `t` (box set per config)."""
+    n, h, w, c = t.shape
+    return TensorDescriptor(t, [n, h, w, c], [h * w * c, w * c, c, 1], [1, 1, 1, 4])
+
+
+def is_channels_last(t) -> bool:
+    """True for a 4-D tensor [N, C, H, W] stored channels-last (torch.channels_last strides,
+    not also contiguous): the layout a plan keeps a conv's output in where only a conv reads
+    it (sched/channels_last.py). The kernels that accept one say so."""
+    return t.dim() == 4 and not t.is_contiguous() and \
+        t.is_contiguous(memory_format=torch.channels_last)
+
+
+def channels_last_view(t):
+    """The contiguous [N, C, H, W] tensor `t` (a block of memory) read as the channels-last
+    tensor it holds: shape [N, C, H, W], torch.channels_last strides."""
+    n, c, h, w = t.shape
+    return t.view(n, h, w, c).permute(0, 3, 1, 2)
+
+
+def _nhwc_storage(t):
+    """The channels-last tensor `t` [N, C, H, W] as its storage's contiguous [N, H, W, C]."""
+    return t.permute(0, 2, 3, 1)
 
 
 def _launch_bwd_data(dy, w, dx, n, c, h, wd, k, p, q, sh, sw, ph, pw, r, s, accumulate, prec,
@@ -1862,7 +1993,8 @@ def backward_data(dy, w, dx, *, stride, padding, algo="implicit", workspace=None
     _check_4d("w", w)
     _check_4d("dx", dx)
     if relu_output is not None:
-        _check_4d("relu_output", relu_output, tuple(dx.shape))
+        _check_4d("relu_output", relu_output, tuple(dx.shape), channels_last=True)
+        _check_reads("backward_data", algo, relu_output, w.shape, "relu_output")
     geo = _check_dy(dy, dx.shape, w.shape, stride, padding)
     _check_applies("backward_data", algo, dx.shape, w.shape, geo)
     check_device("conv", dx, dy=dy, w=w, workspace=workspace, relu_output=relu_output)
@@ -1951,9 +2083,12 @@ def _launch_weight_nhwc(x, dy, dw, ws, ph, pw, prec):
     _, k, p, q = dy.shape
     _, _, r, s = dw.shape
     splits = splitk_splits(x.shape, dw.shape, 1, (ph, pw))
-    xt = ws[:n * h * wd * c]
     chunks = ws[n * h * wd * c:n * h * wd * c + splits * k * c * r * s]
-    _launch_to_nhwc(x, xt)
+    if is_channels_last(x):     # read in place
+        xt = _nhwc_storage(x)
+    else:
+        xt = ws[:n * h * wd * c]
+        _launch_to_nhwc(x, xt)
     tw = _tile_w(q)
     # boxes: placeholders, set per config by _weight_nhwc_boxes
     x_desc = TensorDescriptor(xt, [n, h, wd, c], [h * wd * c, wd * c, c, 1], [1, 1, 1, 4])
@@ -1987,7 +2122,10 @@ def _launch_weight_tma(x, dy, dw, ws, ph, pw, prec):
     used = 0
     if copy_x:
         xs, used = ws[:s * n * c * h * wp], s * n * c * h * wp
-        _launch_shifted_rows(x, xs, n * c * h, pw, wd, wp, s)
+        if is_channels_last(x):
+            _launch_shifted_from_nhwc(x, xs, pw, wp, s)
+        else:
+            _launch_shifted_rows(x, xs, n * c * h, pw, wd, wp, s)
     else:
         xs = x
     if copy_dy:
@@ -2020,6 +2158,17 @@ def _launch_shifted_rows(src, dst, rows, pw, w, wp, copies):
         src, dst, rows, pw, W=w, WP=wp, BLOCK=_ELEM_BLOCK, num_warps=4)
 
 
+def _launch_shifted_from_nhwc(x, dst, pw, wp, copies):
+    """dst = `copies` copies of the channels-last x's rows, as _launch_shifted_rows makes
+    them from an NCHW x (_shifted_from_nhwc_kernel)."""
+    n, c, h, wd = x.shape
+    bw = next_power_of_2(wp)
+    bc = min(next_power_of_2(c), max(1, (1 << 15 if INTERPRET else 1 << 13) // bw))
+    run(_shifted_from_nhwc_kernel, (n * h, cdiv(c, bc), copies),
+        _nhwc_storage(x), dst, n, c, pw, H=h, W=wd, WP=wp, BLOCK_C=bc, BLOCK_W=bw,
+        num_warps=4)
+
+
 def _check_weight_algo(algo, x, dy, w_shape, geo):
     """One line naming what the weight-gradient `algo` needs, where it cannot run."""
     _check_applies("backward_weight", algo, x.shape, w_shape, geo)
@@ -2042,7 +2191,7 @@ def backward_weight(x, dy, dw, db, *, stride, padding, algo="onepass", workspace
     "tma" (workspace)."""
     prec = dot_precision(precision)
     _algo("backward_weight", algo)
-    _check_4d("x", x)
+    _check_4d("x", x, channels_last=True)
     if dw is None and db is None:
         return
     if dw is not None:
@@ -2055,6 +2204,7 @@ def backward_weight(x, dy, dw, db, *, stride, padding, algo="onepass", workspace
     geo = _check_dy(dy, x.shape, w_shape, stride, padding)
     if dw is not None:
         _check_weight_algo(algo, x, dy, w_shape, geo)
+        _check_reads("backward_weight", algo, x, w_shape)
     if db is not None:
         check_tensor("db", db, (w_shape[0],))
     check_device("conv", x, dy=dy, dw=dw, db=db, workspace=workspace)
@@ -2080,15 +2230,18 @@ def backward(x, w, dy, dx, dw, db, *, stride, padding, algo_data="implicit",
         raise ValueError(f"conv: accumulate must be a bool, got {accumulate!r}")
     if not isinstance(x_is_relu_output, bool):
         raise ValueError(f"conv: x_is_relu_output must be a bool, got {x_is_relu_output!r}")
-    _check_4d("x", x)
+    _check_4d("x", x, channels_last=True)
     _check_4d("w", w)
     geo = _check_dy(dy, x.shape, w.shape, stride, padding)
     if dx is not None:
         _check_4d("dx", dx, tuple(x.shape))
         _check_applies("backward_data", algo_data, x.shape, w.shape, geo)
+        if x_is_relu_output:
+            _check_reads("backward_data", algo_data, x, w.shape)
     if dw is not None:
         _check_4d("dw", dw, tuple(w.shape))
         _check_weight_algo(algo_weight, x, dy, w.shape, geo)
+        _check_reads("backward_weight", algo_weight, x, w.shape)
     if db is not None:
         check_tensor("db", db, (w.shape[0],))
     check_device("conv", x, w=w, dy=dy, dx=dx, dw=dw, db=db, workspace=workspace)

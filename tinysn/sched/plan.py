@@ -45,6 +45,7 @@ from ..ops import SPARE, spec
 from ..pool.allocator import BlockAllocator, block_rounded
 from ..units import format_bytes, parse_bytes
 from . import fuse, liveness, offload, recompute, workspace
+from .channels_last import outputs as stored_channels_last
 from .liveness import TensorInfo
 
 # -- the operations a plan step is made of ---------------------------------------------
@@ -201,6 +202,8 @@ class Plan:
     lookahead: int = 1        # policy "all": how many layer passes ahead a prefetch may go
     headroom: object = None   # ... within the room a first pass left (offload.Headroom)
     device_model: object = None   # the timing.DeviceModel `plan` chose with (None: the H200's)
+    channels_last: frozenset = frozenset()  # convs whose outputs are stored channels-last
+                                            # (sched/channels_last.py)
 
     def table(self) -> str:
         """Per-step bytes in use and live tensors, as text."""
@@ -309,7 +312,8 @@ def plan(net, memory, policy: str = "all", *, momentum: float = 0.0, conv_algos=
          lookahead: int | None = None, device_model=None,
          in_place_gradients: bool = True, keep_pools: bool = True,
          evict_by_next_use: bool = True, rebuild_joins: bool = True,
-         fuse_relu: bool = True, fuse_bn_relu: bool = True) -> Plan:
+         fuse_relu: bool = True, fuse_bn_relu: bool = True,
+         channels_last: bool = True) -> Plan:
     """Dry-run one training iteration of `net` under a `memory` cap and `policy`.
 
     Raises OutOfMemory naming the first step that does not fit. `conv_algos` pins conv
@@ -369,12 +373,17 @@ def plan(net, memory, policy: str = "all", *, momentum: float = 0.0, conv_algos=
     ReLU reads is made one layer with it too (the same bits; on the H200 at batch 32 it took
     ResNet-50's eager step from 67.6 to 50.3 ms and its graphed one from 17.3 to 16.8 ms);
     False plans them apart, as plans made before that did.
+    `channels_last` (default True): store a conv's output channels-last where one conv
+    alone reads it and both convs' algorithms allow it (sched/channels_last.py; the plan's
+    `channels_last` names them; the same bits); False stores every activation NCHW.
 
     A plan that fits under a cap fits under every larger cap, for every policy and layout
     (`_Search` says why). The returned plan's `capacity` is the pool it was made for: the
     cap itself, or a cap of the grid below it (`grid_cap`), never more.
     """
     _check_eviction_flag(evict_by_next_use)
+    if not isinstance(channels_last, bool):
+        raise ValueError(f"channels_last must be a bool, got {channels_last!r}")
 
     def search(by_next_use):
         return _search(net, memory, policy, momentum=momentum, conv_algos=conv_algos,
@@ -401,6 +410,8 @@ def plan(net, memory, policy: str = "all", *, momentum: float = 0.0, conv_algos=
     owner, chosen = min(candidates, key=lambda c: c[0].step_seconds(c[1]))
     chosen = owner.write_back_early(chosen)
     chosen.device_model = lru.device_model
+    if channels_last:
+        chosen.channels_last = stored_channels_last(chosen.net, chosen.conv_algos)
     return chosen
 
 

@@ -995,6 +995,7 @@ def fits(net, memory, policy: str = "all", **kwargs) -> bool:
     `evict_by_next_use` a net fits when it fits with either eviction order, as in `plan`."""
     kwargs = {**plan.__kwdefaults__, **kwargs}
     _check_eviction_flag(kwargs["evict_by_next_use"])
+    kwargs.pop("channels_last")         # a layout: it never changes whether a plan fits
     orders = [False]
     if kwargs["evict_by_next_use"] and policy == "all":
         orders.append(True)

@@ -718,15 +718,19 @@ def _check_channels_last(case, device, precision="ieee"):
         assert conv.reads_channels_last("backward_weight", algo_weight, x.shape, wt.shape)
         ws = _workspace(conv.backward_workspace_bytes(x.shape, wt.shape, 1, pad, "flipped_nhwc",
                                                       algo_weight), device)
-        outs = []
-        for x_in in (x, _cl(x)):
-            grads = _nan(x.shape, device), _nan(wt.shape, device), _nan((k,), device)
-            conv.backward(x_in, wt, dy, *grads, algo_data="flipped_nhwc",
-                          algo_weight=algo_weight, workspace=ws, x_is_relu_output=True, **kw)
-            outs.append(grads)
-        for name, got, ref in zip(("dx", "dw", "db"), outs[1], outs[0]):
-            assert torch.equal(got, ref), (algo_weight, name)
-        assert (outs[1][0][x == 0] == 0).all()      # the mask was read where x is 0
+        for accumulate in (False, True):    # (on rows of 32: the mask loaded per element)
+            outs = []
+            for x_in in (x, _cl(x)):
+                dx = _rand(x.shape, torch.Generator().manual_seed(7), device) if accumulate \
+                    else _nan(x.shape, device)
+                grads = dx, _nan(wt.shape, device), _nan((k,), device)
+                conv.backward(x_in, wt, dy, *grads, algo_data="flipped_nhwc",
+                              algo_weight=algo_weight, workspace=ws, accumulate=accumulate,
+                              x_is_relu_output=True, **kw)
+                outs.append(grads)
+            for name, got, ref in zip(("dx", "dw", "db"), outs[1], outs[0]):
+                assert torch.equal(got, ref), (algo_weight, accumulate, name)
+            assert (outs[1][0][x == 0] == 0).all()      # the mask was read where x is 0
 
 
 @pytest.mark.parametrize("case", CL_CASES)

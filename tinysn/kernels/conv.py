@@ -1148,8 +1148,10 @@ def _conv_nhwc_kernel(x_desc, w_desc, b_ptr, y_ptr, m_ptr, yin_desc, m_desc, N, 
                 out = _relu_gate(out, _nhwc_box(m_desc, img0, k0, p0, q0, BLOCK_N, BLOCK_M))
             elif EPI_TMA:
                 out = _relu_gate(out, _nchw_box(m_desc, img0, k0, p0, q0, BLOCK_N, BLOCK_M))
-            elif M_NHWC:
-                out = _relu_mask(out, m_ptr + ((pix * K)[None, :] + offs_n[:, None]), mask)
+            elif M_NHWC:            # loaded along the channels, then transposed
+                m_ptrs = m_ptr + ((pix * K)[:, None] + offs_n[None, :])
+                r = tl.load(m_ptrs, mask=pix_ok[:, None] & n_ok[None, :], other=0.0)
+                out = _relu_gate(out, tl.trans(r))
             else:
                 out = _relu_mask(out, m_ptr + y_off, mask)
         tl.store(y_ptrs, out, mask=mask)
@@ -1856,8 +1858,11 @@ def _launch_nhwc(x, w, b, y, ws, ph, pw, prec, flip=False, accumulate=False, rel
     # channel, took a masked data gradient 0.64 ms against 0.47 at 512@28 (TW 4) and 0.66
     # against 0.47 at 256@56 (TW 8), but 0.81 against 1.08 at 64@224 (TW 32; VGG16's shapes
     # at batch 32 on the H200, bench/conv_gap.py); else the descriptors are unread stand-ins
+    # a channels-last mask's box rows are BLOCK_N channels long whatever the patch's width:
+    # through the TMA unit unless Y is read too on long rows (or the mask's rows misalign)
     m_nhwc = mask is not None and is_channels_last(mask)
-    epi_tma = (accumulate or mask is not None) and q % 4 == 0 and tw < _EPI_LOAD_TW and \
+    short_rows = tw < _EPI_LOAD_TW or (m_nhwc and not accumulate)
+    epi_tma = (accumulate or mask is not None) and q % 4 == 0 and short_rows and \
         y.data_ptr() % 16 == 0 and m.data_ptr() % 16 == 0 and not (m_nhwc and o % 4)
     if epi_tma:
         yin_desc = _nchw_desc(y)

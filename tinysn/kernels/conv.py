@@ -1132,6 +1132,14 @@ def _conv_nhwc_kernel(x_desc, w_desc, b_ptr, y_ptr, m_ptr, yin_desc, m_desc, N, 
         tl.store(y_ptr + ((pix * K)[:, None] + offs_n[None, :]), acc,
                  mask=pix_ok[:, None] & n_ok[None, :])
     else:
+        # a channels-last ReLU mask has the accumulator's [pixels, channels] orientation: the
+        # gate goes before the transposition (where nothing is added to Y after it)
+        GATE_NHWC: tl.constexpr = MASK and M_NHWC and not ACCUMULATE
+        if GATE_NHWC and EPI_TMA:
+            acc = _relu_gate(acc, m_desc.load([img0, p0, q0, k0]).reshape(BLOCK_M, BLOCK_N))
+        elif GATE_NHWC:
+            acc = _relu_mask(acc, m_ptr + ((pix * K)[:, None] + offs_n[None, :]),
+                             pix_ok[:, None] & n_ok[None, :])
         y_off = (img.to(tl.int64) * (K * PQ) + p * Q + q)[None, :] + (offs_n * PQ)[:, None]
         y_ptrs = y_ptr + y_off
         mask = n_ok[:, None] & pix_ok[None, :]
@@ -1143,7 +1151,7 @@ def _conv_nhwc_kernel(x_desc, w_desc, b_ptr, y_ptr, m_ptr, yin_desc, m_desc, N, 
                 out += tl.load(y_ptrs, mask=mask, other=0.0)
         if RELU:
             out = tl.where(out < 0.0, 0.0, out)      # as kernels/act.py: NaN propagates
-        if MASK:
+        if MASK and not GATE_NHWC:
             if EPI_TMA and M_NHWC:
                 out = _relu_gate(out, _nhwc_box(m_desc, img0, k0, p0, q0, BLOCK_N, BLOCK_M))
             elif EPI_TMA:
@@ -1319,26 +1327,31 @@ def _shifted_rows_kernel(src_ptr, dst_ptr, ROWS, PW, W: tl.constexpr, WP: tl.con
 
 @triton.jit
 def _shifted_from_nhwc_kernel(x_ptr, dst_ptr, N, C, PW, H: tl.constexpr, W: tl.constexpr,
-                              WP: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK_W: tl.constexpr):
+                              WP: tl.constexpr, S: tl.constexpr, BLOCK_C: tl.constexpr,
+                              BLOCK_W: tl.constexpr):
     """dst[i, n, c, h, w] = x[n, h, w + i - PW, c] where both w and w + i - PW are inside
-    the row's W pixels, else 0, for rows of WP >= W pixels: _shifted_rows_kernel's copies of
-    x shifted by kernel column i = program_id(2), from a channels-last x [N, H, W, C]. A
-    program moves BLOCK_C channels of one image row (program_id(0) = n * H + h): read along
-    the channels, written along the pixels (Triton transposes through shared memory)."""
+    the row's W pixels, else 0, for rows of WP >= W pixels and each kernel column i < S:
+    _shifted_rows_kernel's copies of x, from a channels-last x [N, H, W, C]. A program reads
+    BLOCK_C channels of one image row (program_id(0) = n * H + h) once, along the channels,
+    and writes each copy along the pixels (Triton transposes through shared memory), then
+    the few columns no pixel lands on, as zeros."""
     row = tl.program_id(0)
-    i = tl.program_id(2)
     n = row // H
     h = row - n * H
     offs_c = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
     offs_w = tl.arange(0, BLOCK_W)
-    src_w = offs_w + (i - PW)
     c_ok = offs_c < C
-    take = c_ok[:, None] & ((offs_w < W) & (src_w >= 0) & (src_w < W))[None, :]
-    v = tl.load(x_ptr + row.to(tl.int64) * (W * C) + (src_w * C)[None, :] + offs_c[:, None],
-                mask=take, other=0.0)
-    dst = dst_ptr + ((i * N + n).to(tl.int64) * C * H + h) * WP
-    tl.store(dst + (offs_c * (H * WP))[:, None] + offs_w[None, :], v,
-             mask=c_ok[:, None] & (offs_w < WP)[None, :])
+    v = tl.load(x_ptr + row.to(tl.int64) * (W * C) + (offs_w * C)[None, :] + offs_c[:, None],
+                mask=c_ok[:, None] & (offs_w < W)[None, :], other=0.0)
+    rows = (offs_c * (H * WP))[:, None]
+    for i in tl.static_range(S):
+        dst = dst_ptr + ((i * N + n).to(tl.int64) * C * H + h) * WP + rows
+        lands = offs_w - (i - PW)       # where pixel w lands in copy i
+        tl.store(dst + lands[None, :], v,
+                 mask=c_ok[:, None] & ((offs_w < W) & (lands >= 0) & (lands < W))[None, :])
+        src = offs_w + (i - PW)         # column w of copy i, and the pixel it holds
+        empty = (offs_w < WP) & ((offs_w >= W) | (src < 0) | (src >= W))
+        tl.store(dst + offs_w[None, :], tl.zeros_like(v), mask=c_ok[:, None] & empty[None, :])
 
 
 @triton.jit
@@ -1635,9 +1648,9 @@ def _check_reads(phase, algo, x, w_shape, name="x"):
     if not is_channels_last(x):
         return
     if not reads_channels_last(phase, algo, x.shape, w_shape):
+        tma = " (\"tma\" where it copies x)" if phase == "backward_weight" else ""
         raise ValueError(f"conv: a channels-last {name} needs {phase} algo among "
-                         f"{_READS_CHANNELS_LAST[phase]} (\"tma\" where it copies x), "
-                         f"got {algo!r}")
+                         f"{_READS_CHANNELS_LAST[phase]}{tma}, got {algo!r}")
     if algo == "nhwc" and x.data_ptr() % 16:
         raise ValueError(f"conv: {phase} algo 'nhwc' reads a channels-last {name} in place "
                          f"(a TMA descriptor's base) and needs it 16-byte aligned; its "
@@ -1702,13 +1715,12 @@ def _weight_grid(k, c, rs, splits):
 def _launch_fwd(x, w, b, y, n, c, h, wd, k, p, q, sh, sw, ph, pw, r, s, prec,
                 accumulate=False, relu=False, mask=None, y_nhwc=False):
     is_1x1 = r == 1 and s == 1 and sh == 1 and sw == 1 and ph == 0 and pw == 0
-    flags = dict(Y_NHWC=True) if y_nhwc else {}     # (the plain launch's key stays as it was)
     _launch(_conv_fwd_acc if accumulate else _conv_fwd, _tile_grid(n * p * q, k),
             (x, w, b if b is not None else y, y, y if mask is None else mask,
              n, c, k, sh, sw, ph, pw),
             dict(H=h, W=wd, P=p, Q=q, R=r, S=s, IS_1X1=is_1x1, HAS_BIAS=b is not None,
                  ACCUMULATE=accumulate, PRECISION=prec, RELU=relu, MASK=mask is not None,
-                 **flags))
+                 Y_NHWC=y_nhwc))
 
 
 def forward(x, w, b, y, *, stride, padding, algo="implicit", workspace=None, precision=None,
@@ -2169,8 +2181,8 @@ def _launch_shifted_from_nhwc(x, dst, pw, wp, copies):
     n, c, h, wd = x.shape
     bw = next_power_of_2(wp)
     bc = min(next_power_of_2(c), max(1, (1 << 15 if INTERPRET else 1 << 13) // bw))
-    run(_shifted_from_nhwc_kernel, (n * h, cdiv(c, bc), copies),
-        _nhwc_storage(x), dst, n, c, pw, H=h, W=wd, WP=wp, BLOCK_C=bc, BLOCK_W=bw,
+    run(_shifted_from_nhwc_kernel, (n * h, cdiv(c, bc)),
+        _nhwc_storage(x), dst, n, c, pw, H=h, W=wd, WP=wp, S=copies, BLOCK_C=bc, BLOCK_W=bw,
         num_warps=4)
 
 

@@ -1132,14 +1132,14 @@ def _conv_nhwc_kernel(x_desc, w_desc, b_ptr, y_ptr, m_ptr, yin_desc, m_desc, N, 
         tl.store(y_ptr + ((pix * K)[:, None] + offs_n[None, :]), acc,
                  mask=pix_ok[:, None] & n_ok[None, :])
     else:
-        # a channels-last ReLU mask has the accumulator's [pixels, channels] orientation: the
-        # gate goes before the transposition (where nothing is added to Y after it)
-        GATE_NHWC: tl.constexpr = MASK and M_NHWC and not ACCUMULATE
-        if GATE_NHWC and EPI_TMA:
-            acc = _relu_gate(acc, m_desc.load([img0, p0, q0, k0]).reshape(BLOCK_M, BLOCK_N))
-        elif GATE_NHWC:
-            acc = _relu_mask(acc, m_ptr + ((pix * K)[:, None] + offs_n[None, :]),
-                             pix_ok[:, None] & n_ok[None, :])
+        if MASK and M_NHWC:     # the ReLU output in the accumulator's [pixels, channels] order
+            if EPI_TMA:
+                r = m_desc.load([img0, p0, q0, k0]).reshape(BLOCK_M, BLOCK_N)
+            else:
+                r = tl.load(m_ptr + ((pix * K)[:, None] + offs_n[None, :]),
+                            mask=pix_ok[:, None] & n_ok[None, :], other=0.0)
+            if not ACCUMULATE:  # gated before the transposition: no tile transposed for it
+                acc = _relu_gate(acc, r)
         y_off = (img.to(tl.int64) * (K * PQ) + p * Q + q)[None, :] + (offs_n * PQ)[:, None]
         y_ptrs = y_ptr + y_off
         mask = n_ok[:, None] & pix_ok[None, :]
@@ -1151,15 +1151,12 @@ def _conv_nhwc_kernel(x_desc, w_desc, b_ptr, y_ptr, m_ptr, yin_desc, m_desc, N, 
                 out += tl.load(y_ptrs, mask=mask, other=0.0)
         if RELU:
             out = tl.where(out < 0.0, 0.0, out)      # as kernels/act.py: NaN propagates
-        if MASK and not GATE_NHWC:
-            if EPI_TMA and M_NHWC:
-                out = _relu_gate(out, _nhwc_box(m_desc, img0, k0, p0, q0, BLOCK_N, BLOCK_M))
+        if MASK:
+            if M_NHWC:
+                if ACCUMULATE:      # after the addition: the mask transposed to Y's order
+                    out = _relu_gate(out, tl.trans(r))
             elif EPI_TMA:
                 out = _relu_gate(out, _nchw_box(m_desc, img0, k0, p0, q0, BLOCK_N, BLOCK_M))
-            elif M_NHWC:            # loaded along the channels, then transposed
-                m_ptrs = m_ptr + ((pix * K)[:, None] + offs_n[None, :])
-                r = tl.load(m_ptrs, mask=pix_ok[:, None] & n_ok[None, :], other=0.0)
-                out = _relu_gate(out, tl.trans(r))
             else:
                 out = _relu_mask(out, m_ptr + y_off, mask)
         tl.store(y_ptrs, out, mask=mask)
@@ -1173,14 +1170,6 @@ def _nchw_box(desc, img0, k0, p0, q0, BLOCK_N: tl.constexpr, BLOCK_M: tl.constex
     outside the tensor read as 0."""
     box = desc.load([img0, k0, p0, q0])
     return tl.permute(box, (1, 0, 2, 3)).reshape(BLOCK_N, BLOCK_M)
-
-
-@triton.jit
-def _nhwc_box(desc, img0, k0, p0, q0, BLOCK_N: tl.constexpr, BLOCK_M: tl.constexpr):
-    """As _nchw_box, from a channels-last tensor: its [NB, TH, TW, BLOCK_N] box at
-    (img0, p0, q0, k0), as the [BLOCK_N, BLOCK_M] tile."""
-    box = desc.load([img0, p0, q0, k0])
-    return tl.trans(box.reshape(BLOCK_M, BLOCK_N))
 
 
 def _nhwc_boxes(nargs):

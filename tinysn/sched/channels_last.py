@@ -44,6 +44,6 @@ def _stored(layer, conv_algos) -> bool:
     phases = ["forward", "backward_weight"]
     if reader.attrs.get("x_is_relu_output"):
         phases.append("backward_data")
-    return all(conv_k.reads_channels_last(p, algos[p], x_shape, w_shape) if p in algos
-               else False for p in phases)
+    return all(p in algos and conv_k.reads_channels_last(p, algos[p], x_shape, w_shape)
+               for p in phases)
 

@@ -269,6 +269,27 @@ def test_splitk_really_splits_and_is_deterministic():
     _check(case, "cpu", "ieee", seed=5)
 
 
+
+@pytest.mark.parametrize("total,splits", [(5, 1), (7, 37), (130, 70)])
+def test_splitk_reduce_adds_the_chunks_in_order(total, splits):
+    """The split-K sum is the plain loop's, bit for bit: chunks added in order, whatever
+    number of them it loads ahead (a remainder past the last chunk included)."""
+    gen = torch.Generator().manual_seed(total)
+    # magnitudes over 12 decades: another order of the adds would round differently
+    chunks = torch.randn(splits, total, generator=gen) * \
+        10.0 ** torch.randint(-6, 6, (splits, total), generator=gen)
+    out = torch.full((total,), float("nan"))
+    conv._launch_splitk_reduce(chunks.flatten(), out, total, splits)
+    expected = torch.zeros(total)
+    for chunk in chunks:
+        expected = expected + chunk
+    assert torch.equal(out, expected)
+    if splits > 1:      # the values make the order show
+        reverse = torch.zeros(total)
+        for chunk in chunks.flip(0):
+            reverse = reverse + chunk
+        assert not torch.equal(reverse, expected)
+
 def test_algos_and_workspaces():
     xs, ws = (32, 64, 56, 56), (64, 64, 3, 3)
     assert conv.out_shape(xs, ws, 1, 1) == (32, 64, 56, 56)

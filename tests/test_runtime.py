@@ -70,6 +70,57 @@ def test_bad_input_raises_before_any_change():
     assert rt.stats.iterations == 0
 
 
+@pytest.mark.parametrize("bad", ["nan", "label"])
+def test_a_batch_checked_in_the_step_changes_no_state_when_bad(bad):
+    """On one GPU the batch is counted by the step's first kernels and the count read with
+    the loss (forced here on the CPU): a bad batch raises after its step, which skipped
+    every write of training state (parameters, momentum, batch-norm running statistics,
+    the dropout counter), so the steps after it equal a run's that never saw it, bitwise."""
+    refuses_bad_batches_without_a_trace("cpu", False, [bad], force=True)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("cuda_graph", [False, True])
+def test_a_bad_batch_on_the_gpu_changes_no_state(cuda_graph):
+    """The same on the GPU, where the check is in the step by default, eager and replayed
+    (the bad batches come after the capture)."""
+    refuses_bad_batches_without_a_trace("cuda", cuda_graph, ["nan", "label"])
+
+
+def refuses_bad_batches_without_a_trace(device, cuda_graph, bad, force=False):
+    """Two Runtimes train on the same good batches; one is also handed the `bad` batches
+    (NaN images, out-of-range labels) after three good steps: each raises, naming the
+    problem, and after them both runs' losses and whole states stay bitwise equal."""
+    net = block_net(batch=2, p=0.3)
+    runs = [sn.Runtime(net, "64MiB", "all", device=device, conv_algos={}, seed=0, lr=0.1,
+                       momentum=0.9, weight_decay=1e-3, cuda_graph=cuda_graph)
+            for _ in range(2)]
+    if force:
+        runs[0]._check_on_device(True)
+    assert runs[0].gate is not None
+    good = [batch_for(net, seed=s) for s in range(1, 6)]
+    for batch in good[:3]:
+        assert runs[0].step(*batch) == runs[1].step(*batch)
+    images, labels = good[0]
+    refused = {"nan": ((images * float("nan"), labels), "NaN"),
+               "label": ((images, labels + net.classes), "labels must lie")}
+    for kind in bad:
+        batch, message = refused[kind]
+        with pytest.raises(ValueError, match=message):
+            runs[0].step(*batch)
+        assert runs[0].view(runs[0].program.check).item() > 0    # the kernels saw it
+    assert runs[0].stats.iterations == 3
+    for batch in good[3:]:
+        assert runs[0].step(*batch) == runs[1].step(*batch)
+    gated, plain = (rt.state_dict() for rt in runs)
+    assert gated.keys() == plain.keys()
+    for key, value in gated.items():
+        assert not isinstance(value, torch.Tensor) or torch.equal(value, plain[key]), key
+    for rt in runs:
+        rt.close()
+
+
 def test_bad_runtime_arguments():
     net = every_layer_net()
     with pytest.raises(ValueError, match="policy"):

@@ -263,7 +263,7 @@ def _bn_forward(program, layer, update_running):
             bn_k.rebuild(x(rt), w(rt), b(rt), y(rt), saved(rt), relu=relu)
         else:
             bn_k.forward(x(rt), w(rt), b(rt), y(rt), mean(rt), var(rt), saved(rt), ws, eps=eps,
-                         momentum=momentum, relu=relu)
+                         momentum=momentum, relu=relu, skip=rt.gate)
     return launch
 
 
@@ -446,9 +446,10 @@ def _dropout_backward(program, lp):
 
 def advance_iteration(rt) -> None:
     """The end of a training step: the iteration counter that masks are drawn from moves
-    on, on the device (a captured step advances it on every replay)."""
+    on, on the device (a captured step advances it on every replay; not after a bad batch:
+    `rt.gate`)."""
     if rt.program.iteration is not None:
-        dropout_k.advance(rt.view(rt.program.iteration))
+        dropout_k.advance(rt.view(rt.program.iteration), skip=rt.gate)
 
 
 def _add_forward(program, layer, update_running):

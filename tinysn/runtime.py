@@ -48,6 +48,7 @@ import torch
 
 from . import checkpoint, distributed, evaluate, inputs, precompile
 from .graphs import GRAPH_WARMUP, GraphReplay
+from .kernels import check as check_k
 from .kernels import sgd as sgd_k
 from .ops import advance_iteration, spec
 from .pool.arena import Arena
@@ -132,6 +133,7 @@ class Runtime:
             self._alloc(op)
         self.grad_sync = None if process_group is None else distributed.GradientSync(
             self.program, process_group, self.tensors)    # data parallel (distributed.py)
+        self._check_on_device(self._cuda and self.grad_sync is None)
         self.images, self.predicting, self._batch = None, False, None
         self._launch = _build_launchers(self.program, data_parallel=self.grad_sync is not None)
         self.cuda_graph = cuda_graph
@@ -204,7 +206,7 @@ class Runtime:
             return
         if self._cuda:
             torch.cuda.synchronize(self.device)   # copies and kernels may still use the pool
-        self.replay = self.grad_sync = self.recorder = None
+        self.replay = self.grad_sync = self.recorder = self.gate = None
         self.tensors, self._views, self._events = [], [], []
         self.arena = self.host = self.images = self._batch = None
 
@@ -236,19 +238,40 @@ class Runtime:
     def _batch_into_pool(self, images, labels):
         """Copy the batch into the pool, the images into the data tensor's block (the view
         its launches read: the data layer's copy of it onto itself is no operation) and the
-        labels into theirs, and check both there (inputs.check_values); return that view.
-        Before a step changes any state: the data block is free at a step's start and
-        refilled by every step. On a GPU the check is two reductions on the device instead of
-        a pass over the host batch, which ran serially with the GPU: every step waits for its
-        loss. They count into the loss's element (read by the previous step, written by this
-        one's forward pass), so they allocate no device byte outside the pool."""
+        labels into theirs; return that view. The data block is free at a step's start and
+        refilled by every step.
+
+        The batch is checked there (NaN and infinity in the images, labels out of range:
+        inputs.check_values) so that a bad one changes no state. On one GPU two reductions
+        count its bad values into the pool's `check` float as the step's first kernels
+        (`_count_bad_values`, captured with the step in graph mode); every kernel that
+        writes training state (SGD, batch-norm running statistics, the dropout counter)
+        skips its writes where the count is not zero (`gate`), and the count is read with the
+        loss (`_finish_step`), which raises then: the host waits for the GPU once a step, not
+        also between the check and the step. Elsewhere (the CPU; a data-parallel rank, whose
+        all-reduces must not start on a batch it refuses) the check runs here, before the
+        step."""
         pool_images, pool_labels = self._batch_in_pool()
         pool_images.copy_(images, non_blocking=images.is_pinned())
         pool_labels.copy_(labels, non_blocking=labels.is_pinned())
-        loss = self.program.act[self.program.net.loss]
-        flag = self.view(loss) if self.device.type == "cuda" else None
-        inputs.check_values(pool_images, pool_labels, self.net.classes, flag)
+        if self.gate is None:
+            flag = self.view(self.program.check) if self._cuda else None
+            inputs.check_values(pool_images, pool_labels, self.net.classes, flag)
         return pool_images
+
+    def _check_on_device(self, on: bool) -> None:
+        """Check each batch in the step, with its verdict read beside the loss (`on`: one
+        GPU), or before the step (_batch_into_pool). `gate` is then the pool's `check`
+        float, which the state-writing kernels read, and `_verdict` the host's copy of the
+        loss and that count (pinned on a GPU, so both come back in one wait)."""
+        self.gate = self.view(self.program.check) if on else None
+        self._verdict = torch.empty(2, pin_memory=self._cuda) if on else None
+
+    def _count_bad_values(self) -> None:
+        """The pool's `check` float = how many of the batch's values are bad (check.py)."""
+        pool_images, pool_labels = self._batch_in_pool()
+        check_k.nonfinite(pool_images, self.gate)
+        check_k.outside(pool_labels, self.net.classes, self.gate)
 
     def _batch_in_pool(self):
         """Views of the data tensor's planned block and of the labels tensor, where a step
@@ -274,6 +297,8 @@ class Runtime:
         self.images, self._trace = images, []
         rec = self.recorder if self.recorder is not None and self.recorder.begin(self) else None
         execute = self._EXECUTE
+        if until is None and self.gate is not None:
+            self._count_bad_values()
         try:
             for step in self.plan.steps[:until]:
                 self._step = step
@@ -302,7 +327,21 @@ class Runtime:
                             "live_tensors": self.arena.allocator.n_used_nodes})
 
     def _finish_step(self) -> float:
-        loss = float(self.view(self.program.act[self.program.net.loss])[0])
+        """The step's loss; where the batch was checked on the device, first its verdict,
+        both read in one wait (a bad batch raises here, its step having changed no state)."""
+        loss = self.view(self.program.act[self.program.net.loss])
+        if self.gate is None:
+            loss = float(loss[0])
+        else:
+            self._verdict[0:1].copy_(loss, non_blocking=True)
+            self._verdict[1:2].copy_(self.gate, non_blocking=True)
+            if self._cuda:
+                torch.cuda.current_stream(self.device).synchronize()
+            loss, bad = self._verdict.tolist()
+            if bad:                     # the recount names what is wrong, and raises
+                inputs.check_values(*self._batch_in_pool(), self.net.classes, self.gate)
+                raise RuntimeError(f"tinysn bug: the batch check counted {bad:.0f} bad "
+                                   f"values that a recount did not find")
         self.stats.peak_bytes = self.arena.allocator.peak
         self.stats.recomputed_steps = self.plan.recomputed_steps
         self.stats.iterations += 1
@@ -465,5 +504,6 @@ def _then_update(kernel, lp, program, data_parallel: bool):
             sgd_k.update_many([(rt.view(param), rt.view(grad),
                                 None if mom is None else rt.view(mom))
                                for param, grad, mom in tensors], lr=rt.lr,
-                              momentum=rt.momentum, weight_decay=rt.weight_decay)
+                              momentum=rt.momentum, weight_decay=rt.weight_decay,
+                              skip=rt.gate)
     return launch

@@ -109,6 +109,27 @@ def test_sgd_update_many_checks_every_item_before_any_launch():
     assert torch.equal(p, before)
 
 
+@pytest.mark.parametrize("count", [0.0, 3.0])
+def test_sgd_skip_writes_nothing_where_the_batch_was_bad(count):
+    """`skip` holds a batch check's count (kernels/check.py): 0 updates as without it, bit
+    for bit; otherwise neither the parameters nor the momentum buffers change."""
+    items = [(_rand((n,), seed), _rand((n,), seed + 1), _rand((n,), seed + 2))
+             for seed, n in ((0, 4100), (3, 7), (6, 33))]
+    plain = [tuple(t.clone() for t in item) for item in items]
+    sgd.update_many(items, lr=0.1, momentum=0.9, weight_decay=1e-3,
+                    skip=torch.tensor([count]))
+    if count:
+        expected = [tuple(t.clone() for t in item) for item in plain]
+    else:
+        sgd.update_many(plain, lr=0.1, momentum=0.9, weight_decay=1e-3)
+        expected = plain
+    for got, want in zip(items, expected):
+        assert torch.equal(got[0], want[0]) and torch.equal(got[2], want[2])
+    with pytest.raises(ValueError, match="skip"):
+        sgd.update_many(items, lr=0.1, momentum=0.9, weight_decay=0.0,
+                        skip=torch.zeros(1, dtype=torch.float64))
+
+
 def test_sgd_bad_input():
     p, g, b = _rand((10,), 0), _rand((10,), 1), torch.zeros(10)
     hp = dict(lr=0.1, momentum=0.9, weight_decay=0.0)

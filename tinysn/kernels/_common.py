@@ -239,6 +239,21 @@ def check_tensor(name: str, t: torch.Tensor, shape=None, dtype=torch.float32) ->
         raise ValueError(f"{name} must be contiguous")
 
 
+def gate(skip, device, unread: torch.Tensor) -> tuple:
+    """(pointer, GATED) for a kernel that changes training state (parameters, momentum,
+    running statistics, the dropout counter), which a bad batch must leave as it was:
+    `skip` is a one-element float32 tensor on `device` that the batch's check counted its
+    bad values into (kernels/check.py; the Runtime reads the verdict after the step),
+    non-zero: the kernel writes nothing; None: it always writes (`unread`, any tensor on
+    the device, stands in as the pointer)."""
+    if skip is None:
+        return unread, False
+    check_tensor("skip", skip, shape=(1,))
+    if skip.device != device:
+        raise ValueError(f"skip must be on {device}, got {skip.device}")
+    return skip, True
+
+
 def pair(v, name: str, minimum: int) -> tuple:
     """(h, w) from an int (used for both) or a pair of ints, each >= minimum; ValueError
     naming `name` otherwise (bools are not ints here)."""

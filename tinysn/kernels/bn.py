@@ -53,7 +53,7 @@ import triton
 import triton.language as tl
 
 from ._common import INTERPRET, check_no_overlap, check_tensor, float_workspace, run
-from ._common import cdiv, next_power_of_2
+from ._common import cdiv, gate, next_power_of_2
 
 _TILE = 1024 if INTERPRET else 2048          # elements per tile of the streaming passes
 _WARPS = 4 if INTERPRET else 8
@@ -160,8 +160,10 @@ def _bn_stats_kernel(x, ws, N, C, HW, RPC, CPC, NCH, NHC,
 
 @triton.jit
 def _bn_finalize_kernel(ws, saved, rmean, rvar, C, NCH, total, unbias, eps, momentum,
-                        UPDATE: tl.constexpr, CB: tl.constexpr, NCHP: tl.constexpr):
-    """Merge each channel's chunk partials; write saved (mean, inv_std) and running stats."""
+                        skip_ptr, UPDATE: tl.constexpr, GATED: tl.constexpr,
+                        CB: tl.constexpr, NCHP: tl.constexpr):
+    """Merge each channel's chunk partials; write saved (mean, inv_std) and running stats
+    (GATED: not where skip_ptr's float is non-zero, a bad batch's count)."""
     c = tl.program_id(0) * CB + tl.arange(0, CB)
     cm = c < C
     k = tl.arange(0, NCHP)
@@ -177,6 +179,8 @@ def _bn_finalize_kernel(ws, saved, rmean, rvar, C, NCH, total, unbias, eps, mome
     tl.store(saved + c, mean, mask=cm)
     tl.store(saved + C + c, inv_std, mask=cm)
     if UPDATE:
+        if GATED:
+            cm = cm & (tl.load(skip_ptr + c * 0) == 0.0)      # the flag, per channel
         rm = tl.load(rmean + c, mask=cm, other=0.0)
         rv = tl.load(rvar + c, mask=cm, other=0.0)
         tl.store(rmean + c, (1.0 - momentum) * rm + momentum * mean, mask=cm)
@@ -345,9 +349,11 @@ def _check_relu(relu) -> None:
 
 
 def forward(x, gamma, beta, y, running_mean, running_var, saved, workspace, *,
-            eps=1e-5, momentum=0.1, update_running=True, relu=False):
+            eps=1e-5, momentum=0.1, update_running=True, relu=False, skip=None):
     """Training-mode batch norm; see the module docstring. `relu`: store max(y, 0), a ReLU
-    after the batch norm fused into it (sched/fuse.py; the same bits as the two layers)."""
+    after the batch norm fused into it (sched/fuse.py; the same bits as the two layers).
+    `skip`: a one-element float32 tensor on x's device; where it holds a non-zero value
+    (a bad batch's count) the running statistics stay as they were (_common.gate)."""
     n, c, h, w = _check_x(x)
     _check_relu(relu)
     dev = x.device
@@ -371,6 +377,7 @@ def forward(x, gamma, beta, y, running_mean, running_var, saved, workspace, *,
     ws = float_workspace("bn", workspace, workspace_bytes(x.shape, "forward"), x.device)
     if ws.device != dev:
         raise ValueError(f"workspace is on {ws.device} but x is on {dev}")
+    skip_ptr, gated = gate(skip, dev, saved)
     hw = h * w
     rpc, nr, cpc, nh = _chunks(n, c, hw)
     nch = nr * nh
@@ -382,8 +389,8 @@ def forward(x, gamma, beta, y, running_mean, running_var, saved, workspace, *,
     rm = running_mean if update_running else saved
     rv = running_var if update_running else saved
     run(_bn_finalize_kernel, (cdiv(c, cb),), ws, saved, rm, rv, c, nch, float(total),
-        total / (total - 1), float(eps), float(momentum),
-        UPDATE=update_running, CB=cb, NCHP=nchp)
+        total / (total - 1), float(eps), float(momentum), skip_ptr,
+        UPDATE=update_running, GATED=gated, CB=cb, NCHP=nchp)
     grid, r, cols = _elementwise_grid(n, c, hw)
     run(_bn_norm_kernel, grid, x, y, saved, gamma, beta, n * c, c, hw, R=r, COLS=cols,
         RELU=relu, num_warps=_WARPS)

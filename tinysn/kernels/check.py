@@ -5,10 +5,12 @@ outside(labels, high, flag) flag += how many int64 labels lie outside [0, high):
                             the batch's two checks share one read of the flag
 
 On a GPU the Runtime checks each batch where it copied it, in the pool, and passes a pool
-float as `flag` (the loss's element, free until the forward pass writes the loss): the
-check then allocates nothing outside the cap, where a torch reduction allocates its result
-(a few kilobytes per step, over `memory=`). On the CPU a torch reduction allocates host
-memory only and is far faster than the interpreter (inputs.check_finite).
+float as `flag` (its `check` tensor): the check then allocates nothing outside the cap,
+where a torch reduction allocates its result (a few kilobytes per step, over `memory=`).
+These are the step's first kernels there: the kernels that write training state read the
+count and write nothing where it is not zero (_common.gate), and the Runtime reads it with
+the loss. On the CPU a torch reduction allocates host memory only and is far faster than
+the interpreter (inputs.check_finite).
 
 Each program counts the values of its tile that are not below infinity in magnitude (a
 comparison with NaN is false) and adds its count into the flag atomically: whole numbers,

@@ -30,7 +30,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ._common import cdiv, check_tensor, run
+from ._common import cdiv, check_tensor, gate, run
 
 BLOCK = 4096      # elements per program (BLOCK // 4 Philox calls); any multiple of 4 gives
 NUM_WARPS = 8     # the same mask
@@ -71,8 +71,11 @@ def _dropout_kernel(src_ptr, dst_ptr, it_ptr, n, p, scale, seed, layer, offset,
 
 
 @triton.jit
-def _advance_kernel(it_ptr):
-    tl.store(it_ptr, tl.load(it_ptr) + 1)
+def _advance_kernel(it_ptr, skip_ptr, GATED: tl.constexpr):
+    if GATED:
+        tl.store(it_ptr, tl.load(it_ptr) + 1, mask=tl.load(skip_ptr) == 0.0)
+    else:
+        tl.store(it_ptr, tl.load(it_ptr) + 1)
 
 
 def _check_iteration(iteration, device):
@@ -138,12 +141,14 @@ def backward(dy: torch.Tensor, dx: torch.Tensor, *, p: float, seed: int,
     _launch(dy, dx, p, seed, iteration, layer, offset, accumulate)
 
 
-def advance(iteration: torch.Tensor) -> None:
+def advance(iteration: torch.Tensor, skip=None) -> None:
     """iteration += 1, by one tiny kernel on its device (so a captured graph advances it on
-    every replay)."""
+    every replay); not where `skip` (a one-element float32 tensor there) holds a non-zero
+    value, a bad batch's count (_common.gate)."""
     _check_iteration(iteration, iteration.device if isinstance(iteration, torch.Tensor)
                      else None)
-    run(_advance_kernel, (1,), iteration)
+    skip_ptr, gated = gate(skip, iteration.device, iteration)
+    run(_advance_kernel, (1,), iteration, skip_ptr, GATED=gated)
 
 
 def workspace_bytes(*args, **kwargs) -> int:

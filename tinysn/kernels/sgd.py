@@ -20,7 +20,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ._common import INTERPRET, cdiv, check_tensor, run
+from ._common import INTERPRET, cdiv, check_tensor, gate, run
 
 BLOCK = 4096
 NUM_WARPS = 8
@@ -32,11 +32,16 @@ _NO_FP_FUSION = {} if INTERPRET else {"enable_fp_fusion": False}
 
 @triton.jit
 def _sgd_kernel(p_ptr, g_ptr, buf_ptr, n, p2_ptr, g2_ptr, buf2_ptr, n2, lr, momentum,
-                weight_decay, HAS_WD: tl.constexpr, HAS_MOMENTUM: tl.constexpr,
-                BLOCK: tl.constexpr):
+                weight_decay, skip_ptr, HAS_WD: tl.constexpr, HAS_MOMENTUM: tl.constexpr,
+                GATED: tl.constexpr, BLOCK: tl.constexpr):
     """The update of two tensors in one launch: programs [0, cdiv(n, BLOCK)) update the
-    first (n elements), the rest the second (n2; 0 when there is one tensor)."""
+    first (n elements), the rest the second (n2; 0 when there is one tensor). GATED: where
+    skip_ptr's float is non-zero (a bad batch) nothing is read or written."""
     first = tl.cdiv(n, BLOCK)
+    if GATED:
+        keep = tl.load(skip_ptr) == 0.0
+        n = tl.where(keep, n, 0)
+        n2 = tl.where(keep, n2, 0)
     block = tl.program_id(0)
     if block < first:
         _sgd_block(p_ptr, g_ptr, buf_ptr, n, block, lr, momentum, weight_decay,
@@ -74,30 +79,36 @@ def _number(name, v):
 
 
 def update(param: torch.Tensor, grad: torch.Tensor, momentum_buf, *, lr: float,
-           momentum: float, weight_decay: float) -> None:
+           momentum: float, weight_decay: float, skip=None) -> None:
     """One SGD step, in place on param (and momentum_buf). See the module docstring.
 
     param, grad, momentum_buf: contiguous float32 of one shape on one device, non-overlapping.
-    momentum_buf may be None only when momentum == 0 (it is then left untouched).
+    momentum_buf may be None only when momentum == 0 (it is then left untouched). `skip`: a
+    one-element float32 tensor on their device; where it holds a non-zero value when the
+    kernel runs (a bad batch's count), nothing changes (_common.gate).
     """
     update_many([(param, grad, momentum_buf)], lr=lr, momentum=momentum,
-                weight_decay=weight_decay)
+                weight_decay=weight_decay, skip=skip)
 
 
-def update_many(items, *, lr: float, momentum: float, weight_decay: float) -> None:
+def update_many(items, *, lr: float, momentum: float, weight_decay: float,
+                skip=None) -> None:
     """update() on each (param, grad, momentum_buf) of `items`, two tensors per launch. Every
     item is checked before the first launch, so bad input changes nothing."""
     lr = _number("lr", lr)
     momentum = _number("momentum", momentum)
     weight_decay = _number("weight_decay", weight_decay)
     todo = [t for t in (_checked(*item, momentum) for item in items) if t[0].numel()]
+    if not todo:
+        return
+    skip_ptr, gated = gate(skip, todo[0][0].device, todo[0][0])
     for pair in (todo[i:i + 2] for i in range(0, len(todo), 2)):
         (p, g, b), (p2, g2, b2) = pair[0], pair[-1]
         n, n2 = p.numel(), (p2.numel() if len(pair) == 2 else 0)
         run(_sgd_kernel, (cdiv(n, BLOCK) + cdiv(n2, BLOCK),),
-            p, g, b, n, p2, g2, b2, n2, lr, momentum, weight_decay,
-            HAS_WD=weight_decay != 0.0, HAS_MOMENTUM=momentum != 0.0, BLOCK=BLOCK,
-            num_warps=NUM_WARPS, **_NO_FP_FUSION)
+            p, g, b, n, p2, g2, b2, n2, lr, momentum, weight_decay, skip_ptr,
+            HAS_WD=weight_decay != 0.0, HAS_MOMENTUM=momentum != 0.0, GATED=gated,
+            BLOCK=BLOCK, num_warps=NUM_WARPS, **_NO_FP_FUSION)
 
 
 def _checked(param, grad, momentum_buf, momentum):

@@ -76,7 +76,7 @@ class TensorInfo:
     dtype: torch.dtype
     kind: str            # data | grad | param | state | workspace
     layer: object = None  # the Layer that owns it (None for labels)
-    role: str = ""       # act | grad | saved | param | pgrad | momentum | buffer | labels | loss | counter
+    role: str = ""       # act | grad | saved | param | pgrad | momentum | buffer | labels | loss | counter | check
     persistent: bool = False  # lives across iterations (parameters, optimizer state, ...)
 
     @property
@@ -145,6 +145,10 @@ class Program:
                                                 info.layer, "momentum", persistent=True)
         self.labels = self._new("labels", (net.batch,), "data", None, "labels",
                                 dtype=torch.int64, persistent=True)
+        # the count of the batch's bad values (kernels/check.py), taken before the forward
+        # pass: every write of training state waits on it (kernels/_common.gate) and the
+        # Runtime reads it with the loss
+        self.check = self._new("check", (1,), "state", None, "check", persistent=True)
         # the iteration counter random masks are drawn from (advanced on the device)
         self.iteration = self._new("iteration", (1,), "state", None, "counter",
                                    dtype=torch.int64, persistent=True) \

@@ -109,7 +109,6 @@ def refuses_bad_batches_without_a_trace(device, cuda_graph, bad, force=False):
         batch, message = refused[kind]
         with pytest.raises(ValueError, match=message):
             runs[0].step(*batch)
-        assert runs[0].view(runs[0].program.check).item() > 0    # the kernels saw it
     assert runs[0].stats.iterations == 3
     for batch in good[3:]:
         assert runs[0].step(*batch) == runs[1].step(*batch)

@@ -327,24 +327,27 @@ class Runtime:
                             "live_tensors": self.arena.allocator.n_used_nodes})
 
     def _finish_step(self) -> float:
-        """The step's loss; where the batch was checked on the device, first its verdict,
-        both read in one wait (a bad batch raises here, its step having changed no state)."""
-        loss = self.view(self.program.act[self.program.net.loss])
-        if self.gate is None:
-            loss = float(loss[0])
-        else:
-            self._verdict[0:1].copy_(loss, non_blocking=True)
-            self._verdict[1:2].copy_(self.gate, non_blocking=True)
-            if self._cuda:
-                torch.cuda.current_stream(self.device).synchronize()
-            loss, bad = self._verdict.tolist()
-            if bad:                     # the recount names what is wrong, and raises
-                inputs.check_values(*self._batch_in_pool(), self.net.classes, self.gate)
-                raise RuntimeError(f"tinysn bug: the batch check counted {bad:.0f} bad "
-                                   f"values that a recount did not find")
+        loss = self._step_loss()
         self.stats.peak_bytes = self.arena.allocator.peak
         self.stats.recomputed_steps = self.plan.recomputed_steps
         self.stats.iterations += 1
+        return loss
+
+    def _step_loss(self) -> float:
+        """The step's loss; where the batch was checked in the step, with its count of bad
+        values, both in one wait: a bad batch raises here, its step having changed no state."""
+        loss = self.view(self.program.act[self.program.net.loss])
+        if self.gate is None:
+            return float(loss[0])
+        self._verdict[0:1].copy_(loss, non_blocking=True)
+        self._verdict[1:2].copy_(self.gate, non_blocking=True)
+        if self._cuda:
+            torch.cuda.current_stream(self.device).synchronize()
+        loss, bad = self._verdict.tolist()
+        if bad:                         # the recount names what is wrong, and raises
+            inputs.check_values(*self._batch_in_pool(), self.net.classes, self.gate)
+            raise RuntimeError(f"tinysn bug: the batch check counted {bad:.0f} bad values "
+                               f"that a recount did not find")
         return loss
 
     # -- inference and state: evaluate.py and checkpoint.py --------------------------

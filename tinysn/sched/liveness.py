@@ -75,8 +75,9 @@ class TensorInfo:
     shape: tuple
     dtype: torch.dtype
     kind: str            # data | grad | param | state | workspace
-    layer: object = None  # the Layer that owns it (None for labels)
-    role: str = ""       # act | grad | saved | param | pgrad | momentum | buffer | labels | loss | counter | check
+    layer: object = None  # the Layer that owns it (None: labels, the counter, the check)
+    # act | grad | saved | param | pgrad | momentum | buffer | labels | loss | counter | check
+    role: str = ""
     persistent: bool = False  # lives across iterations (parameters, optimizer state, ...)
 
     @property

@@ -121,11 +121,18 @@ def check_values(images, labels, classes, flag=None) -> None:
         check_finite(images)
         _check_label_range(labels, classes)
         return
-    check_k.nonfinite(images, flag)
-    check_k.outside(labels, classes, flag)
+    count_bad_values(images, labels, classes, flag)
     if float(flag) > 0:
         check_finite(images, flag)
         _check_label_range(labels.cpu(), classes)
+
+
+def count_bad_values(images, labels, classes, flag) -> None:
+    """flag = how many images' values are NaN or infinite plus how many labels lie outside
+    [0, classes), counted on their device by two Triton reductions (kernels/check.py),
+    nothing read back: check_values reads it at once, a Runtime on one GPU with the loss."""
+    check_k.nonfinite(images, flag)
+    check_k.outside(labels, classes, flag)
 
 
 def check_images(net, images, up_to=False, finite=True) -> int:

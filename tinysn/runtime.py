@@ -48,7 +48,6 @@ import torch
 
 from . import checkpoint, distributed, evaluate, inputs, precompile
 from .graphs import GRAPH_WARMUP, GraphReplay
-from .kernels import check as check_k
 from .kernels import sgd as sgd_k
 from .ops import advance_iteration, spec
 from .pool.arena import Arena
@@ -268,10 +267,8 @@ class Runtime:
         self._verdict = torch.empty(2, pin_memory=self._cuda) if on else None
 
     def _count_bad_values(self) -> None:
-        """The pool's `check` float = how many of the batch's values are bad (check.py)."""
-        pool_images, pool_labels = self._batch_in_pool()
-        check_k.nonfinite(pool_images, self.gate)
-        check_k.outside(pool_labels, self.net.classes, self.gate)
+        """The pool's `check` float = how many of the batch's values are bad."""
+        inputs.count_bad_values(*self._batch_in_pool(), self.net.classes, self.gate)
 
     def _batch_in_pool(self):
         """Views of the data tensor's planned block and of the labels tensor, where a step

@@ -11,10 +11,11 @@ than the model predicts, this table says which kernels the model underrates. Eac
 is listed with its calls per step, ms per step and share of the busy time; the JSON keeps
 every kernel.
 
-With `--pytorch` the best PyTorch configuration of bench/train.py on VGG16 and AlexNet
-(torch.compile, default mode, the same SGD settings and host batch) is profiled the same way
-after its warm-up steps, in the same process: its kernels and busy time sit beside tinysn's
-in the JSON (`pytorch`), so the two steps can be compared kernel by kernel.
+With `--pytorch` a PyTorch configuration of bench/train.py (`--pytorch-config`: by default
+torch.compile, default mode, the best on VGG16 and AlexNet; eager channels-last was the best
+on ResNet-50; the same SGD settings and host batch) is profiled the same way after its
+warm-up steps, in the same process: its kernels and busy time sit beside tinysn's in the
+JSON (`pytorch`), so the two steps can be compared kernel by kernel.
 
 Then one more eager step is timed launch by launch (tinysn.trace's Recorder: CUDA events
 around each layer step) beside the model's time for the same launch (the conv passes' from
@@ -33,6 +34,7 @@ import tinysn as sn  # noqa: E402
 import torch  # noqa: E402
 
 from bench import common  # noqa: E402
+from bench.train import PYTORCH_CONFIGS  # noqa: E402
 from tinysn.cli import MODELS  # noqa: E402
 from tinysn.sched.plan import Launch  # noqa: E402
 from tinysn.sched.timing import simulate  # noqa: E402
@@ -99,20 +101,20 @@ def profiled_kernels(step, steps: int) -> list:
     return kernel_times(device_events(prof), steps)
 
 
-def pytorch_profile(net, steps: int, warmup: int = 5) -> dict:
-    """The torch.compile step of bench/train.py (its PyTorch reference on VGG16 and AlexNet
-    at batch 32 on the H200) on `net`'s torch twin: {"config", "busy_ms_per_step",
-    "kernels"}, profiled after `warmup` steps (compiling)."""
+def pytorch_profile(net, steps: int, config: str = "torch.compile", warmup: int = 5) -> dict:
+    """The step of bench/train.py's PyTorch `config` on `net`'s torch twin: {"config",
+    "busy_ms_per_step", "kernels"}, profiled after `warmup` steps (compiling, if any)."""
     from bench.train import host_batch, torch_step
     device = torch.device("cuda")
-    model = net.to_torch().to(device).train()
+    fmt = torch.channels_last if config == "eager channels-last" else torch.contiguous_format
+    model = net.to_torch().to(device).train().to(memory_format=fmt)
     opt = torch.optim.SGD(model.parameters(), **SGD)
-    step = torch_step(torch.compile(model), opt, host_batch(net, device), device,
-                      torch.contiguous_format)
+    forward = torch.compile(model) if config == "torch.compile" else model
+    step = torch_step(forward, opt, host_batch(net, device), device, fmt)
     for _ in range(warmup):
         step()
     rows = profiled_kernels(step, steps)
-    return {"config": "torch.compile", "kernels": rows,
+    return {"config": config, "kernels": rows,
             "busy_ms_per_step": sum(r["ms_per_step"] for r in rows)}
 
 
@@ -134,7 +136,9 @@ def main(argv=None) -> int:
     ap.add_argument("--steps", type=int, default=5, help="profiled steps")
     ap.add_argument("--top", type=int, default=25, help="kernels printed")
     ap.add_argument("--pytorch", action="store_true",
-                    help="also profile the torch.compile step, in the same process")
+                    help="also profile a PyTorch step, in the same process")
+    ap.add_argument("--pytorch-config", default="torch.compile", choices=PYTORCH_CONFIGS,
+                    help="the PyTorch configuration --pytorch profiles")
     common.add_out_argument(ap)
     args = ap.parse_args(argv)
     if not torch.cuda.is_available():
@@ -168,7 +172,7 @@ def main(argv=None) -> int:
               "kernels": rows, "launches": launches}
     if args.pytorch:
         rt.close()
-        result["pytorch"] = reference = pytorch_profile(net, args.steps)
+        result["pytorch"] = reference = pytorch_profile(net, args.steps, args.pytorch_config)
         print(f"{reference['config']}: GPU busy {reference['busy_ms_per_step']:.3f} ms/step "
               f"against tinysn's {busy:.3f}")
         for r in reference["kernels"][:args.top]:

@@ -337,10 +337,9 @@ def test_algos_and_workspaces():
         4 * conv.tma_splits(xs, one) * 64 * 64
     assert "tma" not in conv.algos(xs, ws, 2, 1, "backward_weight")       # stride 2
     assert "tma" not in conv.algos(xs, ws, 1, 0, "backward_weight")       # output 54x54
-    # the channels-last forward and data gradient: offered from 14x14 output pixels up
-    small = (32, 64, 7, 7)
-    assert "nhwc" in conv.algos((32, 64, 14, 14), ws, 1, 1, "forward")
-    assert "flipped_nhwc" in conv.algos((32, 64, 14, 14), ws, 1, 1, "backward_data")
+    # the channels-last forward and data gradient: offered from 28x28 output pixels up
+    small = (32, 64, 14, 14)
+    assert "nhwc" in conv.algos((32, 64, 28, 28), ws, 1, 1, "forward")
     assert "nhwc" not in conv.algos(small, ws, 1, 1, "forward")
     assert "flipped_nhwc" not in conv.algos(small, ws, 1, 1, "backward_data")
     assert conv._applies("nhwc", small, ws, (1, 1), 1)
@@ -423,8 +422,7 @@ def test_nhwc_tiles_share_images_where_one_image_would_overhang():
     """A channels-last forward tile is one image's patch where that covers whole rows (224:
     4 rows of 32 per 128 pixels, as tall as the tile), else the same patch of several images
     (28: 4 rows of 8 images, where 32 rows of one would run 4 past the image), and never more
-    images than the batch needs (one image of 28 rows: one 32-row patch). Patches are at
-    least 4 columns wide (14: 16, 2 past the output, not 2 wasting none)."""
+    images than the batch needs (one image of 28 rows: one 32-row patch)."""
     def patch(n, p, block_m=128):
         tw = conv._tile_w(p)
         return (*conv._patch(block_m, tw, conv._tile_h_cap(n, p, tw)), tw)
@@ -432,7 +430,7 @@ def test_nhwc_tiles_share_images_where_one_image_would_overhang():
     assert patch(32, 112) == (8, 1, 16)
     assert patch(32, 56) == (8, 2, 8)
     assert patch(32, 28) == (4, 8, 4) and patch(32, 28, 64) == (4, 4, 4)
-    assert patch(32, 14) == (2, 4, 16)
+    assert patch(32, 14) == (2, 32, 2)
     assert patch(1, 28) == (32, 1, 4)
 
 

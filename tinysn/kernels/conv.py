@@ -287,14 +287,14 @@ def _algos(x_shape, w_shape, stride, padding, phase) -> dict:
 
 
 # The channels-last algorithms are offered (algos()) only on outputs of at least this many
-# pixels per image, though they run any size they apply to, and each algorithm offered costs
-# a first run one more compile and timing per conv shape. On the H200 at batch 32, with
-# patches over several images (_tile_h_cap) 16 pixels wide (_tile_w), VGG16's 512@14
-# forward took 0.119-0.128 ms against the NCHW kernel's 0.164 (the runtime's ranking), its
-# masked data gradient 0.155 against 0.172; 7-pixel outputs are not measured so, and in
-# one-image tiles they were 1.4-7x slower than the NCHW kernels. The weight gradient's won
-# only on VGG16's 224x224 layer (1.25 against 1.46 ms) and lost by 13-31% from 112x112 down.
-_NHWC_MIN_PIXELS = 14 * 14
+# pixels per image, though they run any size they apply to: on the H200 at batch 32 they
+# never beat the NCHW kernels below it (ResNet-50's 14- and 7-pixel layers 1.4-7x slower,
+# VGG16's 14-pixel ones 2x, measured while a tile held one image: 14 of its 64 rows, 7 of
+# 128; tiles over several images, _tile_h_cap, are not measured there), and each algorithm
+# offered costs a first run one more compile and timing per conv shape. The weight
+# gradient's won only on VGG16's 224x224 layer (1.25 against 1.46 ms) and lost by 13-31%
+# from 112x112 down.
+_NHWC_MIN_PIXELS = 28 * 28
 _WEIGHT_NHWC_MIN_PIXELS = 112 * 112 + 1
 
 
@@ -1767,14 +1767,9 @@ def forward(x, w, b, y, *, stride, padding, algo="implicit", workspace=None, pre
 
 
 def _tile_w(q):
-    """The patch width of the channels-last kernel: the power of two from 4 (or Q, if less)
-    up to 32 that wastes the fewest columns of a Q-wide output, the widest of equals (32 for
-    224, 4 for 28, 16 for 14). Narrower patches waste nothing on some widths but run slower:
-    at 512@14, batch 32, on the H200 the forward took 0.131 ms in [2, 2] patches of 32
-    images against 0.119 in [2, 16] patches of 4 (2 of 16 columns past the output), the
-    masked data gradient 0.193 against 0.155 (a scratch probe's sweep of widths 2-16)."""
-    return min((tw for tw in (32, 16, 8, 4, 2, 1) if tw >= min(4, q)),
-               key=lambda tw: cdiv(q, tw) * tw - q)
+    """The patch width of the channels-last kernel: the power of two up to 32 that wastes the
+    fewest columns of a Q-wide output (the widest of equals: 32 for 224, 4 for 28)."""
+    return min((32, 16, 8, 4, 2, 1), key=lambda tw: cdiv(q, tw) * tw - q)
 
 
 def _patch(block_m, tw, thc):
@@ -2190,10 +2185,9 @@ def _launch_shifted_from_nhwc(x, dst, pw, wp, copies):
     n, c, h, wd = x.shape
     bw = next_power_of_2(wp)
     bc = min(next_power_of_2(c), max(1, (1 << 15 if INTERPRET else 1 << 13) // bw))
-    # 8 warps: 0.103 against 0.119 ms with 4 at 512@28, the same at 256@56 (batch 32, H200)
     run(_shifted_from_nhwc_kernel, (n * h, cdiv(c, bc)),
         _nhwc_storage(x), dst, n, c, pw, H=h, W=wd, WP=wp, S=copies, BLOCK_C=bc, BLOCK_W=bw,
-        num_warps=8)
+        num_warps=4)
 
 
 def _check_weight_algo(algo, x, dy, w_shape, geo):

@@ -848,6 +848,56 @@ def test_conv_gpu_deterministic():
         assert torch.equal(a, b)
 
 
+def _channels_last_passes(x, w, b, dy, y_channels_last):
+    """One forward ("nhwc", fused ReLU) and one backward ("flipped_nhwc" masked by x, "tma")
+    of a conv reading the channels-last x, into fresh poisoned outputs and workspaces:
+    [y, dx, dw, db]."""
+    dev = x.device
+    fwd_ws = _workspace(conv.workspace_bytes(x.shape, w.shape, 1, 1, "forward", "nhwc"), dev)
+    y = _nan((x.shape[0], w.shape[0], *x.shape[2:]), dev)
+    y = _cl(y) if y_channels_last else y
+    conv.forward(x, w, b, y, stride=1, padding=1, algo="nhwc", workspace=fwd_ws, relu=True)
+    bwd_ws = _workspace(conv.backward_workspace_bytes(x.shape, w.shape, 1, 1, "flipped_nhwc",
+                                                      "tma"), dev)
+    dx, dw, db = _nan(x.shape, dev), _nan(w.shape, dev), _nan(b.shape, dev)
+    conv.backward(x, w, dy, dx, dw, db, stride=1, padding=1, algo_data="flipped_nhwc",
+                  algo_weight="tma", workspace=bwd_ws, x_is_relu_output=True)
+    return [y.contiguous(), dx, dw, db]
+
+
+def _check_repeatable(shape, device, y_channels_last):
+    """The channels-last passes give the same bits run after run on the same inputs (the
+    plan's eager and graphed steps rely on it: their losses are compared bit for bit)."""
+    n, c, hw, k = shape
+    gen = torch.Generator().manual_seed(sum(shape))
+    x = _cl(_rand((n, c, hw, hw), gen, device))
+    w = _rand((k, c, 3, 3), gen, device) / 30
+    b, dy = _rand((k,), gen, device), _rand((n, k, hw, hw), gen, device)
+    first = _channels_last_passes(x, w, b, dy, y_channels_last)
+    assert not any(t.isnan().any() for t in first)
+    for _ in range(2):
+        again = _channels_last_passes(x, w, b, dy, y_channels_last)
+        for name, a, z in zip(("y", "dx", "dw", "db"), first, again):
+            assert torch.equal(a, z), f"{name} of {shape} changed between runs"
+
+
+@pytest.mark.parametrize("y_channels_last", [False, True])
+def test_channels_last_passes_repeat_bitwise(y_channels_last):
+    _check_repeatable((2, 8, 8, 12), "cpu", y_channels_last)
+
+
+# VGG16's and ResNet-50's 14-pixel shapes, and VGG16's 512@28, at batch 32
+REPEAT_GPU_SHAPES = [(32, 512, 14, 512), (32, 256, 14, 256), (32, 512, 28, 512)]
+
+
+@pytest.mark.gpu
+@gpu
+@pytest.mark.parametrize("y_channels_last", [False, True])
+@pytest.mark.parametrize("shape", REPEAT_GPU_SHAPES)
+def test_channels_last_gpu_passes_repeat_bitwise(shape, y_channels_last):
+    _check_repeatable(shape, "cuda", y_channels_last)
+
+
 @pytest.mark.gpu
 @gpu
 @pytest.mark.parametrize("precision", ["ieee", "tf32"])

@@ -34,7 +34,7 @@ import tinysn as sn  # noqa: E402
 import torch  # noqa: E402
 
 from bench import common  # noqa: E402
-from bench.train import PYTORCH_CONFIGS  # noqa: E402
+from bench.train import PYTORCH_CONFIGS, config_step  # noqa: E402
 from tinysn.cli import MODELS  # noqa: E402
 from tinysn.sched.plan import Launch  # noqa: E402
 from tinysn.sched.timing import simulate  # noqa: E402
@@ -104,13 +104,7 @@ def profiled_kernels(step, steps: int) -> list:
 def pytorch_profile(net, steps: int, config: str = "torch.compile", warmup: int = 5) -> dict:
     """The step of bench/train.py's PyTorch `config` on `net`'s torch twin: {"config",
     "busy_ms_per_step", "kernels"}, profiled after `warmup` steps (compiling, if any)."""
-    from bench.train import host_batch, torch_step
-    device = torch.device("cuda")
-    fmt = torch.channels_last if config == "eager channels-last" else torch.contiguous_format
-    model = net.to_torch().to(device).train().to(memory_format=fmt)
-    opt = torch.optim.SGD(model.parameters(), **SGD)
-    forward = torch.compile(model) if config == "torch.compile" else model
-    step = torch_step(forward, opt, host_batch(net, device), device, fmt)
+    step = config_step(net, config, torch.device("cuda"), SGD)
     for _ in range(warmup):
         step()
     rows = profiled_kernels(step, steps)

@@ -117,14 +117,19 @@ def reset_peak(device) -> None:
 def pytorch_row(net, config, device, args) -> dict:
     """Time one PyTorch configuration of the net's torch twin."""
     reset_peak(device)
-    channels_last = config == "eager channels-last"
-    fmt = torch.channels_last if channels_last else torch.contiguous_format
-    model = net.to_torch().to(device).train().to(memory_format=fmt)
-    opt = torch.optim.SGD(model.parameters(), lr=args.lr, momentum=args.momentum,
-                          weight_decay=args.weight_decay)
-    forward = torch.compile(model) if config == "torch.compile" else model
-    step = torch_step(forward, opt, host_batch(net, device), device, fmt)
+    step = config_step(net, config, device, dict(lr=args.lr, momentum=args.momentum,
+                                                 weight_decay=args.weight_decay))
     return timed(step, device, args.warmup, args.steps)
+
+
+def config_step(net, config, device, sgd: dict):
+    """The training step of PyTorch `config` (one of PYTORCH_CONFIGS) on the net's torch
+    twin, with SGD settings `sgd`, as a function (torch_step)."""
+    fmt = torch.channels_last if config == "eager channels-last" else torch.contiguous_format
+    model = net.to_torch().to(device).train().to(memory_format=fmt)
+    opt = torch.optim.SGD(model.parameters(), **sgd)
+    forward = torch.compile(model) if config == "torch.compile" else model
+    return torch_step(forward, opt, host_batch(net, device), device, fmt)
 
 
 def torch_step(forward, opt, batch, device, fmt):

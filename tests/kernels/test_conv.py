@@ -898,6 +898,38 @@ def test_channels_last_gpu_passes_repeat_bitwise(shape, y_channels_last):
     _check_repeatable(shape, "cuda", y_channels_last)
 
 
+# (N, C, H, K, kernel): batch-32 shapes where [128, 128] tiles in 8 warps, no longer offered,
+# computed wrong sums on the H200 (see conv._NHWC_CONFIGS), and VGG16's 512@28
+RACE_GPU_SHAPES = [(32, 512, 14, 512, 3), (32, 256, 14, 1024, 1), (32, 512, 28, 512, 3)]
+
+
+@pytest.mark.gpu
+@gpu
+@pytest.mark.parametrize("shape", RACE_GPU_SHAPES)
+def test_channels_last_gpu_every_config_repeatable(shape):
+    """Each config of the channels-last forward, pinned, computes the float64 conv (TF32
+    rounding) into a fresh poisoned output eight times with the same bits: a race between
+    its warps shows as a wrong, changing sum."""
+    n, c, hw, k, ksz = shape
+    gen = torch.Generator().manual_seed(sum(shape))
+    x = _cl(_rand((n, c, hw, hw), gen, "cuda"))
+    w, b = _rand((k, c, ksz, ksz), gen, "cuda") / 30, _rand((k,), gen, "cuda")
+    ref = F.relu(F.conv2d(x.double(), w.double(), b.double(), padding=ksz // 2))
+    ws = _workspace(conv.workspace_bytes(x.shape, w.shape, 1, ksz // 2, "forward", "nhwc"),
+                    "cuda")
+    for index in range(len(conv._NHWC_CONFIGS)):
+        ys = []
+        with pinned(conv, index):
+            for _ in range(8):
+                ys.append(_nan((n, k, hw, hw), "cuda"))
+                conv.forward(x, w, b, ys[-1], stride=1, padding=ksz // 2, algo="nhwc",
+                             workspace=ws, relu=True)
+        for run, y in enumerate(ys):
+            what = f"config {conv._NHWC_CONFIGS[index]}, run {run}"
+            _close(y, ref, c * ksz * ksz, "tf32", what)
+            assert torch.equal(y, ys[0]), f"{what}: other bits than run 0"
+
+
 @pytest.mark.gpu
 @gpu
 @pytest.mark.parametrize("precision", ["ieee", "tf32"])

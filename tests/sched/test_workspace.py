@@ -117,3 +117,17 @@ def test_a_process_keeps_the_rankings_it_planned_with(tmp_path, monkeypatch):
     workspace.save_rankings(workspace.rankings_path(None), other)   # the other process
     assert workspace.load_rankings(workspace.rankings_path(None)) == other
     assert workspace.measure_rankings(net, scratch, progress=False) == first
+
+
+def test_rankings_path_follows_the_kernels_source(monkeypatch, tmp_path):
+    """Rankings are kept per version of the conv kernels: an edit of their source (a tile
+    list, an algorithm offered) names another file, the same source the same file."""
+    source = tmp_path / "conv.py"
+    source.write_text(open(workspace._KERNEL_SOURCES[0]).read())
+    monkeypatch.setattr(workspace, "_KERNEL_SOURCES", [str(source)])
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "NVIDIA H200")
+    before = workspace.rankings_path(None)
+    assert workspace.rankings_path(None) == before
+    assert workspace.rankings_path(None, "conv-times").name == before.name
+    source.write_text(source.read_text() + "\n# a tile list edited\n")
+    assert workspace.rankings_path(None) != before

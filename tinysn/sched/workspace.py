@@ -6,7 +6,7 @@ free at that step *after* every other decision of the step, and gives that memor
 after the kernel. "Fastest" comes from `rankings`, an explicit argument of the plan:
 {(x_shape, w_shape, stride, padding, phase): [algo, ...] fastest first}, measured on the GPU
 by `measure_rankings` inside the (still empty) training pool and kept on disk per GPU, triton
-and torch version. A shape the rankings leave out takes the fixed preference order: least
+and torch version and version of the conv kernels. A shape the rankings leave out takes the fixed preference order: least
 workspace first. A Runtime option pins the algorithms instead, which makes results bitwise
 comparable across policies (algorithms differ in summation order, never in math).
 
@@ -107,8 +107,8 @@ class AlgoChooser:
 def rankings_path(device, kind: str = "conv-rankings"):
     """The file that keeps conv rankings (`kind` "conv-times": the times they come from)
     measured on `device`'s GPU model with this triton, torch and TINYSN_AUTOTUNE setting
-    (measurements of other setups are not mixed in), timed by today's timer
-    (kernels/_common.TIMER_VERSION)."""
+    and these conv kernels (`kernels_fingerprint`; measurements of other setups are not
+    mixed in), timed by today's timer (kernels/_common.TIMER_VERSION)."""
     import torch
     import triton
 
@@ -116,8 +116,26 @@ def rankings_path(device, kind: str = "conv-rankings"):
 
     gpu = "".join(c if c.isalnum() else "-" for c in torch.cuda.get_device_name(device))
     name = (f"{gpu}-triton{triton.__version__}-torch{torch.__version__}-autotune{int(TUNE)}"
-            f"-timer{TIMER_VERSION}.json")
+            f"-timer{TIMER_VERSION}-kernels{kernels_fingerprint()}.json")
     return cache.cache_dir() / kind / name
+
+
+# the sources whose change can change a ranking: the conv kernels, their tile lists and the
+# algorithms offered per shape (kernels/conv.py), and how kernels are tuned and launched
+_KERNEL_SOURCES = [conv_k.__file__, os.path.join(os.path.dirname(conv_k.__file__), "_common.py")]
+
+
+def kernels_fingerprint() -> str:
+    """A short hash of the conv kernels' sources (`_KERNEL_SOURCES`): rankings timed on
+    other kernels (an older tinysn's, or one with a tile list edited) are not reused, as a
+    plan that trusted them would pick algorithms by times those kernels no longer take."""
+    import hashlib
+
+    digest = hashlib.sha256()
+    for path in _KERNEL_SOURCES:
+        with open(path, "rb") as f:
+            digest.update(f.read())
+    return digest.hexdigest()[:12]
 
 
 def key_text(key) -> str:

@@ -6,9 +6,10 @@ free at that step *after* every other decision of the step, and gives that memor
 after the kernel. "Fastest" comes from `rankings`, an explicit argument of the plan:
 {(x_shape, w_shape, stride, padding, phase): [algo, ...] fastest first}, measured on the GPU
 by `measure_rankings` inside the (still empty) training pool and kept on disk per GPU, triton
-and torch version and version of the conv kernels. A shape the rankings leave out takes the fixed preference order: least
-workspace first. A Runtime option pins the algorithms instead, which makes results bitwise
-comparable across policies (algorithms differ in summation order, never in math).
+and torch version and version of the conv kernels. A shape the rankings leave out takes the
+fixed preference order: least workspace first. A Runtime option pins the algorithms instead,
+which makes results bitwise comparable across policies (algorithms differ in summation
+order, never in math).
 
 Other layers' workspaces (batch-norm partial sums, the loss reduction) are fixed sizes.
 """

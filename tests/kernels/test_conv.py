@@ -903,31 +903,54 @@ def test_channels_last_gpu_passes_repeat_bitwise(shape, y_channels_last):
 RACE_GPU_SHAPES = [(32, 512, 14, 512, 3), (32, 256, 14, 1024, 1), (32, 512, 28, 512, 3)]
 
 
+def _same_right_bits(runs, ref, red_len, what):
+    """Every run's output is the float64 reference to TF32 rounding, in run 0's bits."""
+    for run, out in enumerate(runs):
+        _close(out, ref, red_len, "tf32", f"{what}, run {run}")
+        assert torch.equal(out, runs[0]), f"{what}, run {run}: other bits than run 0"
+
+
 @pytest.mark.gpu
 @gpu
 @pytest.mark.parametrize("shape", RACE_GPU_SHAPES)
 def test_channels_last_gpu_every_config_repeatable(shape):
-    """Each config of the channels-last forward, pinned, computes the float64 conv (TF32
-    rounding) into a fresh poisoned output eight times with the same bits: a race between
-    its warps shows as a wrong, changing sum."""
+    """Each config of the channels-last kernel, pinned, computes the float64 conv (TF32
+    rounding) into a fresh poisoned output eight times with the same bits: the forward
+    with its ReLU, and the "flipped_nhwc" data gradient masked by that ReLU, written and
+    accumulated. A race between the kernel's warps shows as a wrong, changing sum."""
     n, c, hw, k, ksz = shape
+    pad, dev = ksz // 2, "cuda"
     gen = torch.Generator().manual_seed(sum(shape))
-    x = _cl(_rand((n, c, hw, hw), gen, "cuda"))
-    w, b = _rand((k, c, ksz, ksz), gen, "cuda") / 30, _rand((k,), gen, "cuda")
-    ref = F.relu(F.conv2d(x.double(), w.double(), b.double(), padding=ksz // 2))
-    ws = _workspace(conv.workspace_bytes(x.shape, w.shape, 1, ksz // 2, "forward", "nhwc"),
-                    "cuda")
+    x = _cl(_rand((n, c, hw, hw), gen, dev))
+    w, b = _rand((k, c, ksz, ksz), gen, dev) / 30, _rand((k,), gen, dev)
+    dy, before = _rand((n, k, hw, hw), gen, dev), _rand(x.shape, gen, dev)
+    y_ref = F.relu(F.conv2d(x.double(), w.double(), b.double(), padding=pad))
+    dx_ref = torch.nn.grad.conv2d_input(x.shape, w.double(), dy.double(), padding=pad)
+    ws = _workspace(max(conv.workspace_bytes(x.shape, w.shape, 1, pad, "forward", "nhwc"),
+                        conv.backward_workspace_bytes(x.shape, w.shape, 1, pad,
+                                                      "flipped_nhwc")), dev)
+
+    def data_grad(accumulate):
+        dx = before.clone() if accumulate else _nan(x.shape, dev)
+        conv.backward(x, w, dy, dx, None, None, stride=1, padding=pad,
+                      algo_data="flipped_nhwc", workspace=ws, accumulate=accumulate,
+                      x_is_relu_output=True)
+        return dx
+
     for index in range(len(conv._NHWC_CONFIGS)):
-        ys = []
+        ys, dxs, sums = [], [], []
         with pinned(conv, index):
             for _ in range(8):
-                ys.append(_nan((n, k, hw, hw), "cuda"))
-                conv.forward(x, w, b, ys[-1], stride=1, padding=ksz // 2, algo="nhwc",
+                ys.append(_nan((n, k, hw, hw), dev))
+                conv.forward(x, w, b, ys[-1], stride=1, padding=pad, algo="nhwc",
                              workspace=ws, relu=True)
-        for run, y in enumerate(ys):
-            what = f"config {conv._NHWC_CONFIGS[index]}, run {run}"
-            _close(y, ref, c * ksz * ksz, "tf32", what)
-            assert torch.equal(y, ys[0]), f"{what}: other bits than run 0"
+                dxs.append(data_grad(False))
+                sums.append(data_grad(True))
+        what = f"config {conv._NHWC_CONFIGS[index]}"
+        _same_right_bits(ys, y_ref, c * ksz * ksz, f"{what}, forward")
+        _same_right_bits(dxs, dx_ref * (x > 0), k * ksz * ksz, f"{what}, data gradient")
+        _same_right_bits(sums, (dx_ref + before.double()) * (x > 0), k * ksz * ksz,
+                         f"{what}, accumulated data gradient")
 
 
 @pytest.mark.gpu

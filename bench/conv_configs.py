@@ -16,7 +16,10 @@ greedily the configs whose best-per-shape total time is smallest, first the best
 config (what TINYSN_AUTOTUNE=0 runs), as many as today's list holds. The forward and
 weight-gradient lists in tinysn/kernels/conv.py are such a pick, and so are the two
 data-gradient lists (the channels-last lists were picked by hand from smaller one-off
-sweeps). Every candidate is compiled first, in parallel, then timed.
+sweeps). Every candidate is compiled first, in parallel, then checked and timed: a config
+whose output on the same inputs changes between three runs, leaves elements unwritten or is
+not cuDNN's to TF32 rounding is never picked (its time inf, the fault in the row's
+"faults").
 """
 import argparse
 import os
@@ -122,7 +125,8 @@ class ForcedConfig:
 
 
 def problem(c, k, hw, r) -> dict:
-    """{phase: (tinysn call, cuDNN call)} for one shape, on random inputs. Phases:
+    """{phase: (tinysn call, cuDNN call, the tensor the tinysn call writes)} for one shape,
+    on random inputs. Phases:
     "forward", "data_implicit", "data_transposed", "weight_splitk", "weight_onepass",
     "forward_nhwc", "data_nhwc", and "weight_nhwc" and "weight_tma" where they apply."""
     pad = r // 2
@@ -148,26 +152,29 @@ def problem(c, k, hw, r) -> dict:
     weight = cudnn((False, True, False))
     calls = {
         "forward": (lambda: conv.forward(x, w, None, y, stride=1, padding=pad),
-                    lambda: torch.nn.functional.conv2d(x, w, None, 1, pad)),
-        "data_implicit": (lambda: conv.backward_data(dy, w, dx, stride=1, padding=pad), data),
+                    lambda: torch.nn.functional.conv2d(x, w, None, 1, pad), y),
+        "data_implicit": (lambda: conv.backward_data(dy, w, dx, stride=1, padding=pad), data,
+                          dx),
         "data_transposed": (lambda: conv.backward_data(dy, w, dx, stride=1, padding=pad,
-                                                       algo="transposed", workspace=ws), data),
+                                                       algo="transposed", workspace=ws), data,
+                            dx),
         "weight_splitk": (lambda: conv.backward_weight(x, dy, dw, None, stride=1, padding=pad,
-                                                       algo="splitk", workspace=ws), weight),
+                                                       algo="splitk", workspace=ws), weight,
+                          dw),
         "weight_onepass": (lambda: conv.backward_weight(x, dy, dw, None, stride=1, padding=pad),
-                           weight),
+                           weight, dw),
         "forward_nhwc": (lambda: conv.forward(x, w, None, y, stride=1, padding=pad, algo="nhwc",
                                               workspace=ws),
-                         lambda: torch.nn.functional.conv2d(x, w, None, 1, pad)),
+                         lambda: torch.nn.functional.conv2d(x, w, None, 1, pad), y),
         "data_nhwc": (lambda: conv.backward_data(dy, w, dx, stride=1, padding=pad,
-                                                 algo="flipped_nhwc", workspace=ws), data),
+                                                 algo="flipped_nhwc", workspace=ws), data, dx),
     }
     if conv._applies("nhwc", x.shape, w.shape, (1, 1), pad, "backward_weight"):
         calls["weight_nhwc"] = (lambda: conv.backward_weight(
-            x, dy, dw, None, stride=1, padding=pad, algo="nhwc", workspace=ws), weight)
+            x, dy, dw, None, stride=1, padding=pad, algo="nhwc", workspace=ws), weight, dw)
     if conv._applies("tma", x.shape, w.shape, (1, 1), pad, "backward_weight"):
         calls["weight_tma"] = (lambda: conv.backward_weight(
-            x, dy, dw, None, stride=1, padding=pad, algo="tma", workspace=ws), weight)
+            x, dy, dw, None, stride=1, padding=pad, algo="tma", workspace=ws), weight, dw)
     return calls
 
 
@@ -226,24 +233,61 @@ def median_ms(fn) -> float:
     return _common.bench_ms(fn, warmup_ms=5, rep_ms=25)
 
 
-def time_configs(forced, fn, configs) -> list:
-    """Median ms of `fn` under each config (inf where it fails to launch: never picked)."""
-    out = []
-    for c in configs:
+def time_configs(forced, fn, configs, check=None) -> tuple:
+    """(median ms of `fn` under each config, {config index: why it is wrong}): inf, never
+    picked, where it fails to launch or `check()` names a fault in what it computed."""
+    out, faults = [], {}
+    for i, c in enumerate(configs):
         forced.config = c
         try:
-            out.append(median_ms(fn))
+            faults[i] = check() if check else None
+            out.append(float("inf") if faults[i] else median_ms(fn))
         except Exception as err:
-            print(f"  {c}: {type(err).__name__}: {str(err)[:80]}")
+            faults[i] = f"{type(err).__name__}: {str(err)[:80]}"
             out.append(float("inf"))
-    return out
+        if faults[i]:
+            print(f"  {c}: {faults[i]}")
+    return out, {i: why for i, why in faults.items() if why}
+
+
+# what a config's result may differ from cuDNN's by (relative norm; both round to TF32,
+# about 1e-3 apart): only a gross fault is caught so, a race by its changing bits
+TOLERANCE = 1e-2
+
+
+def fault(fn, out, expected, runs: int = 3):
+    """Why `fn`, which writes `out`, is not to be picked, or None: elements left unwritten
+    (`out` is poisoned before each run), other bits on a later run from the same inputs (a
+    race: on the H200 one channels-last tile gave wrong, changing sums), or a result that is
+    not `expected` (cuDNN's) to TF32 rounding."""
+    first = None
+    for run in range(runs):
+        out.fill_(float("nan"))
+        fn()
+        if out.isnan().any():
+            return f"run {run} left elements unwritten"
+        if first is None:
+            first = out.clone()
+        elif not torch.equal(out, first):
+            return f"run {run} gave other bits than run 0"
+    err = float((first.double() - expected.double()).norm() /
+                expected.double().norm().clamp_min(1e-12))
+    return None if err < TOLERANCE else f"relative error {err:.1e} against cuDNN"
+
+
+def _result(value):
+    """cuDNN's output tensor: the call's result, or the one gradient a backward returns."""
+    if isinstance(value, torch.Tensor):
+        return value
+    return next(t for t in value if t is not None)
 
 
 def sweep(problems, tuned, shape_done=lambda rows: None, shapes=None) -> list:
-    """One row per (shape, phase): every candidate's ms, today's best, cuDNN's ms. conv's
-    launches run the forced config meanwhile; `shape_done(rows)` runs after each shape, so
-    a run cut short by its time limit still leaves the rows it timed. `shapes`: the
-    problems' shapes (SHAPES by default)."""
+    """One row per (shape, phase): every candidate's ms (inf where it computed wrongly: its
+    fault in "faults"), today's best, cuDNN's ms. conv's launches run the forced config
+    meanwhile; `shape_done(rows)` runs after each shape, so a run cut short by its time
+    limit still leaves the rows it timed. `shapes`: the problems' shapes (SHAPES by
+    default)."""
     forced = ForcedConfig({id(t): cands for t, _, cands, _ in tuned.values()})
     launch, conv._launch = conv._launch, forced
     try:
@@ -266,10 +310,14 @@ def _sweep(problems, tuned, forced, shape_done, shapes) -> list:
     for shape, calls in zip(shapes, problems):
         for name, (_, today, cands, phases) in tuned.items():
             for phase in (p for p in phases if p in calls):
-                fn, ref = calls[phase]
-                ms = time_configs(forced, fn, cands)
+                fn, ref, *written = calls[phase]
+                check = None
+                if written:
+                    expected = _result(ref())
+                    check = lambda: fault(fn, written[0], expected)  # noqa: E731
+                ms, faults = time_configs(forced, fn, cands, check)
                 r = {"shape": list(shape), "tuner": name, "phase": phase, "ms": ms,
-                     "today_ms": min(ms[:len(today)]),
+                     "faults": faults, "today_ms": min(ms[:len(today)]),
                      "cudnn_ms": median_ms(ref)}
                 rows.append(r)
                 print(f"{str(shape):<20} {phase:<16} cuDNN {r['cudnn_ms']:.4f} ms, today's "

@@ -2,6 +2,7 @@
 import contextlib
 
 import pytest
+import torch
 
 from bench import conv_configs
 from tinysn.kernels import _common, conv
@@ -104,3 +105,25 @@ def test_the_channels_last_weight_gradient_is_swept_only_where_it_applies(monkey
     t, today, _, served = conv_configs.tuners()["weight_nhwc"]
     assert conv_configs.sweep([odd], {"weight_nhwc": (t, today[:1], today[:2], served)},
                               shapes=[(4, 8, 6, 3)]) == []
+
+
+def test_a_config_that_computes_wrongly_or_racily_is_never_picked(monkeypatch):
+    """Each candidate runs three times into a poisoned output before it is timed: one whose
+    bits change between runs (a race), one far from cuDNN's result and one that leaves an
+    element unwritten get an infinite time and their fault, and the pick passes them by."""
+    monkeypatch.setattr(conv_configs, "median_ms", lambda fn: 1.0)
+    out, right = torch.zeros(4), torch.ones(4)
+    # what the four configs write, run by run (a fault ends a config's runs)
+    writes = iter([1.0, 1.0, 1.0,  1.0, 1.5,  3.0, 3.0, 3.0,  float("nan")])
+
+    def fn():
+        out.fill_(next(writes))
+    t, today, cands, served = conv_configs.tuners()["forward"]
+    four = (t, today[:1], cands[:4], served)
+    rows = conv_configs.sweep([{"forward": (fn, lambda: right, out)}], {"forward": four},
+                              shapes=[(3, 4, 5, 3)])
+    assert rows[0]["ms"] == [1.0, float("inf"), float("inf"), float("inf")]
+    assert rows[0]["faults"] == {1: "run 1 gave other bits than run 0",
+                                 2: "relative error 2.0e+00 against cuDNN",
+                                 3: "run 0 left elements unwritten"}
+    assert conv_configs.pick_all(rows, {"forward": four}) == {"forward": [str(cands[0])]}

@@ -21,7 +21,8 @@ Then one more eager step is timed launch by launch (tinysn.trace's Recorder: CUD
 around each layer step) beside the model's time for the same launch (the conv passes' from
 the runtime's own rankings, `conv_times`): `launches` in the JSON, largest overrun first,
 with the conv algorithms each ran. Where the step takes longer than its kernels' ranked
-times add up to, these rows say which layer steps.
+times add up to, these rows say which layer steps. The JSON records the pool's peak beside
+the process's device peak (max_memory_allocated) for tinysn, and the process's for PyTorch.
 """
 import argparse
 import os
@@ -103,13 +104,25 @@ def profiled_kernels(step, steps: int) -> list:
 
 def pytorch_profile(net, steps: int, config: str = "torch.compile", warmup: int = 5) -> dict:
     """The step of bench/train.py's PyTorch `config` on `net`'s torch twin: {"config",
-    "busy_ms_per_step", "kernels"}, profiled after `warmup` steps (compiling, if any)."""
+    "busy_ms_per_step", "kernels", "process_peak_bytes"}, profiled after `warmup` steps
+    (compiling, if any); the peak is max_memory_allocated from before the model is built."""
+    torch.cuda.reset_peak_memory_stats()
     step = config_step(net, config, torch.device("cuda"), SGD)
     for _ in range(warmup):
         step()
     rows = profiled_kernels(step, steps)
     return {"config": config, "kernels": rows,
-            "busy_ms_per_step": sum(r["ms_per_step"] for r in rows)}
+            "busy_ms_per_step": sum(r["ms_per_step"] for r in rows),
+            "process_peak_bytes": torch.cuda.max_memory_allocated()}
+
+
+def memory_record(rt) -> dict:
+    """The pool's peak beside its plan's and the arena's size (the plan's capacity, within
+    the cap), and the process's device peak since the Runtime's construction began
+    (max_memory_allocated, profiling included; None on the CPU)."""
+    return {"arena_bytes": rt.plan.capacity, "pool_peak_bytes": rt.stats.peak_bytes,
+            "planned_peak_bytes": rt.plan.peak_bytes,
+            "process_peak_bytes": rt.stats.process_peak_bytes}
 
 
 def recorded_step(rt, images, labels) -> list:
@@ -160,15 +173,19 @@ def main(argv=None) -> int:
     for r in launches[:args.top]:
         print(f"{r['launch'][:31]:<32}{r['measured_ms']:>12.3f}{r['predicted_ms']:>10.3f}  "
               f"{', '.join(r['algos'].values())}")
+    memory = memory_record(rt)
+    print(f"pool peak {memory['pool_peak_bytes']:,} B (plan {memory['planned_peak_bytes']:,}), "
+          f"process peak {memory['process_peak_bytes']:,} B")
     result = {"model": args.model, "batch": args.batch, "steps": args.steps,
               "busy_ms_per_step": busy, "profiled_eager_ms_per_step": eager_ms,
               "predicted_kernel_ms_per_step": predicted.compute_s * 1e3,
-              "kernels": rows, "launches": launches}
+              "kernels": rows, "launches": launches, **memory}
     if args.pytorch:
         rt.close()
         result["pytorch"] = reference = pytorch_profile(net, args.steps, args.pytorch_config)
         print(f"{reference['config']}: GPU busy {reference['busy_ms_per_step']:.3f} ms/step "
-              f"against tinysn's {busy:.3f}")
+              f"against tinysn's {busy:.3f}; process peak "
+              f"{reference['process_peak_bytes']:,} B")
         for r in reference["kernels"][:args.top]:
             print(f"{r['kernel'][:47]:<48}{r['calls_per_step']:>7.1f}{r['ms_per_step']:>10.3f}")
     common.write(args.out, result)

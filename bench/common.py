@@ -54,6 +54,16 @@ def write(path, payload: dict):
     return path
 
 
+def runtime_memory(rt) -> dict:
+    """A Runtime's memory beside the process's: the pool's peak and its plan's, the arena's
+    size (the plan's capacity, within the cap), and the device's max_memory_allocated since
+    the last reset (a Runtime resets it as its construction begins; None on the CPU), so
+    that a bench records the process's peak beside the pool's."""
+    return {"arena_bytes": rt.plan.capacity, "pool_peak_bytes": rt.stats.peak_bytes,
+            "planned_peak_bytes": rt.plan.peak_bytes,
+            "process_peak_bytes": rt.stats.process_peak_bytes}
+
+
 def release_memory() -> None:
     """Give the last configuration's device and pinned host memory back: whatever of it sits
     in a reference cycle (a Runtime does not; a PyTorch reference's objects may) is

@@ -159,7 +159,7 @@ def measure(model: str, batch: int, steps: int, top: int, fuse_bn_relu=FUSE_BN_R
     return {"model": model, "batch": batch, "steps": steps, "device": str(device),
             "fuse_bn_relu": fuse_bn_relu, "step_ms": step_s * 1e3, "issue_ms": issue_s * 1e3,
             **profile_summary(stats, steps, top),
-            **own_figures(rt, images, labels, steps, device)}
+            **own_figures(rt, images, labels, steps, device), **common.runtime_memory(rt)}
 
 
 def main(argv=None) -> dict:

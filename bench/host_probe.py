@@ -83,6 +83,17 @@ def summary(rounds: list, layer_steps: dict) -> dict:
     return out
 
 
+def run_memory(runs: dict) -> dict:
+    """Each model's pool peak (common.runtime_memory), and the process's device peak over
+    the run: every Runtime lives to the end, and the last one's construction reset the peak
+    with the others' arenas held (None on the CPU)."""
+    per_model = {m: common.runtime_memory(rt) for m, (rt, _, _) in runs.items()}
+    for record in per_model.values():
+        del record["process_peak_bytes"]
+    peak = torch.cuda.max_memory_allocated() if torch.cuda.is_available() else None
+    return {"models": per_model, "process_peak_bytes": peak}
+
+
 def main(argv=None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--models", default="resnet50,alexnet")
@@ -111,7 +122,7 @@ def main(argv=None) -> dict:
                        for k, v in row.items()), flush=True)
     result = {"models": models, "batch": args.batch, "steps": args.steps,
               "layer_steps": layer_steps, "rounds": rounds,
-              "summary": summary(rounds, layer_steps)}
+              "summary": summary(rounds, layer_steps), "memory": run_memory(runs)}
     for key, value in result["summary"].items():
         print(f"{key}: {value}")
     common.write(args.out, result)

@@ -116,15 +116,6 @@ def pytorch_profile(net, steps: int, config: str = "torch.compile", warmup: int 
             "process_peak_bytes": torch.cuda.max_memory_allocated()}
 
 
-def memory_record(rt) -> dict:
-    """The pool's peak beside its plan's and the arena's size (the plan's capacity, within
-    the cap), and the process's device peak since the Runtime's construction began
-    (max_memory_allocated, profiling included; None on the CPU)."""
-    return {"arena_bytes": rt.plan.capacity, "pool_peak_bytes": rt.stats.peak_bytes,
-            "planned_peak_bytes": rt.plan.peak_bytes,
-            "process_peak_bytes": rt.stats.process_peak_bytes}
-
-
 def recorded_step(rt, images, labels) -> list:
     """The trace events of one eager step of `rt` (tinysn.trace.Recorder)."""
     rt.recorder = Recorder()
@@ -173,7 +164,7 @@ def main(argv=None) -> int:
     for r in launches[:args.top]:
         print(f"{r['launch'][:31]:<32}{r['measured_ms']:>12.3f}{r['predicted_ms']:>10.3f}  "
               f"{', '.join(r['algos'].values())}")
-    memory = memory_record(rt)
+    memory = common.runtime_memory(rt)
     print(f"pool peak {memory['pool_peak_bytes']:,} B (plan {memory['planned_peak_bytes']:,}), "
           f"process peak {memory['process_peak_bytes']:,} B")
     result = {"model": args.model, "batch": args.batch, "steps": args.steps,

@@ -6,7 +6,10 @@ import json
 import pytest
 import torch
 
+import tinysn as sn
+
 from bench import common
+from tinysn.testing import every_layer_net
 
 
 def test_runner_rows_rates_and_errors():
@@ -136,3 +139,15 @@ def test_timed_steps_run_with_older_objects_frozen_and_count_collections():
     assert seen[0] == 0 and min(seen[1:]) >= len(junk)      # frozen for the timed steps only
     assert gc.get_freeze_count() == 0
     assert 0 < row["gc_s"] <= row["seconds"]
+
+
+def test_runtime_memory_puts_the_pool_peak_beside_the_plan_and_the_process():
+    """A bench's memory fields for a Runtime: the pool's measured peak (equal to the plan's
+    after a step), the arena's size, and the process's device peak (None on the CPU)."""
+    net = every_layer_net()
+    rt = sn.Runtime(net, "64MiB", "all", device="cpu")
+    rt.step(*sn.data.synthetic(net))
+    record = common.runtime_memory(rt)
+    assert record == {"arena_bytes": rt.plan.capacity, "pool_peak_bytes": rt.plan.peak_bytes,
+                      "planned_peak_bytes": rt.plan.peak_bytes, "process_peak_bytes": None}
+    assert 0 < record["pool_peak_bytes"] <= record["arena_bytes"] <= 64 << 20

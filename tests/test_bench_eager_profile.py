@@ -11,6 +11,8 @@ def test_profiles_an_eager_step_and_counts_its_triton_launches(tmp_path):
                             "--out", str(out)])
     assert json.loads(out.read_text())["model"] == "lenet"
     assert r["step_ms"] > 0 and r["issue_ms"] > 0
+    assert 0 < r["pool_peak_bytes"] == r["planned_peak_bytes"] <= r["arena_bytes"]
+    assert r["process_peak_bytes"] is None              # the CPU has no device peak
     # every layer launch runs at least one Triton kernel, SGD one per parameter besides
     assert r["triton_launches_per_step"] >= r["plan_launches_per_step"] > 0
     # on the interpreter the kernels run inside Triton's `run`: nearly all the time (its

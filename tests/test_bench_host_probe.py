@@ -25,6 +25,10 @@ def test_smoke_run_records_every_round_and_summarises_them(tmp_path):
     assert summary["lenet_per_layer_step_in_probes"]["max"] == pytest.approx(max(multiples))
     want = np.corrcoef([r["bare_launch_s"] for r in rounds], steps)[0, 1]
     assert summary["lenet_correlation_with_bare_launch_s"] == pytest.approx(want)
+    memory = result["memory"]          # the pool's peak per model; no device peak on the CPU
+    assert memory["process_peak_bytes"] is None
+    lenet = memory["models"]["lenet"]
+    assert 0 < lenet["pool_peak_bytes"] == lenet["planned_peak_bytes"] <= lenet["arena_bytes"]
 
 
 @pytest.mark.parametrize("argv", [["--models", "nope"], ["--rounds", "0"], ["--models", ""]])

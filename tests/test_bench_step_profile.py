@@ -47,14 +47,3 @@ def test_launch_times_match_each_recorded_launch_with_the_models():
     with pytest.raises(ValueError, match="was predicted"):
         profile.launch_times(recorded, swapped, rt.plan)
 
-
-def test_the_memory_record_puts_the_pool_peak_beside_the_plan_and_the_process():
-    """The profile's memory fields: the pool's measured peak (equal to the plan's after a
-    step), the arena's size, and the process's device peak (None on the CPU)."""
-    net = every_layer_net()
-    rt = sn.Runtime(net, "64MiB", "all", device="cpu")
-    rt.step(*sn.data.synthetic(net))
-    record = profile.memory_record(rt)
-    assert record == {"arena_bytes": rt.plan.capacity, "pool_peak_bytes": rt.plan.peak_bytes,
-                      "planned_peak_bytes": rt.plan.peak_bytes, "process_peak_bytes": None}
-    assert 0 < record["pool_peak_bytes"] <= record["arena_bytes"] <= 64 << 20

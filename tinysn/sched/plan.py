@@ -406,6 +406,7 @@ def plan(net, memory, policy: str = "all", *, momentum: float = 0.0, conv_algos=
             not candidates or _refetches(lru.write_back_early(candidates[0][1]))):
         candidates += _next_use_candidate(search(True), fallback=candidates)
     if policy == "all":
+        candidates += [c for s, p in list(candidates) for c in _untraded_candidate(s, p)]
         candidates = [(s, _rebuild_joins(s, p)) for s, p in candidates]
     owner, chosen = min(candidates, key=lambda c: c[0].step_seconds(c[1]))
     chosen = owner.write_back_early(chosen)
@@ -413,6 +414,29 @@ def plan(net, memory, policy: str = "all", *, momentum: float = 0.0, conv_algos=
     if channels_last:
         chosen.channels_last = stored_channels_last(chosen.net, chosen.conv_algos)
     return chosen
+
+
+def _untraded_candidate(search, traded: Plan) -> list:
+    """[(search, plan)]: `search`'s "all" plan chosen without the trade (its budget 0 for
+    the call), where it differs from `traded`, the plan chosen with it; else []. Each
+    search is greedy from where it starts, so a traded plan may leave the join rebuilding
+    (`_rebuild_joins`, which both then go through) less to gain than the untraded one (a
+    random net, PCIe starved: 1.74 ms traded against 1.23 without); the faster is kept, so
+    trading never makes the chosen step slower where joins are rebuilt. Where the join
+    search would not run on `traded` (nothing moves, no join to rebuild, or compute waits
+    too little: `_join_candidates`) there is no second candidate: its prefetch distances
+    alone took ResNet-152's plan at batch 256 under 12 GiB past test_plan's 40 s bound."""
+    if search.trade_budget == 0 or not _join_candidates(search, traded)[0]:
+        return []
+    budget, search.trade_budget = search.trade_budget, 0
+    try:
+        untraded = _choose(search, "all")
+    except OutOfMemory:
+        return []
+    finally:
+        search.trade_budget = budget
+    same = (untraded.drops, untraded.lookahead) == (traded.drops, traded.lookahead)
+    return [] if same else [(search, untraded)]
 
 
 def _check_eviction_flag(evict_by_next_use) -> None:

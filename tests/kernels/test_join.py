@@ -4,7 +4,7 @@ import torch
 from hypothesis import given, settings, strategies as st
 
 import tinysn  # noqa: F401  (interpreter switch before triton)
-from tinysn.kernels import join
+from tinysn.kernels import act, join
 from configs import config_count, pinned
 
 GPU = torch.cuda.is_available()
@@ -17,17 +17,23 @@ def _rand(shape, seed, device="cpu"):
     return torch.randn(shape, generator=g).to(device)
 
 
-def _check_add(shape, k, seed, acc_flags, none_mask, device="cpu"):
+def _check_add(shape, k, seed, acc_flags, none_mask, device="cpu", relu=False):
+    """The add (with `relu`: and the ReLU fused into it) against float64, and where it has
+    a ReLU, bitwise against the add and kernels/act.py's ReLU run apart."""
     xs = [_rand(shape, seed + i, device) for i in range(k)]
     y = torch.full(shape, NAN, device=device)
-    join.add_forward(xs, y)
+    join.add_forward(xs, y, relu=relu)
     ref = xs[0].double()
     for x in xs[1:]:
         ref = ref + x.double()
     tol = 1e-6 * k ** 0.5
-    torch.testing.assert_close(y.double(), ref, rtol=tol, atol=tol)
+    torch.testing.assert_close(y.double(), ref.clamp(min=0) if relu else ref, rtol=tol,
+                               atol=tol)
+    if relu:
+        _check_add_relu_is_the_pair(xs, y, acc_flags, none_mask, seed)
 
     dy = _rand(shape, seed + 100, device)
+    g = dy.double() * (y > 0) if relu else dy.double()
     dxs, refs = [], []
     for i in range(k):
         if none_mask[i]:
@@ -36,14 +42,34 @@ def _check_add(shape, k, seed, acc_flags, none_mask, device="cpu"):
         elif acc_flags[i]:
             before = _rand(shape, seed + 200 + i, device)
             dxs.append(before.clone())
-            refs.append(before.double() + dy.double())
+            refs.append(before.double() + g)
         else:
             dxs.append(torch.full(shape, NAN, device=device))
-            refs.append(dy.double())
-    join.add_backward(dy, dxs, accumulate=list(acc_flags))
+            refs.append(g)
+    join.add_backward(dy, dxs, accumulate=list(acc_flags), y=y if relu else None)
     for d, r in zip(dxs, refs):
         if d is not None:
             torch.testing.assert_close(d.double(), r, rtol=1e-6, atol=1e-6)
+
+
+def _check_add_relu_is_the_pair(xs, y, acc_flags, none_mask, seed):
+    """The fused add and ReLU give the bits of the add, then kernels/act.py's ReLU (forward;
+    backward: the ReLU's dx, then the add's fan-out of it)."""
+    s, r = torch.empty_like(y), torch.empty_like(y)
+    join.add_forward(xs, s)
+    act.forward(s, r)
+    assert torch.equal(y, r)
+    dy = _rand(y.shape, seed + 300, y.device)
+    dy[y <= 0] = -0.0 if seed % 2 else 0.0          # zeros of either sign, kept or masked
+    starts = [_rand(y.shape, seed + 400 + i, y.device) for i in range(len(xs))]
+    fused = [None if skip else t.clone() for t, skip in zip(starts, none_mask)]
+    apart = [None if skip else t.clone() for t, skip in zip(starts, none_mask)]
+    join.add_backward(dy, fused, accumulate=list(acc_flags), y=y)
+    g = torch.empty_like(dy)
+    act.backward(y, dy, g)
+    join.add_backward(g, apart, accumulate=list(acc_flags))
+    for a, b in zip(fused, apart):
+        assert a is None or torch.equal(a, b)
 
 
 def _check_concat(n, chans, h, w, seed, acc_flags, none_mask, device="cpu"):
@@ -82,7 +108,7 @@ shapes = st.tuples(st.integers(1, 4), st.integers(1, 7), st.integers(1, 9), st.i
 def test_add_random(shape, k, seed, data):
     acc = data.draw(st.lists(st.booleans(), min_size=k, max_size=k), label="accumulate")
     none = data.draw(st.lists(st.booleans(), min_size=k, max_size=k), label="none")
-    _check_add(shape, k, seed, acc, none)
+    _check_add(shape, k, seed, acc, none, relu=data.draw(st.booleans(), label="relu"))
 
 
 @settings(max_examples=50, deadline=None)
@@ -97,9 +123,30 @@ def test_concat_random(n, chans, h, w, seed, data):
 
 @pytest.mark.parametrize("shape", [(1, 1, 1, 1), (1, 1, 1, 1025), (3, 5, 17, 19)])
 @pytest.mark.parametrize("accumulate", [False, True])
-def test_add_edge(shape, accumulate):
-    _check_add(shape, 2, 3, [accumulate] * 2, [False, False])
-    _check_add(shape, 5, 4, [accumulate] * 5, [False, True, False, False, False])
+@pytest.mark.parametrize("relu", [False, True])
+def test_add_edge(shape, accumulate, relu):
+    _check_add(shape, 2, 3, [accumulate] * 2, [False, False], relu=relu)
+    _check_add(shape, 5, 4, [accumulate] * 5, [False, True, False, False, False], relu=relu)
+
+
+def test_add_relu_keeps_nan_and_masks_through_one_pass_of_several():
+    """A NaN sum stays NaN (as torch.relu); with more inputs than one launch sums, the ReLU
+    goes on the final sum alone, and more outputs than one launch writes (the first over
+    dy, as the planner may hand it dy's block) are all masked alike."""
+    xs = [_rand((2, 3, 4, 4), i) for i in range(6)]
+    xs[2][0, 0, 0, 0] = NAN
+    y = torch.empty(2, 3, 4, 4)
+    join.add_forward(xs, y, relu=True)
+    assert torch.isnan(y[0, 0, 0, 0])
+    ref = xs[0] + xs[1]
+    for x in xs[2:]:
+        ref = ref + x
+    assert torch.equal(y[1:], ref.clamp(min=0)[1:])
+    dy = _rand(y.shape, 9)
+    masked = torch.where(y <= 0, 0.0, dy)
+    outs = [dy] + [torch.full_like(dy, NAN) for _ in range(5)]
+    join.add_backward(dy, outs, y=y)
+    assert all(torch.equal(d, masked) for d in outs)
 
 
 @pytest.mark.parametrize("accumulate", [False, True])
@@ -166,6 +213,13 @@ def test_join_bad_input():
         join.add_backward(x, [torch.empty_like(x)] * 2, accumulate=[True])
     with pytest.raises(ValueError):
         join.add_backward(x, [x], accumulate=True)                    # dx aliases dy
+    with pytest.raises(ValueError, match="relu must be a bool"):
+        join.add_forward([x, x], torch.empty_like(x), relu=1)
+    with pytest.raises(ValueError, match="y has shape"):
+        join.add_backward(x, [torch.empty_like(x)], y=torch.empty(2, 3, 4, 5))
+    y = torch.empty_like(x)
+    with pytest.raises(ValueError, match="aliases y"):
+        join.add_backward(x, [torch.empty_like(x), y], y=y)
     with pytest.raises(ValueError):
         join.concat_forward([x, x], torch.empty(2, 5, 4, 4))          # channels 6 != 5
     with pytest.raises(ValueError):
@@ -188,6 +242,7 @@ def test_join_bad_input():
 def test_add_gpu(shape, accumulate):
     _check_add(shape, 2, 1, [accumulate] * 2, [False, False], device="cuda")
     _check_add(shape, 6, 2, [accumulate, False] * 3, [False] * 5 + [True], device="cuda")
+    _check_add(shape, 2, 3, [accumulate, False], [False, False], device="cuda", relu=True)
 
 
 @pytest.mark.gpu
@@ -209,7 +264,8 @@ def test_concat_gpu(n, chans, hw, accumulate):
 def test_join_random_gpu(shape, k, chans, seed, data):
     acc = data.draw(st.lists(st.booleans(), min_size=k, max_size=k), label="accumulate")
     none = data.draw(st.lists(st.booleans(), min_size=k, max_size=k), label="none")
-    _check_add(shape, k, seed, acc, none, device="cuda")
+    _check_add(shape, k, seed, acc, none, device="cuda",
+               relu=data.draw(st.booleans(), label="relu"))
     kc = len(chans)
     acc_c = (acc + [False] * kc)[:kc]
     none_c = (none + [False] * kc)[:kc]
@@ -222,7 +278,7 @@ def _every_config(index, device):
     """Sums and fan-outs longer than the largest block; concat rows longer than it too."""
     with pinned(join, index):
         _check_add((2, 3, 30, 31), 5, index, [index % 2 == 1] * 5, [False] * 4 + [True],
-                   device=device)
+                   device=device, relu=index % 2 == 0)
         _check_concat(2, [3, 1, 5], 30, 31, index, [False, index % 2 == 0, True],
                       [False, True, False], device=device)
 

@@ -1,8 +1,13 @@
 """Join layers: elementwise add (residual) and channel concat (inception, densenet).
 
 add
-    add_forward(xs, y)            y = ((x0 + x1) + x2) + ...   (left fold, fixed order)
-    add_backward(dy, dxs, accumulate=...)   dx_i = dy  or  dx_i += dy  (per input)
+    add_forward(xs, y, relu=...)  y = ((x0 + x1) + x2) + ...   (left fold, fixed order);
+                                  relu=True stores max(y, 0): a ReLU after the add fused
+                                  into it (sched/fuse.py), one pass over memory fewer
+    add_backward(dy, dxs, accumulate=..., y=None)   dx_i = g  or  dx_i += g  (per input),
+                                  g = dy, or where `y` (a fused ReLU's output) is given,
+                                  dy where y > 0 else 0: the ReLU's backward in the same
+                                  pass, the same bits as kernels/act.py's
 concat (NCHW, along channels)
     concat_forward(xs, y)         y[:, c0:c0+Ci] = x_i
     concat_backward(dy, dxs, accumulate=..., channels=None)   dx_i = dy[:, c0:c0+Ci]  (or +=)
@@ -52,8 +57,10 @@ def workspace_bytes(*args, **kwargs) -> int:
 @autotune(_GPU_CONFIGS, _SMALL_CONFIG, key=["n"],
                  restore=["y_ptr"])
 @triton.jit
-def _sum_kernel(y_ptr, a0, a1, a2, a3, n, NUM: tl.constexpr, BLOCK: tl.constexpr):
-    """y = ((a0 + a1) + a2) + a3 over the first NUM inputs (y may alias a0)."""
+def _sum_kernel(y_ptr, a0, a1, a2, a3, n, NUM: tl.constexpr, RELU: tl.constexpr,
+                BLOCK: tl.constexpr):
+    """y = ((a0 + a1) + a2) + a3 over the first NUM inputs (y may alias a0); RELU: y =
+    max(that, 0), as kernels/act.py's forward computes it (NaN kept)."""
     offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
     mask = offs < n
     acc = tl.load(a0 + offs, mask=mask)
@@ -63,19 +70,24 @@ def _sum_kernel(y_ptr, a0, a1, a2, a3, n, NUM: tl.constexpr, BLOCK: tl.constexpr
         acc = acc + tl.load(a2 + offs, mask=mask)
     if NUM > 3:
         acc = acc + tl.load(a3 + offs, mask=mask)
+    if RELU:
+        acc = tl.where(acc < 0.0, 0.0, acc)
     tl.store(y_ptr + offs, acc, mask=mask)
 
 
 @autotune(_GPU_CONFIGS, _SMALL_CONFIG, key=["n"],
                  restore=["d0", "d1", "d2", "d3"])
 @triton.jit
-def _fanout_kernel(g_ptr, d0, d1, d2, d3, n, NUM: tl.constexpr,
+def _fanout_kernel(g_ptr, y_ptr, d0, d1, d2, d3, n, NUM: tl.constexpr, MASK: tl.constexpr,
                    ACC0: tl.constexpr, ACC1: tl.constexpr, ACC2: tl.constexpr,
                    ACC3: tl.constexpr, BLOCK: tl.constexpr):
-    """d_i = g (or d_i += g when ACCi) for the first NUM outputs, reading g once."""
+    """d_i = g (or d_i += g when ACCi) for the first NUM outputs, reading g once; MASK: g is
+    first put through the backward of the ReLU whose output y is (kernels/act.py's rule)."""
     offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
     mask = offs < n
     g = tl.load(g_ptr + offs, mask=mask)
+    if MASK:
+        g = tl.where(tl.load(y_ptr + offs, mask=mask) <= 0.0, 0.0, g)
     if ACC0:
         tl.store(d0 + offs, tl.load(d0 + offs, mask=mask) + g, mask=mask)
     else:
@@ -181,8 +193,11 @@ def _grid1(n):
 # ----------------------------------------------------------------------------- add
 
 
-def add_forward(xs, y):
-    """y = x0 + x1 + ... (2 or more same-shape tensors), summed left to right."""
+def add_forward(xs, y, *, relu=False):
+    """y = x0 + x1 + ... (2 or more same-shape tensors), summed left to right; `relu`:
+    y = max(that sum, 0) (a ReLU after the add fused into it)."""
+    if not isinstance(relu, bool):
+        raise ValueError(f"relu must be a bool, got {relu!r}")
     _check_list("xs", xs)
     if len(xs) < 2:
         raise ValueError(f"add needs at least 2 inputs, got {len(xs)}")
@@ -201,19 +216,26 @@ def add_forward(xs, y):
         group, rest = rest[:take], rest[take:]
         ins = group if first else [y] + group
         ptrs = ins + [ins[0]] * (_MAX_PTRS - len(ins))
-        launch(_sum_kernel, _grid1(n), (y, *ptrs, n), dict(NUM=len(ins)))
+        last = not rest             # the ReLU goes on the final sum alone
+        launch(_sum_kernel, _grid1(n), (y, *ptrs, n), dict(NUM=len(ins), RELU=relu and last))
         first = False
 
 
-def add_backward(dy, dxs, *, accumulate=False):
-    """dx_i = dy (accumulate False) or dx_i += dy (True) for every non-None dx_i.
+def add_backward(dy, dxs, *, accumulate=False, y=None):
+    """dx_i = g (accumulate False) or dx_i += g (True) for every non-None dx_i, where g is
+    dy, or with `y` (the output of a ReLU fused into the add) dy where y > 0, else 0.
 
     accumulate: one bool for all inputs, or a list with one bool per entry of dxs.
-    A dx that shares memory with dy is rejected when it accumulates.
+    A dx that shares memory with dy is rejected when it accumulates, and one that shares
+    memory with y always (y is read after the first outputs are written).
     """
     check_tensor("dy", dy)
     _check_list("dxs", dxs, allow_none=True)
     flags = _accumulate_list(accumulate, len(dxs))
+    if y is not None:
+        check_tensor("y", y)
+        if y.shape != dy.shape:
+            raise ValueError(f"y has shape {tuple(y.shape)} but dy has {tuple(dy.shape)}")
     for i, d in enumerate(dxs):
         if d is None:
             continue
@@ -221,7 +243,9 @@ def add_backward(dy, dxs, *, accumulate=False):
             raise ValueError(f"dxs[{i}] has shape {tuple(d.shape)} but dy has {tuple(dy.shape)}")
         if flags[i] and d.data_ptr() == dy.data_ptr():
             raise ValueError(f"dxs[{i}] aliases dy; it cannot accumulate")
-    check_device("join", dy, **{f"dxs[{i}]": t for i, t in enumerate(dxs)})
+        if y is not None and d.numel() and d.data_ptr() == y.data_ptr():
+            raise ValueError(f"dxs[{i}] aliases y, the ReLU output it is masked by")
+    check_device("join", dy, y=y, **{f"dxs[{i}]": t for i, t in enumerate(dxs)})
     n = dy.numel()
     work = [(d, f) for d, f in zip(dxs, flags) if d is not None]
     if n == 0:
@@ -233,8 +257,9 @@ def add_backward(dy, dxs, *, accumulate=False):
         num = len(outs)
         outs = outs + [outs[0]] * (_MAX_PTRS - num)
         accs = accs + [False] * (_MAX_PTRS - num)
-        launch(_fanout_kernel, _grid1(n), (dy, *outs, n),
-               dict(NUM=num, ACC0=accs[0], ACC1=accs[1], ACC2=accs[2], ACC3=accs[3]))
+        launch(_fanout_kernel, _grid1(n), (dy, dy if y is None else y, *outs, n),
+               dict(NUM=num, MASK=y is not None, ACC0=accs[0], ACC1=accs[1], ACC2=accs[2],
+                    ACC3=accs[3]))
 
 
 # ----------------------------------------------------------------------------- concat

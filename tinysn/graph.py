@@ -45,7 +45,7 @@ class Layer:
     attrs    the op's hyper-parameters (conv: out_channels, kernel, stride, padding as
              pairs, bias; pool: mode, kernel, stride, padding; lrn: size, alpha, beta, k;
              fc: out_features, bias; dropout: p; bn: eps, momentum; in the net a plan
-             makes, sched/fuse.py adds relu, relu_masked and x_is_relu_output)
+             makes, sched/fuse.py adds relu, relu_masked, x_is_relu_output and mask_layer)
     params   trainable tensors, suffix -> shape (torch layouts)
     buffers  non-trainable state, suffix -> shape (bn running statistics)
     index    position in creation order (net.layers[index] is self)

@@ -55,9 +55,9 @@ class OpSpec:
 
     backward_reads_input   the backward kernel reads the layer's forward inputs (a bool, or
                            a function of the layer: max pooling does, average pooling not)
-    backward_reads_output  the backward kernel reads the layer's own output (ReLU, and a conv
-                           or batch norm with a ReLU fused into it: a bool, or a function of
-                           the layer)
+    backward_reads_output  the backward kernel reads the layer's own output (ReLU, and a
+                           conv, batch norm or add with a ReLU fused into it: a bool, or a
+                           function of the layer)
     recomputable           cheap enough to drop and rebuild in the backward pass (§3.4)
     rebuildable            not cheap, but its output is a pure function of its inputs and
                            parameters, which no step updates before the backward pass reads
@@ -77,7 +77,7 @@ class OpSpec:
                            tensor the paper offloads after a checkpoint conv is its output
     is_relu                a ReLU: sched/fuse.py fuses it into the conv before it
     stores_relu            its forward kernel can store max(y, 0) itself, a ReLU after it
-                           fused into it (conv, batch norm: `relu=True`)
+                           fused into it (conv, batch norm, add: `relu=True`)
     masks_through_relu     its backward can store dx through the backward of the ReLU whose
                            output its input is (`x_is_relu_output`: conv, pool)
     backward_in_place      its backward kernel writes each element of dx from the same
@@ -183,8 +183,8 @@ def _data_forward(program, layer, update_running):
 
 
 def _fused_relu(layer) -> bool:
-    """True for a conv or batch norm that a ReLU was fused into (sched/fuse.py): its output
-    is the ReLU's."""
+    """True for a conv, batch norm or add that a ReLU was fused into (sched/fuse.py): its
+    output is the ReLU's."""
     return layer.attrs.get("relu", False)
 
 
@@ -209,8 +209,9 @@ def _conv_forward(program, layer, update_running):
 
 
 def _masks_dy(layer) -> bool:
-    """True for a fused conv or batch norm whose backward masks dy itself (sched/fuse.py:
-    where one conv or pool alone reads its output, that reader's backward did)."""
+    """True for a fused conv, batch norm or add whose backward masks dy itself
+    (sched/fuse.py: where one conv or pool alone reads its output, that reader's backward
+    did)."""
     return _fused_relu(layer) and not layer.attrs.get("relu_masked", False)
 
 
@@ -428,12 +429,19 @@ def _fc_workspace(layer, phase) -> int:
     return linear_k.workspace_bytes(layer.shape[0], features, layer.shape[1], phase)
 
 
+def _mask_layer(layer) -> int:
+    """The layer index a mask is drawn for: the layer's in the net as built, which
+    sched/fuse.py keeps (`mask_layer`) where the fused net numbers its layers anew, so that
+    every plan of a net draws the same masks, its ReLUs fused or apart."""
+    return layer.attrs.get("mask_layer", layer.index)
+
+
 def _dropout_forward(program, layer, update_running):
     x, y, p = _act(program, layer.inputs[0]), _act(program, layer), layer.attrs["p"]
     it = _optional(program.iteration)
     return lambda rt, algos, ws: dropout_k.forward(
         x(rt), y(rt), p=0.0 if rt.predicting else p, seed=rt.seed, iteration=it(rt),
-        layer=layer.index)
+        layer=_mask_layer(layer))
 
 
 def _dropout_backward(program, lp):
@@ -441,7 +449,7 @@ def _dropout_backward(program, lp):
     it = _optional(program.iteration)
     return lambda rt, algos, ws: dropout_k.backward(
         g.dy(rt), g.dx[0](rt), p=layer.attrs["p"], seed=rt.seed, iteration=it(rt),
-        layer=layer.index, accumulate=g.accumulate[0])
+        layer=_mask_layer(layer), accumulate=g.accumulate[0])
 
 
 def advance_iteration(rt) -> None:
@@ -453,14 +461,28 @@ def advance_iteration(rt) -> None:
 
 
 def _add_forward(program, layer, update_running):
-    xs, y = [_act(program, x) for x in layer.inputs], _act(program, layer)
-    return lambda rt, algos, ws: join_k.add_forward([x(rt) for x in xs], y(rt))
+    xs, y, relu = [_act(program, x) for x in layer.inputs], _act(program, layer), \
+        _fused_relu(layer)
+    return lambda rt, algos, ws: join_k.add_forward([x(rt) for x in xs], y(rt), relu=relu)
 
 
 def _add_backward(program, lp):
-    g = _grads(program, lp)
+    """The fan-out of dy to the inputs' gradients; a fused ReLU's backward (where this pass
+    masks dy, `_masks_dy`) goes in the same pass: the kernel reads y beside dy, and dy is
+    not written first, as a conv's or batch norm's fused ReLU writes it."""
+    layer, g = lp.layer, _grads(program, lp)
+    y = _act(program, layer) if _masks_dy(layer) else _optional(None)
     return lambda rt, algos, ws: join_k.add_backward(g.dy(rt), [dx(rt) for dx in g.dx],
-                                                     accumulate=g.accumulate)
+                                                     accumulate=g.accumulate, y=y(rt))
+
+
+def _add_cost(layer, phase) -> tuple:
+    """An elementwise layer's (`_streamed`), and in a backward pass that masks dy for a
+    fused ReLU, y read beside dy."""
+    flops, nbytes = _streamed(layer, phase)
+    if phase == "backward" and _masks_dy(layer):
+        return flops + layer.numel, nbytes + 4 * layer.numel
+    return flops, nbytes
 
 
 def _concat_forward(program, layer, update_running):
@@ -516,7 +538,8 @@ SPECS = {
                  launches=lambda layer, phase, algos: 2 if phase == "backward" else 1),
     "dropout": OpSpec(_dropout_forward, _dropout_backward, recomputable=True,
                       draws_mask=True, backward_in_place=True),
-    "add": OpSpec(_add_forward, _add_backward, rebuildable=True, backward_in_place=True),
+    "add": OpSpec(_add_forward, _add_backward, rebuildable=True, backward_in_place=True,
+                  backward_reads_output=_masks_dy, cost=_add_cost, stores_relu=True),
     "concat": OpSpec(_concat_forward, _concat_backward, rebuildable=True),
     "softmax_loss": OpSpec(_softmax_forward, _softmax_backward, backward_reads_input=True,
                            is_loss=True, workspace=_softmax_workspace,   # rows, their mean

@@ -112,10 +112,10 @@ def test_resnet50_at_897_prefetches_ahead_only_within_the_room_left():
     plan leaves at every step until its use (placed wherever it fits, it fragments the pool
     until a gradient finds no run, and the plan falls back to one step). Planned without
     kept pooling outputs (keep_pools=False), whose plan at this batch falls back to one
-    step at two passes ahead, and with each batch norm's ReLU apart (fuse_bn_relu=False),
+    step at two passes ahead, and with every ReLU apart (fuse_relu=False),
     the net this was found on."""
     net = sn.models.resnet50(batch=897)
-    kw = dict(host_memory="60GiB", keep_pools=False, fuse_bn_relu=False)
+    kw = dict(host_memory="60GiB", keep_pools=False, fuse_relu=False)
     base = sn.plan(net, "12GiB", "all", lookahead=1, **kw)
     two = sn.plan(net, "12GiB", "all", lookahead=2, **kw)
     assert two.lookahead == 2 and prefetches(two)[1]
@@ -132,7 +132,7 @@ def test_resnet50_at_995_prefetches_far_ahead_once_early_blocks_keep_off_failed_
     conv times the H200 measured)."""
     net, chosen = resnet50_995_apart
     monkeypatch.setattr(plan_mod, "AHEAD_RETRIES", 0)
-    once = sn.plan(net, "12GiB", "all", host_memory="60GiB", fuse_bn_relu=False)
+    once = sn.plan(net, "12GiB", "all", host_memory="60GiB", fuse_relu=False)
     assert chosen.lookahead == 64 and once.lookahead < 64
     assert chosen.predicted_step_s < 0.997 * once.predicted_step_s
     snt.check_plan(chosen)

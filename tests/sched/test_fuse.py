@@ -3,6 +3,7 @@ import pytest
 import torch
 
 import tinysn as sn
+import tinysn.testing as snt
 from tinysn.ops import spec
 from tinysn.sched.fuse import fuse_relus
 
@@ -96,13 +97,74 @@ def test_fused_training_is_bitwise_the_unfused(policy):
     _assert_trains_alike(_net, policy, "fuse_relu")
 
 
-@pytest.mark.parametrize("flag", ["fuse_relu", "fuse_bn_relu"])
+@pytest.mark.parametrize("flag", ["fuse_relu", "fuse_bn_relu", "fuse_add_relu"])
 def test_a_fusion_flag_must_be_a_bool(flag):
     net = _net()
     with pytest.raises(ValueError, match=f"{flag} must be a bool"):
         sn.plan(net, "64MiB", "liveness", **{flag: 1})
     with pytest.raises(ValueError, match=f"{flag} must be a bool"):
         sn.Runtime(net, memory="64MiB", device="cpu", **{flag: "yes"})
+
+
+def _add_net(batch=2):
+    """Residual adds whose ReLU is read by a conv and the next add (a1: the add's own
+    backward masks dy as it fans it out), by one conv alone (a2: that conv masks dx), and
+    one with no ReLU after it (a3); a dropout draws its masks for its index in this net,
+    fused or not."""
+    net = sn.Net(input_shape=(3, 8, 8), classes=5, batch=batch)
+    x = net.conv(net.data(), 8, kernel=3, padding=1, name="c0")
+    h = net.relu(net.add(x, net.conv(x, 8, kernel=3, padding=1, name="c1"), name="a1"),
+                 name="r1")
+    h = net.relu(net.add(h, net.conv(h, 8, kernel=1, name="c2"), name="a2"), name="r2")
+    h = net.conv(h, 8, kernel=3, padding=1, name="c3")
+    h = net.add(h, net.conv(h, 8, kernel=1, name="c4"), name="a3")
+    net.softmax_loss(net.fc(net.dropout(h, p=0.5, name="drop"), 5, name="fc"), name="loss")
+    return net
+
+
+def test_an_add_absorbs_its_relu_and_masks_dy_as_it_fans_it_out():
+    net = _add_net()
+    fused = fuse_relus(net)
+    assert [layer.name for layer in fused] == ["data1", "c0", "c1", "a1", "c2", "a2", "c3",
+                                               "c4", "a3", "drop", "fc", "loss"]
+    assert fused["drop"].index < net["drop"].index == fused["drop"].attrs["mask_layer"]
+    assert {layer.name for layer in fused if layer.attrs.get("relu")} == {"a1", "a2"}
+    assert {layer.name for layer in fused if layer.attrs.get("relu_masked")} == {"a2"}
+    assert {layer.name for layer in fused if layer.attrs.get("x_is_relu_output")} == {"c3"}
+    # a1's backward reads y beside dy (the step-time model charges it), a2's does not
+    for name, masks_dy in (("a1", True), ("a2", False)):
+        layer = fused[name]
+        assert spec(layer).reads_output(layer) == masks_dy
+        cost, plain_cost = (spec(n[name]).cost(n[name], "backward") for n in (fused, net))
+        assert cost[1] == plain_cost[1] + masks_dy * 4 * net[name].numel
+    plain = sn.plan(net, "64MiB", "liveness", fuse_relu=False)
+    assert len(plain.steps) - len(sn.plan(net, "64MiB", "liveness").steps) == 2 * 2
+
+
+@pytest.mark.parametrize("policy", ["baseline", "all"])
+@pytest.mark.parametrize("flag", ["fuse_relu", "fuse_add_relu"])
+def test_add_fused_training_is_bitwise_the_unfused(policy, flag):
+    _assert_trains_alike(_add_net, policy, flag)
+
+
+def test_past_its_cap_a_plan_keeps_the_adds_relus_apart():
+    """Where the net with its adds' ReLUs fused would copy tensors out, those ReLUs are
+    planned apart, cheap layers a plan may drop and recompute; as policies "offload" and
+    "recompute" always copy checkpoints out, theirs are apart at any cap. Either way the
+    training is bitwise the fused plan's (the dropout's masks too)."""
+    net = _add_net()
+
+    def fused_adds(plan):
+        return {layer.name for layer in plan.net
+                if layer.op == "add" and layer.attrs.get("relu")}
+    roomy = sn.plan(net, "64MiB", "all")
+    tight = sn.plan(net, int(snt.smallest_cap(net, "all") * 1.05), "all")
+    assert fused_adds(roomy) == {"a1", "a2"} and not roomy.bytes_to_host
+    assert not fused_adds(tight) and tight.bytes_to_host and "r1" in tight.net
+    assert not fused_adds(sn.plan(net, "64MiB", "recompute"))
+    assert fused_adds(sn.plan(net, "64MiB", "baseline")) == {"a1", "a2"}
+    assert not fused_adds(sn.plan(net, "64MiB", "baseline", fuse_add_relu=False))
+    snt.check_equivalent(net, ["baseline", "all"], steps=2)     # each at its smallest cap
 
 
 @pytest.mark.gpu
@@ -204,3 +266,15 @@ def test_batch_norm_fused_training_on_the_gpu_is_bitwise_the_unfused(cuda_graph,
     monkeypatch.setenv("TINYSN_CACHE_DIR", str(tmp_path))
     net = sn.models.resnet(blocks=[1, 1, 1, 1], batch=4, classes=10, input_shape=(3, 32, 32))
     _assert_trains_alike_on_the_gpu(net, cuda_graph, "fuse_bn_relu")
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("cuda_graph", [False, True])
+def test_add_fused_training_on_the_gpu_is_bitwise_the_unfused(cuda_graph, tmp_path,
+                                                               monkeypatch):
+    """A small ResNet under policy "all" on the GPU, eager and replayed: the same bits with
+    every ReLU fused (the residual adds' too) as with every ReLU apart."""
+    monkeypatch.setenv("TINYSN_CACHE_DIR", str(tmp_path))
+    net = sn.models.resnet(blocks=[1, 1, 1, 1], batch=4, classes=10, input_shape=(3, 32, 32))
+    _assert_trains_alike_on_the_gpu(net, cuda_graph, "fuse_relu")

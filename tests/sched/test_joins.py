@@ -20,10 +20,10 @@ def starved(monkeypatch):
     starve(monkeypatch)
 
 
-def search_for(net, cap="64MiB"):
+def search_for(net, cap="64MiB", **options):
     return plan_mod._search(net, cap, "all", momentum=0.0, conv_algos={},
                             checkpoints=offload.DEFAULT_CHECKPOINTS, block_bytes=1024,
-                            layout="auto", host_memory=None)
+                            layout="auto", host_memory=None, **options)
 
 
 def rebuildable(net) -> frozenset:
@@ -33,9 +33,11 @@ def rebuildable(net) -> frozenset:
 def test_keep_within_drops_rebuilt_tensors_used_far_ahead_and_rebuilds_them_again():
     """Every conv and add of a residual net dropped, each segment speed-centric: kept for
     any later use, the segments are rebuilt once; kept only for uses a few passes ahead,
-    the farther uses rebuild them again, and fewer bytes are held at once."""
+    the farther uses rebuild them again, and fewer bytes are held at once. (The ReLUs after
+    the adds planned apart: fused into the adds, a block has too few passes for a one- and
+    a four-pass window to differ.)"""
     net = snt.block_net(batch=2)
-    search = search_for(net)
+    search = search_for(net, fuse_relu=False)
     plans = [search.first(recompute.Traded("strict", rebuildable(net), True, frozenset(), k))
              for k in (None, 4, 1)]
     steps = [p.recomputed_steps for p in plans]
@@ -60,11 +62,12 @@ def test_keep_within_defaults_to_the_papers_rule():
 
 def test_rebuild_order_through_cheap_names_the_add_under_a_relu(starved):
     """In a plan that copies a residual block's output (the ReLU after its add), the add is
-    a candidate only when the search looks through cheap layers. Each batch norm's ReLU
-    planned apart: fused, the plan at this cap copies no block output."""
+    a candidate only when the search looks through cheap layers. Every ReLU planned apart
+    (fused into the add, it is the add's output; each batch norm's fused, the plan at this
+    cap copies no block output)."""
     net = snt.block_net(batch=4)
-    cap = int(snt.smallest_cap(net, "all", conv_algos={}, fuse_bn_relu=False) * 1.05)
-    plan = sn.plan(net, cap, "all", conv_algos={}, rebuild_joins=False, fuse_bn_relu=False)
+    cap = int(snt.smallest_cap(net, "all", conv_algos={}, fuse_relu=False) * 1.05)
+    plan = sn.plan(net, cap, "all", conv_algos={}, rebuild_joins=False, fuse_relu=False)
     adds = {layer.index for layer in net.layers if layer.op == "add"}
     assert not adds & set(timing.rebuild_order(plan))
     assert adds & set(timing.rebuild_order(plan, through_cheap=True))
@@ -117,11 +120,11 @@ def test_the_search_makes_at_most_join_budget_plans(starved, monkeypatch):
     """Each choice a join search judges is planned and given its prefetch distance
     (`_ahead`): at most JOIN_BUDGET of them per search, fewer where the budget says so,
     also within a round (here both adds are candidates: three choices a round, each add
-    and the pair; each batch norm's ReLU planned apart, the net this was written for). A
+    and the pair; every ReLU planned apart, the net this was written for). A
     plan runs one search per candidate plan (the traded one and the untraded one, where
     they differ)."""
     net = snt.block_net(batch=4)
-    cap = int(snt.smallest_cap(net, "all", conv_algos={}, fuse_bn_relu=False) * 1.2)
+    cap = int(snt.smallest_cap(net, "all", conv_algos={}, fuse_relu=False) * 1.2)
     adds = [layer.index for layer in net.layers if layer.op == "add"]
     real_order = timing.rebuild_order
     monkeypatch.setattr(timing, "rebuild_order", lambda plan, model=None, through_cheap=False: (
@@ -137,12 +140,12 @@ def test_the_search_makes_at_most_join_budget_plans(starved, monkeypatch):
         per_search.append(judged.count(plan_mod.KEEP_WITHIN))
         return plan
     monkeypatch.setattr(plan_mod, "_rebuild_joins", counted)
-    sn.plan(net, cap, "all", conv_algos={}, fuse_bn_relu=False)
+    sn.plan(net, cap, "all", conv_algos={}, fuse_relu=False)
     assert per_search and 3 <= max(per_search) <= plan_mod.JOIN_BUDGET
     for budget in (2, 1, 0):
         per_search.clear()
         monkeypatch.setattr(plan_mod, "JOIN_BUDGET", budget)
-        joins = sn.plan(net, cap, "all", conv_algos={}, fuse_bn_relu=False).rebuilt_joins
+        joins = sn.plan(net, cap, "all", conv_algos={}, fuse_relu=False).rebuilt_joins
         assert per_search and max(per_search) == budget
         assert joins == (["add1"] if budget else [])
 

@@ -37,7 +37,7 @@ def test_gradients_are_written_over_dy_in_place():
         if lp.in_place:
             dx, dy = lp.in_place
             assert dy in lp.reads and dx in lp.writes and prog.last_use(dy) == lp.index
-    p = sn.plan(net, "1GiB", "liveness", fuse_bn_relu=False)    # plans `prog`'s net
+    p = sn.plan(net, "1GiB", "liveness", fuse_relu=False)    # plans `prog`'s net
     hands = [(s, op) for s in p.steps for op in s.ops if isinstance(op, Hand)]
     assert len(hands) == sum(1 for lp in backward if lp.in_place)
     rows = p.placements()
@@ -66,7 +66,7 @@ def test_all_keeps_a_dropped_pooling_output_where_that_is_faster(resnet50_995_ap
     plans without trying."""
     net, kept = resnet50_995_apart
     apart = sn.plan(net, "12GiB", "all", host_memory="60GiB", keep_pools=False,
-                    fuse_bn_relu=False)
+                    fuse_relu=False)
     maxpool = next(layer.index for layer in net.layers if layer.name == "maxpool")
     assert maxpool in recompute.kept(kept.drops) and not recompute.kept(apart.drops)
     assert kept.predicted_step_s < 0.9 * apart.predicted_step_s
@@ -82,7 +82,7 @@ def test_all_evicts_by_next_use_where_lru_brings_a_tensor_back_twice(resnet50_99
     predicted faster, so that plan is chosen. Its operations pass every rule of
     check_plan."""
     net = resnet50_995_apart[0]
-    kw = dict(host_memory="60GiB", lookahead=1, fuse_bn_relu=False)
+    kw = dict(host_memory="60GiB", lookahead=1, fuse_relu=False)
     chosen = sn.plan(net, "12GiB", "all", **kw)
     lru = sn.plan(net, "12GiB", "all", evict_by_next_use=False, **kw)
     assert plan_mod._refetches(lru) and not plan_mod._refetches(chosen)

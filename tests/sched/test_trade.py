@@ -244,7 +244,7 @@ def test_all_keeps_the_faster_of_the_papers_recompute_rule_and_speed_centric_eve
     """ResNet-50 under 12 GiB: at batch 256 the paper's rule recomputes the stem's segment
     (conv1 traded in) for every backward step that reads it; rebuilding each segment once
     and keeping it is predicted faster and chosen. At 897, planned without kept pooling
-    outputs and with each batch norm's ReLU apart, it does not fit as well (it moves more)
+    outputs and with every ReLU apart, it does not fit as well (it moves more)
     and the paper's rule stays (fused, the net is smaller and it is chosen there too)."""
     def both(batch, **kw):
         net = sn.models.resnet50(batch=batch)
@@ -259,7 +259,7 @@ def test_all_keeps_the_faster_of_the_papers_recompute_rule_and_speed_centric_eve
         paper.drops)
     assert chosen.predicted_step_s < 0.95 * paper.predicted_step_s
     assert chosen.recomputed_steps < paper.recomputed_steps
-    chosen, paper = both(897, keep_pools=False, fuse_bn_relu=False)
+    chosen, paper = both(897, keep_pools=False, fuse_relu=False)
     assert not recompute.speed_everywhere(chosen.drops)
     assert chosen.predicted_step_s == paper.predicted_step_s
 

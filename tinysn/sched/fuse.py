@@ -1,5 +1,5 @@
-"""ReLU fused into the conv (or batch norm) before it: one layer, and passes over memory
-fewer.
+"""ReLU fused into the conv (or add, or batch norm) before it: one layer, and passes over
+memory fewer.
 
 A ReLU reads its input and writes its output, a pass over memory that moves twice the
 activation's bytes, and its backward pass reads y and dy and writes dx, three times. After a
@@ -12,65 +12,76 @@ gradient, a pool's gather), so the pair does not pass over dy again (`relu_maske
 numbers are the same bits as the separate layers'. A batch norm stores max(y, 0) the same
 way (kernels/bn.py, `relu=True`) and masks dy the same way in its backward; that fusion is
 planned by default too (`batch_norms`; `plan(..., fuse_bn_relu=False)` turns it off): it is
-ResNet's and Inception's every ReLU after a batch norm.
+ResNet's and Inception's every ReLU after a batch norm. A residual add stores max(sum, 0)
+too (kernels/join.py, `relu=True`), and its backward masks dy as it copies it to the
+inputs' gradients, reading y beside dy in that one pass: ResNet's ReLU after each block
+(planned so where the fused net fits its cap unmoved: plan._fits_unmoved).
 
-`fuse_relus(net)` returns a new Net in which each such pair is one conv layer: the conv's
-name, parameters and attributes, plus `relu=True` (and `relu_masked=True` where its reader
-masks); the conv or pool that reads such an output gets `x_is_relu_output=True`; every
-other layer is copied as it is. The planner plans that net (`plan(..., fuse_relu=True)`,
+`fuse_relus(net)` returns a new Net in which each such pair is one layer: the conv's
+(add's, batch norm's) name, parameters and attributes, plus `relu=True` (and
+`relu_masked=True` where its reader masks); the conv or pool that reads such an output gets
+`x_is_relu_output=True`; every other layer is copied as it is (a dropout keeps its index in
+`net` as `mask_layer`: its masks are drawn for it, so plans that fuse differently draw the
+same ones). The planner plans that net (`plan(..., fuse_relu=True)`,
 the default), so its schedule has one tensor and one step per pair where the unfused one
 had two: Caffe, the paper's base, ran such ReLUs in place on the conv's output, which is
 the same memory. Policies see a fused conv as a conv: its output is a checkpoint, never
-dropped as a cheap layer's.
+dropped as a cheap layer's; a fused add as an add (policy "all" may rebuild it, ReLU and
+all).
 """
 from __future__ import annotations
 
 from ..ops import spec
 
 
-def fusible(layer, batch_norms: bool = False) -> bool:
+def fusible(layer, batch_norms: bool = False, adds: bool = True) -> bool:
     """True for a layer that can store a ReLU of its output (OpSpec.stores_relu: a conv,
-    and a batch norm where `batch_norms`) whose output is read by one layer alone, a ReLU."""
+    an add where `adds`, a batch norm where `batch_norms`) whose output is read by one
+    layer alone, a ReLU."""
     return (spec(layer).stores_relu and (batch_norms or layer.op != "bn")
+            and (adds or layer.op != "add")
             and len(layer.consumers) == 1 and spec(layer.consumers[0]).is_relu)
 
 
-def masked_by_reader(layer, batch_norms: bool = False) -> bool:
+def masked_by_reader(layer, batch_norms: bool = False, adds: bool = True) -> bool:
     """True for a fusible layer whose ReLU's output one layer alone reads, and that one
     can store its dx through the ReLU (OpSpec.masks_through_relu: a conv or a pool): the
     reader's backward then stores the ReLU's input gradient directly."""
-    readers = layer.consumers[0].consumers if fusible(layer, batch_norms) else []
+    readers = layer.consumers[0].consumers if fusible(layer, batch_norms, adds) else []
     return len(readers) == 1 and spec(readers[0]).masks_through_relu
 
 
-def _fused_attrs(layer, batch_norms: bool) -> dict:
+def _fused_attrs(layer, batch_norms: bool, adds: bool) -> dict:
     attrs = dict(layer.attrs)
-    if fusible(layer, batch_norms):
+    if spec(layer).draws_mask:      # its masks stay keyed by its index in `net` (ops.py)
+        attrs.setdefault("mask_layer", layer.index)
+    if fusible(layer, batch_norms, adds):
         attrs["relu"] = True
-        if masked_by_reader(layer, batch_norms):
+        if masked_by_reader(layer, batch_norms, adds):
             attrs["relu_masked"] = True
     if spec(layer).masks_through_relu and spec(layer.inputs[0]).is_relu \
-            and masked_by_reader(layer.inputs[0].inputs[0], batch_norms):
+            and masked_by_reader(layer.inputs[0].inputs[0], batch_norms, adds):
         attrs["x_is_relu_output"] = True
     return attrs
 
 
-def fuse_relus(net, batch_norms: bool = False):
-    """`net`, checked, with every fusible conv (and, where `batch_norms`, batch norm) and
-    its ReLU made one layer (a new Net); `net` itself when there is nothing to fuse."""
+def fuse_relus(net, batch_norms: bool = False, adds: bool = True):
+    """`net`, checked, with every fusible conv (and, where `batch_norms`, batch norm; where
+    `adds`, add) and its ReLU made one layer (a new Net); `net` itself when there is nothing
+    to fuse."""
     from ..graph import Net
 
     net.check()
-    if not any(fusible(layer, batch_norms) for layer in net.layers):
+    if not any(fusible(layer, batch_norms, adds) for layer in net.layers):
         return net
     fused = Net(net.input_shape, net.classes, net.batch)
     copy = {}                       # layer of `net` -> the layer that stands for it
     for layer in net.layers:
-        if spec(layer).is_relu and fusible(layer.inputs[0], batch_norms):
+        if spec(layer).is_relu and fusible(layer.inputs[0], batch_norms, adds):
             copy[layer] = copy[layer.inputs[0]]
             continue
         copy[layer] = fused._add_layer(layer.op, layer.name, [copy[x] for x in layer.inputs],
-                                       layer.shape, _fused_attrs(layer, batch_norms),
+                                       layer.shape, _fused_attrs(layer, batch_norms, adds),
                                        layer.params, layer.buffers)
     fused.loss = copy[net.loss]
     return fused

@@ -312,7 +312,7 @@ def plan(net, memory, policy: str = "all", *, momentum: float = 0.0, conv_algos=
          lookahead: int | None = None, device_model=None,
          in_place_gradients: bool = True, keep_pools: bool = True,
          evict_by_next_use: bool = True, rebuild_joins: bool = True,
-         fuse_relu: bool = True, fuse_bn_relu: bool = True,
+         fuse_relu: bool = True, fuse_bn_relu: bool = True, fuse_add_relu: bool = True,
          channels_last: bool = True) -> Plan:
     """Dry-run one training iteration of `net` under a `memory` cap and `policy`.
 
@@ -366,9 +366,15 @@ def plan(net, memory, policy: str = "all", *, momentum: float = 0.0, conv_algos=
     joins (a residual add, a concat) whose copies the plan moves, and rebuilding them from
     the join's inputs, each choice judged as it will run (`_rebuild_joins`); False plans as
     tinysn did before it.
-    `fuse_relu` (default True): plan `fuse.fuse_relus(net)`, each conv whose output only a
-    ReLU reads made one layer with it (the plan's `net` and steps are the fused net's; the
-    numbers are the same bits); False plans `net` as it is, as plans made before that did.
+    `fuse_relu` (default True): plan `fuse.fuse_relus(net)`, each conv or add whose output
+    only a ReLU reads made one layer with it (the plan's `net` and steps are the fused
+    net's; the numbers are the same bits), an add's only where the net so fused fits the
+    cap without copying anything out (`_fits_unmoved`; beyond that, the ReLU apart is a
+    cheap layer the plan may drop and recompute); False plans `net` as it is, as plans
+    made before that did.
+    `fuse_add_relu` (default True; with `fuse_relu`): the residual adds' ReLUs fused as
+    just said (on the H200 at batch 32 it took ResNet-50's graphed step from 16.89 to 16.26
+    ms); False plans them apart everywhere, as plans made before that did.
     `fuse_bn_relu` (default True; with `fuse_relu`): each batch norm whose output only a
     ReLU reads is made one layer with it too (the same bits; on the H200 at batch 32 it took
     ResNet-50's eager step from 67.6 to 50.3 ms and its graphed one from 17.3 to 16.8 ms);
@@ -394,7 +400,9 @@ def plan(net, memory, policy: str = "all", *, momentum: float = 0.0, conv_algos=
                        lookahead=lookahead, device_model=device_model,
                        in_place_gradients=in_place_gradients, keep_pools=keep_pools,
                        evict_by_next_use=by_next_use, rebuild_joins=rebuild_joins,
-                       fuse_relu=fuse_relu, fuse_bn_relu=fuse_bn_relu)
+                       fuse_relu=fuse_relu, fuse_bn_relu=fuse_bn_relu,
+                       fuse_add_relu=fuse_add_relu)
+
     lru = search(False)             # checks every argument before anything is planned
     try:
         candidates = [(lru, _choose(lru, policy))]     # (search, its plan)
@@ -473,8 +481,10 @@ def _search(net, memory, policy, *, momentum, conv_algos, checkpoints, block_byt
             trade_budget=TRADE_BUDGET, lookahead=None, device_model=None,
             in_place_gradients=True, keep_pools=True,
             evict_by_next_use=True, rebuild_joins=True, fuse_relu=True,
-            fuse_bn_relu=True) -> "_Search":
-    """Check `plan`'s arguments (before any state changes) and set up its runs."""
+            fuse_bn_relu=True, fuse_add_relu=True) -> "_Search":
+    """Check `plan`'s arguments (before any state changes) and set up its runs: of `net`,
+    or with `fuse_relu` of its fused net (fuse.fuse_relus; its residual adds' ReLUs apart
+    where, fused, the net would not fit unmoved: `_fits_unmoved`)."""
     if layout not in ("auto", "first_fit", "two_ended"):
         raise ValueError(f"layout must be 'auto', 'first_fit' or 'two_ended', got {layout!r}")
     if policy not in POLICIES:
@@ -497,24 +507,48 @@ def _search(net, memory, policy, *, momentum, conv_algos, checkpoints, block_byt
         raise ValueError(f"device_model must be a timing.DeviceModel, got {device_model!r}")
     for name, flag in (("in_place_gradients", in_place_gradients), ("keep_pools", keep_pools),
                        ("rebuild_joins", rebuild_joins), ("fuse_relu", fuse_relu),
-                       ("fuse_bn_relu", fuse_bn_relu)):
+                       ("fuse_bn_relu", fuse_bn_relu), ("fuse_add_relu", fuse_add_relu)):
         if not isinstance(flag, bool):
             raise ValueError(f"{name} must be a bool, got {flag!r}")
-    if fuse_relu:
-        net = fuse.fuse_relus(net, batch_norms=fuse_bn_relu)
-    program = liveness.Program(net, momentum=momentum, data_parallel=data_parallel,
-                               bucket_bytes=liveness.parse_bucket_bytes(bucket_bytes),
-                               in_place_gradients=in_place_gradients)
+    bucket_bytes = liveness.parse_bucket_bytes(bucket_bytes)
 
-    def make(cap, drops, small, floor=False, early=None, lookahead=1, headroom=None):
-        return _Planner(program, cap, policy, conv_algos, checkpoints, block_bytes, drops,
-                        small, host_capacity, rankings, floor=floor, early=early,
-                        lookahead=lookahead, headroom=headroom,
-                        evict_by_next_use=evict_by_next_use)
+    def searching(planned):
+        program = liveness.Program(planned, momentum=momentum, data_parallel=data_parallel,
+                                   bucket_bytes=bucket_bytes,
+                                   in_place_gradients=in_place_gradients)
 
-    return _Search(make, capacity, policy, layout, block_bytes, host_capacity,
-                   early_write_back, trade_budget, lookahead, device_model, keep_pools,
-                   rebuild_joins)
+        def make(cap, drops, small, floor=False, early=None, lookahead=1, headroom=None):
+            return _Planner(program, cap, policy, conv_algos, checkpoints, block_bytes, drops,
+                            small, host_capacity, rankings, floor=floor, early=early,
+                            lookahead=lookahead, headroom=headroom,
+                            evict_by_next_use=evict_by_next_use)
+        return _Search(make, capacity, policy, layout, block_bytes, host_capacity,
+                       early_write_back, trade_budget, lookahead, device_model, keep_pools,
+                       rebuild_joins)
+
+    if not fuse_relu:
+        return searching(net)
+    fused = fuse.fuse_relus(net, batch_norms=fuse_bn_relu, adds=fuse_add_relu)
+    search = searching(fused)
+    if policy in ("baseline", "liveness") or not fuse_add_relu or _fits_unmoved(search) \
+            or not any(layer.op == "add" and layer.attrs.get("relu") for layer in fused.layers):
+        return search
+    return searching(fuse.fuse_relus(net, batch_norms=fuse_bn_relu, adds=False))
+
+
+def _fits_unmoved(search) -> bool:
+    """True where the search's plan that drops nothing fits its cap and copies nothing out.
+    Past that point `_search` plans a residual add's ReLU apart: as a layer of its own it
+    is cheap, and a plan may drop its output and recompute it, where fused into the add it
+    can only be carried over PCIe or rebuilt by a trade (ResNet-50 under 12 GiB, 60 GiB
+    host, batch 897, predicted a step: 1.214 s fused, 0.883 apart). At 256 and 512 fused
+    would be predicted faster (0.155 s against 0.165; 0.338 against 0.357); planning both
+    and keeping the faster doubled the planning of every net past its cap. Policies that
+    move nothing ("baseline", "liveness") always fuse them: it only saves memory there."""
+    try:
+        return not search.first(None).bytes_to_host
+    except OutOfMemory:
+        return False
 
 
 VARIANTS = (None, "from_checkpoints", "strict")   # what `drops` a policy's runs may use

@@ -170,7 +170,7 @@ def tinysn_row(net, policy, cuda_graph, device, args, host_memory=None) -> dict:
         rt = sn.Runtime(net, args.memory, policy, device=device, lr=args.lr,
                         momentum=args.momentum, weight_decay=args.weight_decay,
                         cuda_graph=cuda_graph, host_memory=host_memory,
-                        fuse_bn_relu=args.fuse_bn_relu)
+                        fuse_bn_relu=args.fuse_bn_relu, fuse_add_relu=args.fuse_add_relu)
     except ValueError as err:
         raise Refused(str(err)) from None
     setup_s = time.perf_counter() - t0
@@ -195,7 +195,7 @@ def tinysn_row(net, policy, cuda_graph, device, args, host_memory=None) -> dict:
                evict_by_next_use=sn.plan.__kwdefaults__["evict_by_next_use"],
                rebuild_joins=sn.plan.__kwdefaults__["rebuild_joins"],
                fuse_relu=sn.plan.__kwdefaults__["fuse_relu"],
-               fuse_bn_relu=args.fuse_bn_relu,
+               fuse_bn_relu=args.fuse_bn_relu, fuse_add_relu=args.fuse_add_relu,
                channels_last=sn.plan.__kwdefaults__["channels_last"],
                channels_last_outputs=sorted(rt.plan.channels_last),
                rebuilt_joins=rt.plan.rebuilt_joins,
@@ -243,6 +243,7 @@ def label(row: dict, model: str = "") -> str:
     else:
         name = f'tinysn "{row["policy"]}", ' + ("CUDA graph" if row["cuda_graph"] else "eager")
         name += ", batch norms' ReLUs apart" if row.get("fuse_bn_relu") is False else ""
+        name += ", adds' ReLUs apart" if row.get("fuse_add_relu") is False else ""
     return f"{model}, {name}" if model else name
 
 
@@ -296,6 +297,11 @@ def parse_args(argv=None):
                     default=sn.plan.__kwdefaults__["fuse_bn_relu"],
                     help="tinysn plans with each ReLU after a batch norm fused into it "
                          "(default: the planner's, on); --no-fuse-bn-relu plans them apart")
+    ap.add_argument("--fuse-add-relu", action=argparse.BooleanOptionalAction,
+                    default=sn.plan.__kwdefaults__["fuse_add_relu"],
+                    help="tinysn plans with each ReLU after a residual add fused into it "
+                         "where the net fits unmoved (default: the planner's, on); "
+                         "--no-fuse-add-relu plans them apart")
     common.add_out_argument(ap)
     args = ap.parse_args(argv)
     args.memory = args.memory or ("40GiB" if torch.cuda.is_available() else "1GiB")
@@ -334,7 +340,8 @@ def main(argv=None) -> dict:
     runs = [("pytorch", lambda c=c: pytorch_row(net, c, device, args), {"config": c})
             for c in PYTORCH_CONFIGS if not (c == "torch.compile" and skip_compile)]
     runs += [("tinysn", lambda p=p, g=g: tinysn_row(net, p, g, device, args),
-              {"policy": p, "cuda_graph": g, "fuse_bn_relu": args.fuse_bn_relu})
+              {"policy": p, "cuda_graph": g, "fuse_bn_relu": args.fuse_bn_relu,
+               "fuse_add_relu": args.fuse_add_relu})
              for p in args.policies.split(",") for g in (False, True)]
     for side, run, labels in runs:
         result[side].append(guarded(run, **labels))

@@ -402,7 +402,6 @@ def plan(net, memory, policy: str = "all", *, momentum: float = 0.0, conv_algos=
                        evict_by_next_use=by_next_use, rebuild_joins=rebuild_joins,
                        fuse_relu=fuse_relu, fuse_bn_relu=fuse_bn_relu,
                        fuse_add_relu=fuse_add_relu)
-
     lru = search(False)             # checks every argument before anything is planned
     try:
         candidates = [(lru, _choose(lru, policy))]     # (search, its plan)
@@ -530,8 +529,8 @@ def _search(net, memory, policy, *, momentum, conv_algos, checkpoints, block_byt
         return searching(net)
     fused = fuse.fuse_relus(net, batch_norms=fuse_bn_relu, adds=fuse_add_relu)
     search = searching(fused)
-    if policy in ("baseline", "liveness") or not fuse_add_relu or _fits_unmoved(search) \
-            or not any(layer.op == "add" and layer.attrs.get("relu") for layer in fused.layers):
+    fused_adds = any(layer.op == "add" and layer.attrs.get("relu") for layer in fused.layers)
+    if not fused_adds or policy in ("baseline", "liveness") or _fits_unmoved(search):
         return search
     return searching(fuse.fuse_relus(net, batch_norms=fuse_bn_relu, adds=False))
 

@@ -281,7 +281,7 @@ def curve_row(model, batch, capped, reference, bandwidth) -> dict:
                evict_by_next_use=capped["evict_by_next_use"],
                rebuild_joins=capped["rebuild_joins"], rebuilt_joins=capped["rebuilt_joins"],
                fuse_relu=capped["fuse_relu"], fuse_bn_relu=capped["fuse_bn_relu"],
-               fuse_add_relu=capped["fuse_add_relu"],
+               fuse_add_relu=capped["fuse_add_relu"], batch_staged=capped["batch_staged"],
                trade_budget=capped["trade_budget"],
                launch_probe_s=capped["device_model"]["launch_probe_s"],
                timed_launch_probe_s=capped["timed_launch_probe_s"],

@@ -20,13 +20,15 @@ join rebuilt by `plan._rebuild_joins`), a missing `fuse_relu` False (every ReLU 
 layer), a missing `fuse_bn_relu` False (no batch norm's ReLU fused) and a missing
 `fuse_add_relu` False (no residual add's ReLU fused), except in a train.py run from
 ADDS_FUSED_FROM on (its envelope's date): the build that fused them by default made it
-before its rows recorded the option. The prediction
+before its rows recorded the option. A run without `batch_staged` copied each batch at its
+steps' start (sched/staging.py came later). The prediction
 itself always
 uses today's model (DeviceModel.h200, with the conv times the run measured and its probe
 of the host, beside its timed steps or else when it planned, where it recorded them), so
 the table shows how well today's model explains every measured step.
 """
 import argparse
+import dataclasses
 import json
 import os
 import sys
@@ -79,12 +81,15 @@ def train_plan_kw(run: dict, row: dict) -> dict:
 
 
 def compare(net, memory, policy, measured: dict, graphed=False, host_memory=None,
-            **plan_kw) -> dict:
+            staged=False, **plan_kw) -> dict:
     """One row: the prediction for `net` planned as it was measured (`measured`: the run's
     seconds per step, the bytes it moved and its probe of the host), and its error. Equal
-    bytes moved say the plan made here is the one that ran."""
+    bytes moved say the plan made here is the one that ran. A run that did not stage its
+    batches (`staged`) is simulated with the batch copied at each step's start."""
     conv_times = plan_kw["device_model"].conv_times     # measured where the run had them
     plan = plan_as_run(net, memory, policy, host_memory, **plan_kw)
+    if not staged:
+        plan = dataclasses.replace(plan, batch_staging=None)
     # the run's host, where it probed it: beside the timed steps, else when it planned
     probe = measured.get("probe") or plan_kw["device_model"].launch_probe_s
     timeline = simulate(plan, DeviceModel.h200(graphed=graphed, conv_times=conv_times,
@@ -118,6 +123,7 @@ def memory_rows(path: Path) -> list:
         measured = {"s": real["seconds_per_step"], "moved": real["bytes_moved_per_step"]}
         rows.append({**compare(net, real["memory"], "all", measured,
                                real["cuda_graph"], row.get("host_memory"),
+                               staged=real.get("batch_staged", False),
                                trade_budget=real.get("trade_budget", 0),
                                lookahead=searched_lookahead(real),
                                in_place_gradients=real.get("in_place_gradients", False),
@@ -144,7 +150,7 @@ def train_rows(path: Path) -> list:
                     "probe": row.get("timed_launch_probe_s")}
         plan_kw = train_plan_kw(run, row)
         rows.append({**compare(net, memory, row["policy"], measured, row["cuda_graph"],
-                               **plan_kw),
+                               staged=row.get("batch_staged", False), **plan_kw),
                      "model": run["model"],
                      "fuse_bn_relu": plan_kw["fuse_bn_relu"] and fuses_a_batch_norm(net)})
     return rows

@@ -196,6 +196,7 @@ def tinysn_row(net, policy, cuda_graph, device, args, host_memory=None) -> dict:
                rebuild_joins=sn.plan.__kwdefaults__["rebuild_joins"],
                fuse_relu=sn.plan.__kwdefaults__["fuse_relu"],
                fuse_bn_relu=args.fuse_bn_relu, fuse_add_relu=args.fuse_add_relu,
+               batch_staged=rt.batch_staged,
                channels_last=sn.plan.__kwdefaults__["channels_last"],
                channels_last_outputs=sorted(rt.plan.channels_last),
                rebuilt_joins=rt.plan.rebuilt_joins,

@@ -242,6 +242,40 @@ def test_cuda_graph_replays_match_eager_bitwise():
             assert torch.equal(value, eager_rt.params()[name]), (policy, name)
 
 
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_a_staged_batch_trains_bitwise_as_one_copied_at_the_step_start():
+    """Where the plan leaves room (sched/staging.py) each batch crosses into its staging span
+    while the last step's backward pass runs, and the step returns at its loss: eager and
+    replayed, that trains bit for bit as a run at a cap with no room (the batch copied at
+    the step's start, the host waiting for the whole step). The staged runs are fed from one
+    pinned buffer overwritten as soon as each step returns (a loader reusing its buffer:
+    the copy must be over by then) and once from the GPU."""
+    def net():
+        return sn.models.resnet(blocks=[1, 1, 1, 1], batch=8, classes=10,
+                                input_shape=(3, 32, 32))
+    gen = torch.Generator().manual_seed(5)
+    batches = [(torch.randn((8, 3, 32, 32), generator=gen),
+                torch.randint(0, 10, (8,), generator=gen)) for _ in range(6)]
+    tight = smallest_cap(net(), "liveness", momentum=0.9, conv_algos={})
+    runs = [sn.Runtime(net(), memory, "liveness", device="cuda", lr=0.05, momentum=0.9,
+                       conv_algos={}, cuda_graph=graph)
+            for memory, graph in ((tight, False), ("1GiB", False), ("1GiB", True))]
+    assert runs[0]._staging is None and runs[1]._staging is not None
+    images, labels = (t.clone().pin_memory() for t in batches[0])
+    for i in range(len(batches)):
+        fed = [(images.cuda(), labels.cuda()) if i == 4 else (images, labels)] * 2
+        losses = [runs[0].step(*batches[i])] + [rt.step(*b) for rt, b in zip(runs[1:], fed)]
+        if i + 1 < len(batches):
+            images.copy_(batches[i + 1][0])
+            labels.copy_(batches[i + 1][1])
+        assert losses[1] == losses[0] and losses[2] == losses[0], i
+    for rt in runs[1:]:
+        assert rt.stats.peak_bytes == rt.plan.peak_bytes
+        for name, value in rt.params().items():
+            assert torch.equal(value, runs[0].params()[name]), name
+
+
 def test_dropout_masks_come_from_a_device_counter_each_training_step_advances():
     """The counter the dropout kernels read is planned in the pool (peak == plan), starts at
     0 and moves by one per training step, never per predict. With lr 0 and one batch, a loss

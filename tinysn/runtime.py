@@ -53,7 +53,7 @@ from .ops import advance_iteration, spec
 from .pool.arena import Arena
 from .sched import liveness
 from .sched import plan as plan_mod
-from .sched import workspace
+from .sched import staging, workspace
 from .sched.timing import DeviceModel, measure_launch_s
 from .sched.plan import (Alloc, Drop, Evict, Free, Hand, Launch, Mark, Offload, Prefetch,
                          Release, Sync, Wait)
@@ -75,7 +75,8 @@ class Stats:
     conv_algos: dict = field(default_factory=dict)
     iterations: int = 0
     step_seconds: float = 0.0   # wall time of the last step, to its loss read (which waits
-                                # for the device): what plan.predicted_step_s predicts
+                                # for the device to reach the loss; on one GPU the rest of
+                                # the step may still run then)
     device: object = field(default=None, repr=False)
 
     @property
@@ -135,6 +136,7 @@ class Runtime:
             self.program, process_group, self.tensors)    # data parallel (distributed.py)
         self._check_on_device(self._cuda and self.grad_sync is None)
         self.images, self.predicting, self._batch = None, False, None
+        self._staging = self._staging_views()
         self._launch = _build_launchers(self.program, data_parallel=self.grad_sync is not None)
         self.cuda_graph = cuda_graph
         self.replay = GraphReplay() if cuda_graph else None   # graphs.py
@@ -220,8 +222,14 @@ class Runtime:
         """One training iteration (forward, backward, SGD update); returns the mean loss.
 
         CPU tensors (pinned or not, e.g. from a DataLoader) are copied straight into the
-        pool's data and labels tensors: feeding from the host keeps every device byte inside
-        the cap. A GPU tensor passed in stays the caller's memory, outside the pool.
+        pool's data and labels tensors (or first into the plan's staging span: _batch_into_pool):
+        feeding from the host keeps every device byte inside the cap. A GPU tensor passed in
+        stays the caller's memory, outside the pool.
+
+        On one GPU the call returns as soon as the loss (and the batch's check) is on the
+        host: the backward pass and the update then still run, in stream order, so anything
+        that reads the pool after it (a step, `params`, `predict`) sees the finished step, and
+        the next batch's copy overlaps them.
         """
         inputs.check_open(self)
         inputs.check_batch(self.net, images, labels, values=False)
@@ -248,10 +256,14 @@ class Runtime:
         writes training state (SGD, batch-norm running statistics, the dropout counter)
         skips its writes where the count is not zero (`gate`), and the count is read with the
         loss (`_finish_step`), which raises then: the host waits for the GPU once a step, not
-        also between the check and the step. Elsewhere (the CPU; a data-parallel rank, whose
+        also between the check and the step, and only until the loss is known
+        (`_loss_to_host`). Elsewhere (the CPU; a data-parallel rank, whose
         all-reduces must not start on a batch it refuses) the check runs here, before the
         step."""
         pool_images, pool_labels = self._batch_in_pool()
+        if self._staging is not None:
+            self._stage(images, labels)
+            return pool_images
         pool_images.copy_(images, non_blocking=images.is_pinned())
         pool_labels.copy_(labels, non_blocking=labels.is_pinned())
         if self.gate is None:
@@ -259,13 +271,67 @@ class Runtime:
             inputs.check_values(pool_images, pool_labels, self.net.classes, flag)
         return pool_images
 
+    @property
+    def batch_staged(self) -> bool:
+        """Whether each batch crosses into the plan's staging span while the last step still
+        runs (sched/staging.py): on one GPU, where the plan left room."""
+        return self._staging is not None
+
+    def _staging_views(self):
+        """(images, labels, stream, event) of batch staging (sched/staging.py): views of the
+        plan's staging span, the stream that copies each batch there and the event it
+        records after; None on the CPU, for a data-parallel rank, or where the plan left no
+        span wide enough."""
+        offset = self.plan.batch_staging
+        if self._loss_event is None or offset is None:
+            return None
+        program = self.program
+        images, labels = (self.tensors[t] for t in (program.act[program.net.data_layer],
+                                                     program.labels))
+        at = offset + staging.labels_offset(images.nbytes)
+        buffer = self.arena.buffer
+        return (buffer[offset:offset + images.nbytes].view(images.dtype).view(images.shape),
+                buffer[at:at + labels.nbytes].view(labels.dtype).view(labels.shape),
+                torch.cuda.Stream(self.device), torch.cuda.Event())
+
+    def _stage(self, images, labels) -> None:
+        """Copy the batch into the staging span: from the host on the staging stream, once
+        the last step's loss event has passed (its forward pass read the span before), so
+        the copy overlaps that step's backward pass; from the device on the compute stream
+        (the caller's tensor may be written there). The compute stream waits for the copy;
+        the step's first operations copy the span into the pool's data and labels blocks
+        (`_unstage`, captured with the step in graph mode)."""
+        staged_images, staged_labels, stream, copied = self._staging
+        compute = torch.cuda.current_stream(self.device)
+        if images.is_cuda or labels.is_cuda:
+            stream = compute
+        else:
+            stream.wait_event(self._loss_event)
+        with torch.cuda.stream(stream):
+            staged_images.copy_(images, non_blocking=images.is_pinned())
+            staged_labels.copy_(labels, non_blocking=labels.is_pinned())
+            copied.record(stream)
+        compute.wait_event(copied)
+
+    def _unstage(self) -> None:
+        """The pool's data and labels blocks = the staging span's batch (a device copy)."""
+        pool_images, pool_labels = self._batch_in_pool()
+        pool_images.copy_(self._staging[0], non_blocking=True)
+        pool_labels.copy_(self._staging[1], non_blocking=True)
+
     def _check_on_device(self, on: bool) -> None:
         """Check each batch in the step, with its verdict read beside the loss (`on`: one
         GPU), or before the step (_batch_into_pool). `gate` is then the pool's `check`
-        float, which the state-writing kernels read, and `_verdict` the host's copy of the
-        loss and that count (pinned on a GPU, so both come back in one wait)."""
+        float, which the state-writing kernels read, `_verdict` the host's copy of the loss
+        and that count (pinned on a GPU, so both come back in one wait) and `_loss_event`
+        the event recorded after those copies in the step (on a GPU; external: a replay
+        records it too), which the host waits for."""
         self.gate = self.view(self.program.check) if on else None
         self._verdict = torch.empty(2, pin_memory=self._cuda) if on else None
+        self._loss_event = torch.cuda.Event(external=True) if on and self._cuda else None
+        self._loss_step = None if not on else next(
+            s.index for s in self.plan.steps
+            if s.phase == "forward" and s.layer == self.net.loss.name)
 
     def _count_bad_values(self) -> None:
         """The pool's `check` float = how many of the batch's values are bad."""
@@ -295,7 +361,10 @@ class Runtime:
         self.images, self._trace = images, []
         rec = self.recorder if self.recorder is not None and self.recorder.begin(self) else None
         execute = self._EXECUTE
-        if until is None and self.gate is not None:
+        training = until is None and self.gate is not None
+        if training:
+            if self._staging is not None:
+                self._unstage()
             self._count_bad_values()
         try:
             for step in self.plan.steps[:until]:
@@ -307,6 +376,8 @@ class Runtime:
                         start = rec.before(op, self)
                         execute[type(op)](self, op)
                         rec.after(start, op, step, self)
+                if training and step.index == self._loss_step:
+                    self._loss_to_host()
             if until is None:            # a training step: the masks' counter moves on
                 advance_iteration(self)
         finally:                         # also after an error: no copy is left in flight
@@ -334,19 +405,27 @@ class Runtime:
     def _step_loss(self) -> float:
         """The step's loss; where the batch was checked in the step, with its count of bad
         values, both in one wait: a bad batch raises here, its step having changed no state."""
-        loss = self.view(self.program.act[self.program.net.loss])
         if self.gate is None:
-            return float(loss[0])
-        self._verdict[0:1].copy_(loss, non_blocking=True)
-        self._verdict[1:2].copy_(self.gate, non_blocking=True)
-        if self._cuda:
-            torch.cuda.current_stream(self.device).synchronize()
+            return float(self.view(self.program.act[self.program.net.loss])[0])
+        if self._loss_event is not None:
+            self._loss_event.synchronize()
         loss, bad = self._verdict.tolist()
         if bad:                         # the recount names what is wrong, and raises
             inputs.check_values(*self._batch_in_pool(), self.net.classes, self.gate)
             raise RuntimeError(f"tinysn bug: the batch check counted {bad:.0f} bad values "
                                f"that a recount did not find")
         return loss
+
+    def _loss_to_host(self) -> None:
+        """In the step, right after the loss's forward kernel: copy the loss and the batch's
+        count of bad values to the host and record `_loss_event` after them, so the host
+        waits only that far (the backward pass and the update queue behind, and the next
+        batch's staging copy waits for this event, not for the step's end)."""
+        loss = self.view(self.program.act[self.program.net.loss])
+        self._verdict[0:1].copy_(loss, non_blocking=True)
+        self._verdict[1:2].copy_(self.gate, non_blocking=True)
+        if self._loss_event is not None:
+            self._loss_event.record(torch.cuda.current_stream(self.device))
 
     # -- inference and state: evaluate.py and checkpoint.py --------------------------
     def predict(self, images):

@@ -1,4 +1,5 @@
 """The step-time model: its queues follow the plan's dependencies and its figures add up."""
+import dataclasses
 import math
 
 import pytest
@@ -18,7 +19,9 @@ def model(**changes):
 
 
 def test_nothing_moved_is_the_batch_copy_then_the_sum_of_kernels():
+    """Unstaged, the batch crosses first and every kernel waits for it."""
     plan = sn.plan(sn.models.resnet(blocks=[1, 1, 1, 1], **NET), "1GiB", "liveness")
+    plan = dataclasses.replace(plan, batch_staging=None)
     tl = timing.simulate(plan, model(launch_s=0.0))
     kernels = [e for e in tl.events if e[0] == "compute"]
     assert len(kernels) == sum(1 for s in plan.steps)
@@ -28,6 +31,25 @@ def test_nothing_moved_is_the_batch_copy_then_the_sum_of_kernels():
     assert tl.step_s == pytest.approx(batch + sum(e[3] - e[2] for e in kernels))
     assert min(e[2] for e in kernels) == batch                  # no kernel before the batch
     assert tl.to_host_s == 0 and tl.to_device_s == batch and tl.bound_by == "compute"
+
+
+def test_a_staged_batch_crosses_while_the_kernels_run():
+    """Staged (sched/staging.py), the next batch's copy overlaps the kernels, which wait only
+    for the device copy out of the staging span: the step is the longer of the two."""
+    plan = sn.plan(sn.models.resnet(blocks=[1, 1, 1, 1], **NET), "1GiB", "liveness")
+    assert plan.batch_staging is not None
+    unstaged = timing.simulate(dataclasses.replace(plan, batch_staging=None),
+                               model(launch_s=0.0))
+    for to_device in (1e9, 1e6):                           # the copy shorter, then longer
+        tl = timing.simulate(plan, model(launch_s=0.0, to_device_bytes_per_s=to_device))
+        kernels = [e for e in tl.events if e[0] == "compute"]
+        batch = timing.batch_bytes(plan) / to_device
+        first = 2 * timing.batch_bytes(plan) / model().bytes_per_s
+        assert min(e[2] for e in kernels) == pytest.approx(first)
+        assert tl.compute_s == pytest.approx(unstaged.compute_s)
+        assert tl.step_s == pytest.approx(max(first + tl.compute_s, batch))
+        assert tl.to_device_s == pytest.approx(batch)
+    assert timing.simulate(plan, model(launch_s=0.0)).step_s < unstaged.step_s
 
 
 def test_launch_cost_bounds_tiny_kernels():

@@ -44,7 +44,7 @@ from ..errors import OutOfMemory
 from ..ops import SPARE, spec
 from ..pool.allocator import BlockAllocator, block_rounded
 from ..units import format_bytes, parse_bytes
-from . import fuse, liveness, offload, recompute, workspace
+from . import fuse, liveness, offload, recompute, staging, workspace
 from .channels_last import outputs as stored_channels_last
 from .liveness import TensorInfo
 
@@ -204,6 +204,8 @@ class Plan:
     device_model: object = None   # the timing.DeviceModel `plan` chose with (None: the H200's)
     channels_last: frozenset = frozenset()  # convs whose outputs are stored channels-last
                                             # (sched/channels_last.py)
+    batch_staging: int | None = None  # the pool offset the runtime copies the next batch to
+                                      # while a step runs; None: no room (sched/staging.py)
 
     def table(self) -> str:
         """Per-step bytes in use and live tensors, as text."""
@@ -1106,6 +1108,7 @@ class _Planner:
         self.rebuilt = set()       # dropped tensors currently rebuilt on the device
         self.steps, self.conv_algos = [], {}
         self.to_host = self.to_device = self.extent = 0
+        self.used = []                   # (start, end) of every device block handed out
         self.where = "setup"
         # stream ordering (see the module docstring)
         self.kernels = 0                 # kernel ops so far in the iteration
@@ -1200,7 +1203,17 @@ class _Planner:
             recomputed_steps=sum(1 for s in self.steps if s.phase == "recompute"),
             conv_algos=self.conv_algos, uses_recompute=self.recompute, program=p,
             small_bytes=self.small_bytes, event_slots=self.n_slots, drops=self.drops,
-            evictions=self.evictions, lookahead=self.lookahead, headroom=self.headroom)
+            evictions=self.evictions, lookahead=self.lookahead, headroom=self.headroom,
+            batch_staging=self._batch_staging())
+
+    def _batch_staging(self) -> int | None:
+        """Where the runtime stages the next batch (sched/staging.py): the highest span no
+        block of this plan ever occupies; None where none is wide enough, or for a
+        data-parallel rank (it checks its batch on the host before its step)."""
+        if self.program.data_parallel:
+            return None
+        span = staging.span_bytes(*staging.batch_nbytes(self.program, self.tensors))
+        return staging.find_span(self.used, self.dev.capacity, span)
 
     def _run_step(self, step):
         self.now = step.index
@@ -1420,6 +1433,7 @@ class _Planner:
             try:
                 block = self.dev.alloc(nbytes, top)
                 self.extent = max(self.extent, block.offset + block.nbytes)
+                self.used.append((block.offset, block.end))
                 return block
             except OutOfMemory:
                 if self.cache is None or not self._evict_one(ops):

@@ -17,10 +17,12 @@ exactly the plan's:
     Mark              records the compute stream's time in an event slot
 
 Before them the step's batch crosses to the device (the runtime copies it into the pool and
-checks it there before the first launch). The iteration ends when all three queues are
-drained (the runtime joins them). The result is a `Timeline`: the predicted step time, what
-bound it, and every kernel and copy with its start and end (what a stream timeline of the
-plan draws).
+checks it there before the first launch); where the plan leaves room to stage it
+(sched/staging.py), the next step's batch crosses while this one computes, on the
+host-to-device queue, and compute starts after a device copy of the batch. The iteration
+ends when all three queues are drained (the runtime joins them). The result is a
+`Timeline`: the predicted step time, what bound it, and every kernel and copy with its
+start and end (what a stream timeline of the plan draws).
 
 The device figures are a model, not a measurement: `DeviceModel.h200()` states the numbers it
 assumes and where they come from; bench/predict.py sets the prediction beside every measured
@@ -32,6 +34,7 @@ from dataclasses import dataclass, field, fields
 
 from ..kernels._common import cdiv
 from ..ops import spec
+from . import staging
 from .plan import Evict, Launch, Mark, Offload, Prefetch, Sync, Wait
 from .workspace import conv_geometry, key_from_text, key_text
 
@@ -253,19 +256,19 @@ def conv_seconds(flops: float, nbytes: float, model: DeviceModel) -> float:
 
 def batch_bytes(plan) -> int:
     """Bytes of the images and labels each step copies from the host into the pool
-    (Runtime._batch_into_pool) before its first launch."""
-    program = plan.program
-    return sum(plan.tensors[t].nbytes
-               for t in (program.act[program.net.data_layer], program.labels))
+    (Runtime._batch_into_pool), before its first launch or, staged, during the step before."""
+    return sum(staging.batch_nbytes(plan.program, plan.tensors))
 
 
 def simulate(plan, model: DeviceModel | None = None) -> Timeline:
     """Walk the plan's operations on three simulated queues (module docstring)."""
     model = model or DeviceModel.h200()
-    # the batch is copied into the pool and checked there before the first launch
+    # the batch crosses to the pool before the first launch, or, staged (sched/staging.py),
+    # the next one crosses during this step while the step starts with a device copy
     batch = batch_bytes(plan) / model.to_device_bytes_per_s
-    host = compute = to_device = batch
-    to_host = 0.0
+    to_device, to_host = batch, 0.0
+    host = compute = batch if plan.batch_staging is None \
+        else 2 * batch_bytes(plan) / model.bytes_per_s
     busy = {"compute": 0.0, "to_host": 0.0, "to_device": batch}
     slots, arrived, events = {}, {}, [("to_device", "batch", 0.0, batch)]
     for step in plan.steps:

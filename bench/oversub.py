@@ -249,7 +249,7 @@ def bound_by(seconds_per_step: float, floor_s: float) -> str:
 
 def tinysn_point(net, cap, device, args):
     """train.tinysn_row for policy "all", eager, plain SGD under `cap` (or its failure)."""
-    run_args = SimpleNamespace(memory=cap, warmup=args.warmup, steps=args.steps,
+    run_args = SimpleNamespace(memory=cap, warmup=args.warmup, steps=args.steps, rounds=1,
                                fuse_bn_relu=sn.plan.__kwdefaults__["fuse_bn_relu"],
                                fuse_add_relu=sn.plan.__kwdefaults__["fuse_add_relu"],
                                **SGD)

@@ -4,11 +4,12 @@
     PYTHONPATH=. python bench/train.py --table bench/results/train-*.json   # README rows
 
 Every configuration runs in this one process and is timed the same way: `--warmup` steps,
-then `--steps` back-to-back training steps between two synchronizations, timed by wall clock;
-images/s = batch * steps / span. Each step takes its batch from host memory (pinned CPU
-tensors), as a data loader hands it over, and each row records `process_peak_bytes`:
-`torch.cuda.max_memory_allocated()` from a reset before its model or Runtime is built to the
-end of its steps (the whole process counted, on both sides).
+then `--rounds` rounds of `--steps` back-to-back training steps, each round between two
+synchronizations and timed by wall clock; images/s = batch * steps / the median round's span
+(the rounds' spread says how far two figures must differ to mean something). Each step takes
+its batch from host memory (pinned CPU tensors), as a data loader hands it over, and each row
+records `process_peak_bytes`: `torch.cuda.max_memory_allocated()` from a reset before its
+model or Runtime is built to the end of its steps (the whole process counted, on both sides).
 
 PyTorch trains the tinysn graph's torch twin (`Net.to_torch()`: the same layers and initial
 parameters) with torch.optim.SGD (the same lr, momentum and weight decay), TF32 on for cuDNN
@@ -28,6 +29,7 @@ import argparse
 import dataclasses
 import gc
 import os
+import statistics
 import sys
 import time
 
@@ -53,11 +55,12 @@ def sync(device) -> None:
         torch.cuda.synchronize()
 
 
-def timed(step, device, warmup: int, steps: int) -> dict:
-    """Run `step` warmup + steps times; time the last `steps` as one wall-clock span between
-    synchronizations. Returns the span, ms per step, every loss, the seconds Python's garbage
-    collector ran inside the span (`gc_s`) and the process's device memory peak since the
-    caller reset it (before building the model or the Runtime).
+def timed(step, device, warmup: int, steps: int, rounds: int = 1) -> dict:
+    """Run `step` warmup + rounds * steps times; time each round of `steps` as one wall-clock
+    span between synchronizations. Returns the median span (`seconds`) and its ms per step,
+    each round's ms per step, every loss, the seconds Python's garbage collector ran inside
+    the spans (`gc_s`) and the process's device memory peak since the caller reset it
+    (before building the model or the Runtime).
 
     Before the timed steps every object alive is moved out of the collector's reach
     (`gc.freeze`): a configuration that follows torch.compile in the same process would
@@ -69,13 +72,17 @@ def timed(step, device, warmup: int, steps: int) -> dict:
     warmup_s = time.perf_counter() - t0
     gc.collect()
     gc.freeze()
+    spans = []
     with GcClock() as collector:
-        t0 = time.perf_counter()
-        losses += [step() for _ in range(steps)]
-        sync(device)
-        span = time.perf_counter() - t0
+        for _ in range(rounds):
+            t0 = time.perf_counter()
+            losses += [step() for _ in range(steps)]
+            sync(device)
+            spans.append(time.perf_counter() - t0)
     gc.unfreeze()
+    span = statistics.median(spans)
     return {"warmup_s": warmup_s, "seconds": span, "ms_per_step": span / steps * 1e3,
+            "round_ms_per_step": [t / steps * 1e3 for t in spans],
             "gc_s": collector.seconds, "losses": [float(x) for x in losses],
             "process_peak_bytes": (torch.cuda.max_memory_allocated()
                                    if device.type == "cuda" else None)}
@@ -119,7 +126,7 @@ def pytorch_row(net, config, device, args) -> dict:
     reset_peak(device)
     step = config_step(net, config, device, dict(lr=args.lr, momentum=args.momentum,
                                                  weight_decay=args.weight_decay))
-    return timed(step, device, args.warmup, args.steps)
+    return timed(step, device, args.warmup, args.steps, args.rounds)
 
 
 def config_step(net, config, device, sgd: dict):
@@ -177,7 +184,7 @@ def tinysn_row(net, policy, cuda_graph, device, args, host_memory=None) -> dict:
     images, labels = host_batch(net, device)
     probed = device.type == "cuda" and not cuda_graph
     before = measure_launch_s(device) if probed else None
-    row = timed(lambda: rt.step(images, labels), device, args.warmup, args.steps)
+    row = timed(lambda: rt.step(images, labels), device, args.warmup, args.steps, args.rounds)
     probe = (before + measure_launch_s(device)) / 2 if probed else None
     timeline = simulate(rt.plan, host_model(rt.plan.device_model, probe))
     row.update(setup_s=setup_s, timed_launch_probe_s=probe, peak_bytes=rt.stats.peak_bytes,
@@ -287,7 +294,9 @@ def parse_args(argv=None):
     ap.add_argument("--memory", default=None,
                     help="tinysn's device cap, its arena (default: 40GiB on a GPU, 1GiB on CPU)")
     ap.add_argument("--policies", default="all", help="tinysn policies, comma-separated")
-    ap.add_argument("--steps", type=int, default=20, help="timed steps per configuration")
+    ap.add_argument("--steps", type=int, default=20, help="timed steps per round")
+    ap.add_argument("--rounds", type=int, default=5,
+                    help="timed rounds per configuration (ms per step: their median)")
     ap.add_argument("--warmup", type=int, default=sn.runtime.GRAPH_WARMUP + 1,
                     help="untimed steps first (compiles, tunes, captures)")
     ap.add_argument("--lr", type=float, default=0.01)
@@ -306,8 +315,9 @@ def parse_args(argv=None):
     common.add_out_argument(ap)
     args = ap.parse_args(argv)
     args.memory = args.memory or ("40GiB" if torch.cuda.is_available() else "1GiB")
-    if args.steps < 1 or args.batch < 1:
-        ap.error(f"--steps and --batch must be at least 1, got {args.steps} and {args.batch}")
+    if min(args.steps, args.batch, args.rounds) < 1:
+        ap.error(f"--steps, --batch and --rounds must be at least 1, got {args.steps}, "
+                 f"{args.batch} and {args.rounds}")
     if torch.cuda.is_available() and args.warmup < sn.runtime.GRAPH_WARMUP + 1:
         ap.error(f"--warmup must be at least {sn.runtime.GRAPH_WARMUP + 1} on a GPU, so "
                  f"the graphed rows time replays only; got {args.warmup}")
@@ -330,7 +340,8 @@ def main(argv=None) -> dict:
     net = MODELS[args.model](batch=args.batch)
     skip_compile = args.no_compile or not cuda
     result = {"model": args.model, "batch": args.batch, "steps": args.steps,
-              "warmup": args.warmup, "timer": "wall clock over the timed steps, synchronized",
+              "rounds": args.rounds, "warmup": args.warmup,
+              "timer": "wall clock over each round of steps, synchronized; the median round",
               "sgd": {"lr": args.lr, "momentum": args.momentum,
                       "weight_decay": args.weight_decay},
               "torch_compile": "skipped" + (" (--no-compile)" if args.no_compile else

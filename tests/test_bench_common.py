@@ -89,7 +89,7 @@ def test_train_bench_smoke_on_the_cpu(tmp_path):
     from bench import train
     out = tmp_path / "train.json"
     train.main(["--model", "lenet", "--batch", "2", "--steps", "1", "--warmup", "1",
-                "--out", str(out)])
+                "--rounds", "1", "--out", str(out)])
     run = json.loads(out.read_text())
     assert run["torch_compile"].startswith("skipped")
     assert [r["config"] for r in run["pytorch"]] == ["eager NCHW", "eager channels-last"]
@@ -113,7 +113,7 @@ def test_train_bench_plans_batch_norm_relus_apart_when_asked(tmp_path):
     from bench import train
     out = tmp_path / "apart.json"
     train.main(["--model", "lenet", "--batch", "2", "--steps", "1", "--warmup", "1",
-                "--no-compile", "--no-fuse-bn-relu", "--out", str(out)])
+                "--rounds", "1", "--no-compile", "--no-fuse-bn-relu", "--out", str(out)])
     run = json.loads(out.read_text())
     eager, graph = run["tinysn"]
     assert eager["fuse_bn_relu"] is False and eager["peak_equals_plan"]
@@ -139,6 +139,22 @@ def test_timed_steps_run_with_older_objects_frozen_and_count_collections():
     assert seen[0] == 0 and min(seen[1:]) >= len(junk)      # frozen for the timed steps only
     assert gc.get_freeze_count() == 0
     assert 0 < row["gc_s"] <= row["seconds"]
+
+
+def test_timed_steps_take_the_median_round():
+    """With --rounds, each round of steps is one span; the figure is the median round's."""
+    import time
+
+    from bench import train
+    waits = iter([0.0, 0.03, 0.03, 0.0, 0.0, 0.01, 0.01])   # warm-up, then three rounds of 2
+
+    def step():
+        time.sleep(next(waits))
+        return 0.0
+    row = train.timed(step, torch.device("cpu"), warmup=1, steps=2, rounds=3)
+    first, second, third = row["round_ms_per_step"]
+    assert first >= 30 and second < 10 <= third < 30
+    assert row["ms_per_step"] == third and len(row["losses"]) == 7
 
 
 def test_runtime_memory_puts_the_pool_peak_beside_the_plan_and_the_process():

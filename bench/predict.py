@@ -66,6 +66,12 @@ def plan_as_run(net, memory, policy, host_memory=None, **plan_kw):
                    rankings=conv_times and workspace.rankings_of(conv_times), **plan_kw)
 
 
+def staged_as_run(plan, staged: bool):
+    """`plan` as a run ran it that staged its batches (`staged`, sched/staging.py) or copied
+    each at its step's start (every run before staging, whatever room its plan left)."""
+    return plan if staged else dataclasses.replace(plan, batch_staging=None)
+
+
 def train_plan_kw(run: dict, row: dict) -> dict:
     """The planner options a train.py row ran with (a missing one as planners before it)."""
     return dict(momentum=run["sgd"]["momentum"],
@@ -87,9 +93,7 @@ def compare(net, memory, policy, measured: dict, graphed=False, host_memory=None
     bytes moved say the plan made here is the one that ran. A run that did not stage its
     batches (`staged`) is simulated with the batch copied at each step's start."""
     conv_times = plan_kw["device_model"].conv_times     # measured where the run had them
-    plan = plan_as_run(net, memory, policy, host_memory, **plan_kw)
-    if not staged:
-        plan = dataclasses.replace(plan, batch_staging=None)
+    plan = staged_as_run(plan_as_run(net, memory, policy, host_memory, **plan_kw), staged)
     # the run's host, where it probed it: beside the timed steps, else when it planned
     probe = measured.get("probe") or plan_kw["device_model"].launch_probe_s
     timeline = simulate(plan, DeviceModel.h200(graphed=graphed, conv_times=conv_times,

@@ -252,6 +252,9 @@ def label(row: dict, model: str = "") -> str:
         name = f'tinysn "{row["policy"]}", ' + ("CUDA graph" if row["cuda_graph"] else "eager")
         name += ", batch norms' ReLUs apart" if row.get("fuse_bn_relu") is False else ""
         name += ", adds' ReLUs apart" if row.get("fuse_add_relu") is False else ""
+        # a measured row without the field ran before sched/staging.py
+        name += ", batch copied at the step's start" if "ms_per_step" in row \
+            and "batch_staged" not in row else ""
     return f"{model}, {name}" if model else name
 
 

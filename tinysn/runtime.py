@@ -278,10 +278,11 @@ class Runtime:
         return self._staging is not None
 
     def _staging_views(self):
-        """(images, labels, stream, event) of batch staging (sched/staging.py): views of the
-        plan's staging span, the stream that copies each batch there and the event it
-        records after; None on the CPU, for a data-parallel rank, or where the plan left no
-        span wide enough."""
+        """(images, labels, stream, copied, copied_out) of batch staging (sched/staging.py):
+        views of the plan's staging span, the stream that copies each batch there, the event
+        it records after and the one a step records once it has copied the span out (external:
+        a replay records it too); None on the CPU, for a data-parallel rank, or where the plan
+        left no span wide enough."""
         offset = self.plan.batch_staging
         if self._loss_event is None or offset is None:
             return None
@@ -292,21 +293,20 @@ class Runtime:
         buffer = self.arena.buffer
         return (buffer[offset:offset + images.nbytes].view(images.dtype).view(images.shape),
                 buffer[at:at + labels.nbytes].view(labels.dtype).view(labels.shape),
-                torch.cuda.Stream(self.device), torch.cuda.Event())
+                torch.cuda.Stream(self.device), torch.cuda.Event(),
+                torch.cuda.Event(external=True))
 
     def _stage(self, images, labels) -> None:
         """Copy the batch into the staging span: from the host on the staging stream, once
-        the last step's loss event has passed (its forward pass read the span before), so
-        the copy overlaps that step's backward pass; from the device on the compute stream
-        (the caller's tensor may be written there). The compute stream waits for the copy;
-        the step's first operations copy the span into the pool's data and labels blocks
-        (`_unstage`, captured with the step in graph mode)."""
-        staged_images, staged_labels, stream, copied = self._staging
+        the last step has copied the span out (its first operations: `_unstage`), so the
+        copy overlaps the rest of that step; from the device on the compute stream (the
+        caller's tensor may be written there). The compute stream waits for the copy."""
+        staged_images, staged_labels, stream, copied, copied_out = self._staging
         compute = torch.cuda.current_stream(self.device)
         if images.is_cuda or labels.is_cuda:
             stream = compute
         else:
-            stream.wait_event(self._loss_event)
+            stream.wait_event(copied_out)
         with torch.cuda.stream(stream):
             staged_images.copy_(images, non_blocking=images.is_pinned())
             staged_labels.copy_(labels, non_blocking=labels.is_pinned())
@@ -314,10 +314,14 @@ class Runtime:
         compute.wait_event(copied)
 
     def _unstage(self) -> None:
-        """The pool's data and labels blocks = the staging span's batch (a device copy)."""
+        """The step's first operations (captured with it in graph mode): the pool's data and
+        labels blocks = the staging span's batch (a device copy), then the event the next
+        batch's copy into the span waits for."""
+        staged_images, staged_labels, _, _, copied_out = self._staging
         pool_images, pool_labels = self._batch_in_pool()
-        pool_images.copy_(self._staging[0], non_blocking=True)
-        pool_labels.copy_(self._staging[1], non_blocking=True)
+        pool_images.copy_(staged_images, non_blocking=True)
+        pool_labels.copy_(staged_labels, non_blocking=True)
+        copied_out.record(torch.cuda.current_stream(self.device))
 
     def _check_on_device(self, on: bool) -> None:
         """Check each batch in the step, with its verdict read beside the loss (`on`: one
@@ -419,8 +423,7 @@ class Runtime:
     def _loss_to_host(self) -> None:
         """In the step, right after the loss's forward kernel: copy the loss and the batch's
         count of bad values to the host and record `_loss_event` after them, so the host
-        waits only that far (the backward pass and the update queue behind, and the next
-        batch's staging copy waits for this event, not for the step's end)."""
+        waits only that far (the backward pass and the update queue behind it)."""
         loss = self.view(self.program.act[self.program.net.loss])
         self._verdict[0:1].copy_(loss, non_blocking=True)
         self._verdict[1:2].copy_(self.gate, non_blocking=True)

@@ -6,12 +6,12 @@ copied into the data tensor's block before the step is over: copied there, its h
 copy (19 MB for 32 images of 224x224, ~0.4 ms at PCIe 5 rates) would precede every step's
 first kernel. Where the plan leaves a span of the pool that none of its blocks ever occupies
 (setup or step) wide enough for the images and the labels, the runtime copies each batch
-into that span on a stream of its own, once the previous step's loss is known (its forward
-pass, which took its batch from the span, is then over) and while that step's backward pass
-still runs; the step then starts with one device-to-device copy from the span into the data
-and labels blocks (Runtime._batch_into_pool). The span is inside the pool: staging costs no
-byte outside the cap, and a plan that leaves no such span copies the batch at the step's
-start as before.
+into that span on a stream of its own as soon as the previous step has copied the span out
+(with one device-to-device copy into the data and labels blocks, its first operation) and
+the host has the batch: the host gets it once that step's loss is known (Runtime.step
+returns then), so the copy overlaps that step's backward pass (Runtime._batch_into_pool).
+The span is inside the pool: staging costs no byte outside the cap, and a plan that leaves
+no such span copies the batch at the step's start.
 
 The planner finds the span as it finishes a plan (`Plan.batch_staging`) and the step-time
 model (timing.simulate) counts the copy as overlapping compute where there is one.

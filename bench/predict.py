@@ -18,11 +18,8 @@ a missing `keep_pools` False (no pooling output kept), a missing `evict_by_next_
 False (the cache evicts the least recently used), a missing `rebuild_joins` False (no
 join rebuilt by `plan._rebuild_joins`), a missing `fuse_relu` False (every ReLU its own
 layer), a missing `fuse_bn_relu` False (no batch norm's ReLU fused) and a missing
-`fuse_add_relu` False (no residual add's ReLU fused), except in a train.py run from
-ADDS_FUSED_FROM on (its envelope's date): the build that fused them by default made it
-before its rows recorded the option. A run without `batch_staged` copied each batch at its
-steps' start (sched/staging.py came later). The prediction
-itself always
+`fuse_add_relu` False (no residual add's ReLU fused). A run without `batch_staged` copied
+each batch at its steps' start (sched/staging.py came later). The prediction itself always
 uses today's model (DeviceModel.h200, with the conv times the run measured and its probe
 of the host, beside its timed steps or else when it planned, where it recorded them), so
 the table shows how well today's model explains every measured step.
@@ -46,10 +43,6 @@ from tinysn.units import format_bytes  # noqa: E402
 # The device figures planners chose with before runs recorded their `device_model`.
 PLANNED_BEFORE = DeviceModel(flops_per_s=100e12, bytes_per_s=3.0e12, to_host_bytes_per_s=55e9,
                              to_device_bytes_per_s=55e9, launch_s=16e-6)
-
-# The first train.py run of the build whose planner fused the residual adds' ReLUs by
-# default (ResNet-50's, its envelope's date), before rows recorded `fuse_add_relu`.
-ADDS_FUSED_FROM = "2026-12-04 14:00"
 
 
 def planned_with(row: dict) -> DeviceModel:
@@ -81,8 +74,7 @@ def train_plan_kw(run: dict, row: dict) -> dict:
                 rebuild_joins=row.get("rebuild_joins", False),
                 fuse_relu=row.get("fuse_relu", False),
                 fuse_bn_relu=row.get("fuse_bn_relu", False),
-                fuse_add_relu=row.get("fuse_add_relu", run["environment"]["date"]
-                                      >= ADDS_FUSED_FROM),
+                fuse_add_relu=row.get("fuse_add_relu", False),
                 device_model=planned_with(row))
 
 

@@ -5,6 +5,7 @@ import torch
 import tinysn as sn
 import tinysn.testing as snt
 from tinysn.ops import spec
+from tinysn.sched import plan as plan_mod
 from tinysn.sched.fuse import fuse_relus
 
 
@@ -165,6 +166,21 @@ def test_past_its_cap_a_plan_keeps_the_adds_relus_apart():
     assert fused_adds(sn.plan(net, "64MiB", "baseline")) == {"a1", "a2"}
     assert not fused_adds(sn.plan(net, "64MiB", "baseline", fuse_add_relu=False))
     snt.check_equivalent(net, ["baseline", "all"], steps=2)     # each at its smallest cap
+
+
+def test_whether_the_adds_fit_unmoved_is_asked_once_for_both_eviction_orders(monkeypatch):
+    """The no-drop run that decides the adds' ReLUs evicts nothing where it fits unmoved, so
+    its answer holds for either eviction order: fits() asks it once where it tries both
+    orders (the net does not fit), and plan() at most once."""
+    net = _add_net()
+    smallest = snt.smallest_cap(net, "all")
+    asked, ask = [], plan_mod._fits_unmoved
+    monkeypatch.setattr(plan_mod, "_fits_unmoved", lambda s: asked.append(s) or ask(s))
+    assert not plan_mod.fits(net, smallest - 4096, "all")
+    assert len(asked) == 1
+    asked.clear()
+    assert sn.plan(net, int(smallest * 1.05), "all").bytes_to_host
+    assert len(asked) == 1
 
 
 @pytest.mark.gpu

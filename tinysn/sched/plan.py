@@ -393,7 +393,7 @@ def plan(net, memory, policy: str = "all", *, momentum: float = 0.0, conv_algos=
     if not isinstance(channels_last, bool):
         raise ValueError(f"channels_last must be a bool, got {channels_last!r}")
 
-    def search(by_next_use):
+    def search(by_next_use, unmoved=None):
         return _search(net, memory, policy, momentum=momentum, conv_algos=conv_algos,
                        checkpoints=checkpoints, block_bytes=block_bytes, layout=layout,
                        host_memory=host_memory, rankings=rankings,
@@ -403,7 +403,7 @@ def plan(net, memory, policy: str = "all", *, momentum: float = 0.0, conv_algos=
                        in_place_gradients=in_place_gradients, keep_pools=keep_pools,
                        evict_by_next_use=by_next_use, rebuild_joins=rebuild_joins,
                        fuse_relu=fuse_relu, fuse_bn_relu=fuse_bn_relu,
-                       fuse_add_relu=fuse_add_relu)
+                       fuse_add_relu=fuse_add_relu, fits_unmoved=unmoved)
     lru = search(False)             # checks every argument before anything is planned
     try:
         candidates = [(lru, _choose(lru, policy))]     # (search, its plan)
@@ -413,7 +413,8 @@ def plan(net, memory, policy: str = "all", *, momentum: float = 0.0, conv_algos=
         candidates = []
     if evict_by_next_use and policy == "all" and (
             not candidates or _refetches(lru.write_back_early(candidates[0][1]))):
-        candidates += _next_use_candidate(search(True), fallback=candidates)
+        candidates += _next_use_candidate(search(True, lru.fits_unmoved),
+                                          fallback=candidates)
     if policy == "all":
         candidates += [c for s, p in list(candidates) for c in _untraded_candidate(s, p)]
         candidates = [(s, _rebuild_joins(s, p)) for s, p in candidates]
@@ -482,10 +483,13 @@ def _search(net, memory, policy, *, momentum, conv_algos, checkpoints, block_byt
             trade_budget=TRADE_BUDGET, lookahead=None, device_model=None,
             in_place_gradients=True, keep_pools=True,
             evict_by_next_use=True, rebuild_joins=True, fuse_relu=True,
-            fuse_bn_relu=True, fuse_add_relu=True) -> "_Search":
+            fuse_bn_relu=True, fuse_add_relu=True, fits_unmoved=None) -> "_Search":
     """Check `plan`'s arguments (before any state changes) and set up its runs: of `net`,
     or with `fuse_relu` of its fused net (fuse.fuse_relus; its residual adds' ReLUs apart
-    where, fused, the net would not fit unmoved: `_fits_unmoved`)."""
+    where, fused, the net would not fit unmoved: `_fits_unmoved`, or `fits_unmoved` where a
+    search of the other eviction order found it: the no-drop run that decides evicts
+    nothing where it fits unmoved, so the order cannot change the answer). The search's
+    `fits_unmoved` keeps the answer (None where nothing asked)."""
     if layout not in ("auto", "first_fit", "two_ended"):
         raise ValueError(f"layout must be 'auto', 'first_fit' or 'two_ended', got {layout!r}")
     if policy not in POLICIES:
@@ -532,9 +536,14 @@ def _search(net, memory, policy, *, momentum, conv_algos, checkpoints, block_byt
     fused = fuse.fuse_relus(net, batch_norms=fuse_bn_relu, adds=fuse_add_relu)
     search = searching(fused)
     fused_adds = any(layer.op == "add" and layer.attrs.get("relu") for layer in fused.layers)
-    if not fused_adds or policy in ("baseline", "liveness") or _fits_unmoved(search):
+    if not fused_adds or policy in ("baseline", "liveness"):
         return search
-    return searching(fuse.fuse_relus(net, batch_norms=fuse_bn_relu, adds=False))
+    if fits_unmoved is None:
+        fits_unmoved = _fits_unmoved(search)
+    if not fits_unmoved:
+        search = searching(fuse.fuse_relus(net, batch_norms=fuse_bn_relu, adds=False))
+    search.fits_unmoved = fits_unmoved
+    return search
 
 
 def _fits_unmoved(search) -> bool:
@@ -900,6 +909,7 @@ class _Search:
         self._written_back = {}   # (id(plan), host cap) -> (plan, write_back_early(plan))
         self.trade_budget, self.lookahead = trade_budget, lookahead
         self.device_model = device_model
+        self.fits_unmoved = None  # the adds' ReLUs' question, where asked (`_search`)
         self.exact = policy != "all" and layout != "two_ended"
         self.layouts = ([0] if policy == "all" and layout != "two_ended" else []) + \
                        ([None] if layout != "first_fit" else [])   # None: small_bytes_for(cap)
@@ -1059,12 +1069,12 @@ def fits(net, memory, policy: str = "all", **kwargs) -> bool:
     if kwargs["evict_by_next_use"] and policy == "all":
         orders.append(True)
     for by_next_use in orders:
+        search = _search(net, memory, policy, **{**kwargs, "evict_by_next_use": by_next_use})
         try:
-            _choose(_search(net, memory, policy, **{**kwargs, "evict_by_next_use": by_next_use}),
-                    policy, any_fit=True)
+            _choose(search, policy, any_fit=True)
             return True
         except OutOfMemory:
-            continue
+            kwargs["fits_unmoved"] = search.fits_unmoved   # the next order's answer too
     return False
 
 

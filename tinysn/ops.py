@@ -317,13 +317,21 @@ def _bn_workspace(layer, phase) -> int:
     return bn_k.workspace_bytes(tuple(layer.shape), phase)
 
 
-def _bn_cost(layer, phase) -> tuple:
-    """An elementwise-like layer's (`_streamed`), and in a backward pass that masks dy
-    for a fused ReLU, that pass too (it reads y and dy and writes dy: three times y)."""
-    flops, nbytes = _streamed(layer, phase)
-    if phase == "backward" and _masks_dy(layer):
-        return flops + layer.numel, nbytes + 3 * 4 * layer.numel
-    return flops, nbytes
+def _masking_cost(mask_floats: int):
+    """The cost of a layer that may store a fused ReLU: an elementwise layer's
+    (`_streamed`), and in a backward pass that masks dy, one flop and `mask_floats` more
+    floats moved per element."""
+    def cost(layer, phase) -> tuple:
+        flops, nbytes = _streamed(layer, phase)
+        if phase == "backward" and _masks_dy(layer):
+            return flops + layer.numel, nbytes + mask_floats * 4 * layer.numel
+        return flops, nbytes
+    return cost
+
+
+# a batch norm masks dy in a pass of its own (it reads y and dy and writes dy); an add reads
+# y beside the dy it fans out
+_bn_cost, _add_cost = _masking_cost(3), _masking_cost(1)
 
 
 def _bn_launches(layer, phase, algos) -> int:
@@ -474,15 +482,6 @@ def _add_backward(program, lp):
     y = _act(program, layer) if _masks_dy(layer) else _optional(None)
     return lambda rt, algos, ws: join_k.add_backward(g.dy(rt), [dx(rt) for dx in g.dx],
                                                      accumulate=g.accumulate, y=y(rt))
-
-
-def _add_cost(layer, phase) -> tuple:
-    """An elementwise layer's (`_streamed`), and in a backward pass that masks dy for a
-    fused ReLU, y read beside dy."""
-    flops, nbytes = _streamed(layer, phase)
-    if phase == "backward" and _masks_dy(layer):
-        return flops + layer.numel, nbytes + 4 * layer.numel
-    return flops, nbytes
 
 
 def _concat_forward(program, layer, update_running):

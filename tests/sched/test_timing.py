@@ -34,8 +34,9 @@ def test_nothing_moved_is_the_batch_copy_then_the_sum_of_kernels():
 
 
 def test_a_staged_batch_crosses_while_the_kernels_run():
-    """Staged (sched/staging.py), the next batch's copy overlaps the kernels, which wait only
-    for the device copy out of the staging span: the step is the longer of the two."""
+    """Staged (sched/staging.py), the kernels wait only for the device copy out of the
+    staging span, and the next batch crosses once the loss is known (the host has it then),
+    beside the backward pass: the step is the longer of the two."""
     plan = sn.plan(sn.models.resnet(blocks=[1, 1, 1, 1], **NET), "1GiB", "liveness")
     assert plan.batch_staging is not None
     unstaged = timing.simulate(dataclasses.replace(plan, batch_staging=None),
@@ -43,11 +44,14 @@ def test_a_staged_batch_crosses_while_the_kernels_run():
     for to_device in (1e9, 1e6):                           # the copy shorter, then longer
         tl = timing.simulate(plan, model(launch_s=0.0, to_device_bytes_per_s=to_device))
         kernels = [e for e in tl.events if e[0] == "compute"]
+        loss = next(e for e in kernels if e[1] == "forward loss")
+        copy = next(e for e in tl.events if e[0] == "to_device")
         batch = timing.batch_bytes(plan) / to_device
         first = 2 * timing.batch_bytes(plan) / model().bytes_per_s
         assert min(e[2] for e in kernels) == pytest.approx(first)
+        assert copy[1:] == ("next batch", loss[3], pytest.approx(loss[3] + batch))
         assert tl.compute_s == pytest.approx(unstaged.compute_s)
-        assert tl.step_s == pytest.approx(max(first + tl.compute_s, batch))
+        assert tl.step_s == pytest.approx(max(first + tl.compute_s, loss[3] + batch))
         assert tl.to_device_s == pytest.approx(batch)
     assert timing.simulate(plan, model(launch_s=0.0)).step_s < unstaged.step_s
 

@@ -18,8 +18,8 @@ exactly the plan's:
 
 Before them the step's batch crosses to the device (the runtime copies it into the pool and
 checks it there before the first launch); where the plan leaves room to stage it
-(sched/staging.py), the next step's batch crosses while this one computes, on the
-host-to-device queue, and compute starts after a device copy of the batch. The iteration
+(sched/staging.py), compute starts after a device copy of the batch, and the next step's
+batch crosses on the host-to-device queue once this step's loss is known. The iteration
 ends when all three queues are drained (the runtime joins them). The result is a
 `Timeline`: the predicted step time, what bound it, and every kernel and copy with its
 start and end (what a stream timeline of the plan draws).
@@ -263,15 +263,22 @@ def batch_bytes(plan) -> int:
 def simulate(plan, model: DeviceModel | None = None) -> Timeline:
     """Walk the plan's operations on three simulated queues (module docstring)."""
     model = model or DeviceModel.h200()
-    # the batch crosses to the pool before the first launch, or, staged (sched/staging.py),
-    # the next one crosses during this step while the step starts with a device copy
+    # unstaged, the batch crosses to the pool before the first launch; staged
+    # (sched/staging.py), the step starts with a device copy out of the staging span, and
+    # the next batch crosses once this step's loss is known (the host has it then)
     batch = batch_bytes(plan) / model.to_device_bytes_per_s
-    to_device, to_host = batch, 0.0
-    host = compute = batch if plan.batch_staging is None \
-        else 2 * batch_bytes(plan) / model.bytes_per_s
+    staged = plan.batch_staging is not None
+    host = compute = 2 * batch_bytes(plan) / model.bytes_per_s if staged else batch
+    to_device, to_host = (0.0 if staged else batch), 0.0
     busy = {"compute": 0.0, "to_host": 0.0, "to_device": batch}
-    slots, arrived, events = {}, {}, [("to_device", "batch", 0.0, batch)]
+    slots, arrived = {}, {}
+    events = [] if staged else [("to_device", "batch", 0.0, batch)]
+    loss = plan.program.net.loss.name
     for step in plan.steps:
+        if staged and step.phase == "backward" and step.layer == loss:
+            start = max(to_device, compute)          # the loss's forward is over
+            to_device = start + batch
+            events.append(("to_device", "next batch", start, to_device))
         for op in step.ops:
             if isinstance(op, Launch):
                 host += model.launch_s

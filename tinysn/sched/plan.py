@@ -521,12 +521,13 @@ def _search(net, memory, policy, *, momentum, conv_algos, checkpoints, block_byt
         program = liveness.Program(planned, momentum=momentum, data_parallel=data_parallel,
                                    bucket_bytes=bucket_bytes,
                                    in_place_gradients=in_place_gradients)
+        roles = {}          # drops -> the tensors' roles, shared by the search's runs
 
         def make(cap, drops, small, floor=False, early=None, lookahead=1, headroom=None):
             return _Planner(program, cap, policy, conv_algos, checkpoints, block_bytes, drops,
                             small, host_capacity, rankings, floor=floor, early=early,
                             lookahead=lookahead, headroom=headroom,
-                            evict_by_next_use=evict_by_next_use)
+                            evict_by_next_use=evict_by_next_use, roles=roles)
         return _Search(make, capacity, policy, layout, block_bytes, host_capacity,
                        early_write_back, trade_budget, lookahead, device_model, keep_pools,
                        rebuild_joins)
@@ -1084,12 +1085,14 @@ class _Planner:
     def __init__(self, program, capacity, policy, conv_algos, checkpoints, block_bytes,
                  drops=None, small_bytes=0, host_capacity=HOST_CAPACITY, rankings=None,
                  floor=False, early=None, lookahead=1, headroom=None,
-                 evict_by_next_use=False):
+                 evict_by_next_use=False, roles=None):
         """`floor=True` also records `floor` (see `_track_floor`); else `floor` is None.
         `early` (offload.EarlyWriteBacks): the victims to write back ahead of eviction.
         `lookahead` > 1 (with `headroom`, offload.Headroom, the first pass's free bytes):
         how many layer passes before its use a prefetch may be issued.
-        `evict_by_next_use`: the cache's victim is the member used furthest ahead (`plan`)."""
+        `evict_by_next_use`: the cache's victim is the member used furthest ahead (`plan`).
+        `roles` (a dict the runs of one search share): the tensors' roles by `drops`, which
+        they depend on alone there (`_choose_roles`), made once per variant."""
         self.program = program
         self.lookahead, self.headroom = lookahead, headroom
         self.room = headroom.fresh() if headroom is not None else None
@@ -1129,10 +1132,24 @@ class _Planner:
         self.reading = {}                # tid -> slot of a copy reading its device block
         self.dev_freed = offload.FreedRanges()
         self.host_freed = offload.FreedRanges()
-        self._choose_roles(checkpoints)
+        self._choose_roles(checkpoints, roles)
 
     # -- which tensors get which treatment --------------------------------------------
-    def _choose_roles(self, checkpoints):
+    def _choose_roles(self, checkpoints, roles=None):
+        """Which tensors this run drops and rebuilds (`dropped`, `schedule`, the `uses` that
+        rebuilds add), copies out (`offloaded`) and last reads in the forward pass: from
+        `roles` where a run of the same search and drops made them (none changes them)."""
+        made = roles.get(self.drops) if roles is not None else None
+        if made is None:
+            self._make_roles(checkpoints)
+            made = (self.dropped, self.schedule, self.uses, self.offloaded,
+                    self.last_forward_use)
+            if roles is not None:
+                roles[self.drops] = made
+        (self.dropped, self.schedule, self.uses, self.offloaded,
+         self.last_forward_use) = made
+
+    def _make_roles(self, checkpoints):
         p = self.program
         ckpt = offload.checkpoint_layers(p, checkpoints) if self.always_offload else set()
         variant, extra = recompute.split(self.drops)

@@ -25,7 +25,11 @@ the events the plan names; the host never waits mid-step, the streams join at it
 kernel launches on views of the arena, each reading its tensors through `Tensor.view()`,
 which raises if a tensor is freed, dropped or still in flight (so a scheduling bug cannot
 silently compute wrong numbers).
-`rt.recorder = tinysn.trace.Recorder()` times every kernel and copy walked (a Chrome trace).
+On one GPU the step returns once its loss is on the host, the rest of it running on in
+stream order, and where the plan leaves a span of the pool no block uses
+(`Plan.batch_staging`, sched/staging.py) the next batch crosses into it meanwhile, on a
+stream of its own. `rt.recorder = tinysn.trace.Recorder()` times every kernel and copy
+walked (a Chrome trace).
 
 Nothing a Runtime holds refers back to it (plan operations dispatch through the class table
 `_EXECUTE`; the kernel launchers and the graph replay are passed the runtime at each call),

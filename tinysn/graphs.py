@@ -7,7 +7,10 @@ steps eagerly (they compile and tune every kernel; a capture must not), then han
 to its `GraphReplay`: the first one captures the plan's walk (the allocator and every check
 run in Python as always, so the captured pass verifies peak == plan) and replays it; later
 ones replay on the batch the Runtime copied into the pool's data and labels tensors at
-their planned offsets (the graph reads fixed addresses inside the pool). Changing lr,
+their planned offsets, or, staged, into the plan's staging span, which the captured step
+copies from first (the graph reads fixed addresses inside the pool); the events after that
+copy and after the loss are external, so each replay records them for the host and the
+staging stream. Changing lr,
 momentum or weight_decay (or the seed, which load_state_dict may set) triggers a new
 capture (they are launch arguments). Dropout replays too: its kernels read the iteration
 from a counter in the pool, and the kernel that advances it at the end of the step is part

@@ -20,8 +20,7 @@ def predict(rt, images) -> torch.Tensor:
     if n < net.batch:
         pad = images.new_zeros((net.batch - n, *images.shape[1:]))
         images = torch.cat([images, pad])
-    stop = next(s.index for s in rt.plan.steps
-                if s.phase == "forward" and s.layer == net.loss.name)
+    stop = rt.plan.loss_step
     rt.predicting = True
     try:
         rt._walk(images, None, until=stop)

@@ -337,9 +337,7 @@ class Runtime:
         self.gate = self.view(self.program.check) if on else None
         self._verdict = torch.empty(2, pin_memory=self._cuda) if on else None
         self._loss_event = torch.cuda.Event(external=True) if on and self._cuda else None
-        self._loss_step = None if not on else next(
-            s.index for s in self.plan.steps
-            if s.phase == "forward" and s.layer == self.net.loss.name)
+        self._loss_step = self.plan.loss_step if on else None
 
     def _count_bad_values(self) -> None:
         """The pool's `check` float = how many of the batch's values are bad."""

@@ -216,6 +216,13 @@ class Plan:
         return "\n".join(rows)
 
     @property
+    def loss_step(self) -> int:
+        """Index of the step that runs the loss's forward pass: where a prediction stops
+        and where a training step has its loss."""
+        loss = self.net.loss.name
+        return next(s.index for s in self.steps if s.phase == "forward" and s.layer == loss)
+
+    @property
     def predicted_step_s(self) -> float:
         """Seconds one iteration takes by the step-time model it was planned with
         (sched/timing.py; `device_model`): kernels from their flops and bytes, copies at

@@ -266,9 +266,10 @@ def simulate(plan, model: DeviceModel | None = None) -> Timeline:
     # unstaged, the batch crosses to the pool before the first launch; staged
     # (sched/staging.py), the step starts with a device copy out of the staging span, and
     # the next batch crosses once this step's loss is known (the host has it then)
-    batch = batch_bytes(plan) / model.to_device_bytes_per_s
+    nbytes = batch_bytes(plan)
+    batch = nbytes / model.to_device_bytes_per_s
     staged = plan.batch_staging is not None
-    host = compute = 2 * batch_bytes(plan) / model.bytes_per_s if staged else batch
+    host = compute = 2 * nbytes / model.bytes_per_s if staged else batch
     to_device, to_host = (0.0 if staged else batch), 0.0
     busy = {"compute": 0.0, "to_host": 0.0, "to_device": batch}
     slots, arrived = {}, {}

@@ -439,11 +439,14 @@ def _untraded_candidate(search, traded: Plan) -> list:
     search is greedy from where it starts, so a traded plan may leave the join rebuilding
     (`_rebuild_joins`, which both then go through) less to gain than the untraded one (a
     random net, PCIe starved: 1.74 ms traded against 1.23 without); the faster is kept, so
-    trading never makes the chosen step slower where joins are rebuilt. Where the join
-    search would not run on `traded` (nothing moves, no join to rebuild, or compute waits
-    too little: `_join_candidates`) there is no second candidate: its prefetch distances
-    alone took ResNet-152's plan at batch 256 under 12 GiB past test_plan's 40 s bound."""
-    if search.trade_budget == 0 or not _join_candidates(search, traded)[0]:
+    trading never makes the chosen step slower where joins are rebuilt. The trade may
+    leave `traded` no join to rebuild where the untraded plan has some (a random net: the
+    trade rebuilds a ReLU that the untraded search rebuilds with two concats, 2.58 against
+    2.19 ms), so only where rebuilding could not gain on `traded` at all (`_copies_stall`:
+    nothing moves, or compute waits too little) there is no second candidate: its prefetch
+    distances alone took ResNet-152's plan at batch 256 under 12 GiB past test_plan's 40 s
+    bound."""
+    if search.trade_budget == 0 or _copies_stall(search, traded) is None:
         return []
     budget, search.trade_budget = search.trade_budget, 0
     try:
@@ -791,23 +794,33 @@ def _rebuild_joins(search, base: Plan) -> Plan:
 
 def _join_candidates(search, base: Plan) -> tuple:
     """Indices, in forward order, of the joins `_rebuild_joins` may add to `base`'s drops,
-    and `base`'s predicted step (search.step_seconds; None where it was not needed). The
-    joins are those whose copies it moves (directly or through the ReLU after them) and
-    does not rebuild yet; none where the search is off, nothing moves or the net is too
-    deep to trade, or where the model says the compute stream waits less than JOIN_WAITS
-    of the step: moving fewer bytes gains at most that wait, and the copies already hide
-    behind compute (ResNet-152 at batch 256 under 12 GiB waits 0.6%: searching found
-    nothing and tripled its planning time)."""
-    from .timing import rebuild_order, simulate
-    if not (search.rebuild_joins and base.bytes_to_host and base.uses_recompute) \
-            or _trades_for(base) == 0:
+    and `base`'s predicted step (None where it was not needed). The joins are those whose
+    copies it moves (directly or through the ReLU after them) and does not rebuild yet;
+    none where rebuilding cannot gain (`_copies_stall`)."""
+    from .timing import rebuild_order
+    base_s = _copies_stall(search, base)
+    if base_s is None:
         return [], None
-    timeline = simulate(search.write_back_early(base), search.device_model)
-    if sum(timeline.compute_waits().values()) < JOIN_WAITS * timeline.step_s:
-        return [], timeline.step_s
     _, chosen = recompute.split(base.drops)
     return sorted(i for i in rebuild_order(base, search.device_model, through_cheap=True)
-                  if _is_join(base.net.layers[i]) and i not in chosen), timeline.step_s
+                  if _is_join(base.net.layers[i]) and i not in chosen), base_s
+
+
+def _copies_stall(search, base: Plan):
+    """`base`'s predicted step (s) where rebuilding more of it could make it faster; None
+    where the join search is off, nothing moves, the net is too deep to trade, or the model
+    says the compute stream waits less than JOIN_WAITS of the step: moving fewer bytes
+    gains at most that wait, and the copies already hide behind compute (ResNet-152 at
+    batch 256 under 12 GiB waits 0.6%: searching found nothing and tripled its planning
+    time)."""
+    from .timing import simulate
+    if not (search.rebuild_joins and base.bytes_to_host and base.uses_recompute) \
+            or _trades_for(base) == 0:
+        return None
+    timeline = simulate(search.write_back_early(base), search.device_model)
+    if sum(timeline.compute_waits().values()) < JOIN_WAITS * timeline.step_s:
+        return None
+    return timeline.step_s
 
 
 def _is_join(layer) -> bool:

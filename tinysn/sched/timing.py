@@ -274,12 +274,8 @@ def simulate(plan, model: DeviceModel | None = None) -> Timeline:
     busy = {"compute": 0.0, "to_host": 0.0, "to_device": batch}
     slots, arrived = {}, {}
     events = [] if staged else [("to_device", "batch", 0.0, batch)]
-    loss = plan.program.net.loss.name
+    loss_step = plan.loss_step if staged else None
     for step in plan.steps:
-        if staged and step.phase == "backward" and step.layer == loss:
-            start = max(to_device, compute)          # the loss's forward is over
-            to_device = start + batch
-            events.append(("to_device", "next batch", start, to_device))
         for op in step.ops:
             if isinstance(op, Launch):
                 host += model.launch_s
@@ -310,6 +306,10 @@ def simulate(plan, model: DeviceModel | None = None) -> Timeline:
                 compute = max([compute] + [slots[w] for w in op.slots])
             elif isinstance(op, Mark):
                 slots[op.slot] = compute
+        if step.index == loss_step:                  # the loss's forward is over
+            start = max(to_device, compute)
+            to_device = start + batch
+            events.append(("to_device", "next batch", start, to_device))
     return Timeline(step_s=max(compute, to_host, to_device, host), compute_s=busy["compute"],
                     to_host_s=busy["to_host"], to_device_s=busy["to_device"], events=events)
 

@@ -188,9 +188,10 @@ def test_random_nets_traded_plans_are_correct_and_never_slower(net, data):
 
 
 def inception_like_net():
-    """Hypothesis's find: pools, 1x1 convs and concats where the trade rebuilds one ReLU
-    and leaves no join to rebuild, while the untraded plan rebuilds that ReLU and a
-    concat, predicted faster (2.19 against 2.58 ms at 26,624 B, PCIe starved)."""
+    """Hypothesis's find: pools, 1x1 convs and concats where the trade rebuilds the first
+    concat and leaves the join search nothing to add, while from the untraded plan the join
+    search rebuilds both concats, predicted faster (2.19 against 2.58 ms at 26,624 B, PCIe
+    starved)."""
     net = graph.Net(input_shape=(3, 4, 4), classes=4, batch=2)
     x = net.data()
     pools = [net.pool(x, "max", kernel=3, stride=1, padding=1) for _ in range(2)]
@@ -203,8 +204,8 @@ def inception_like_net():
 
 
 def test_a_trade_that_leaves_no_join_to_rebuild_is_never_slower(starved):
-    """The untraded plan is still a candidate where the traded one has no join left to
-    rebuild (plan._untraded_candidate), so trading does not make the chosen step slower."""
+    """The untraded plan is still a candidate where the traded one leaves no join to add
+    (plan._untraded_candidate), so trading does not make the chosen step slower."""
     net = inception_like_net()
     traded = sn.plan(net, 26624, "all", lookahead=1)
     untraded = sn.plan(net, 26624, "all", trade_budget=0, lookahead=1)

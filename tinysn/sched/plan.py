@@ -440,12 +440,12 @@ def _untraded_candidate(search, traded: Plan) -> list:
     (`_rebuild_joins`, which both then go through) less to gain than the untraded one (a
     random net, PCIe starved: 1.74 ms traded against 1.23 without); the faster is kept, so
     trading never makes the chosen step slower where joins are rebuilt. The trade may
-    leave `traded` no join to rebuild where the untraded plan has some (a random net: the
-    trade rebuilds a ReLU that the untraded search rebuilds with two concats, 2.58 against
-    2.19 ms), so only where rebuilding could not gain on `traded` at all (`_copies_stall`:
-    nothing moves, or compute waits too little) there is no second candidate: its prefetch
-    distances alone took ResNet-152's plan at batch 256 under 12 GiB past test_plan's 40 s
-    bound."""
+    leave `traded` no join to add where the untraded plan has some (a random net: the
+    trade rebuilds one concat and stops at 2.58 ms, the join search from the untraded plan
+    rebuilds two, 2.19 ms), so only where rebuilding could not gain on `traded` at all
+    (`_copies_stall`: nothing moves, or compute waits too little) there is no second
+    candidate: its prefetch distances alone took ResNet-152's plan at batch 256 under
+    12 GiB past test_plan's 40 s bound."""
     if search.trade_budget == 0 or _copies_stall(search, traded) is None:
         return []
     budget, search.trade_budget = search.trade_budget, 0

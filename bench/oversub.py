@@ -252,6 +252,7 @@ def tinysn_point(net, cap, device, args):
     run_args = SimpleNamespace(memory=cap, warmup=args.warmup, steps=args.steps, rounds=1,
                                fuse_bn_relu=sn.plan.__kwdefaults__["fuse_bn_relu"],
                                fuse_add_relu=sn.plan.__kwdefaults__["fuse_add_relu"],
+                               fuse_bn_add=sn.plan.__kwdefaults__["fuse_bn_add"],
                                **SGD)
     return train.guarded(lambda: train.tinysn_row(net, "all", False, device, run_args,
                                                   host_memory=args.host_memory))
@@ -281,7 +282,8 @@ def curve_row(model, batch, capped, reference, bandwidth) -> dict:
                evict_by_next_use=capped["evict_by_next_use"],
                rebuild_joins=capped["rebuild_joins"], rebuilt_joins=capped["rebuilt_joins"],
                fuse_relu=capped["fuse_relu"], fuse_bn_relu=capped["fuse_bn_relu"],
-               fuse_add_relu=capped["fuse_add_relu"], batch_staged=capped["batch_staged"],
+               fuse_add_relu=capped["fuse_add_relu"], fuse_bn_add=capped["fuse_bn_add"],
+               batch_staged=capped["batch_staged"],
                trade_budget=capped["trade_budget"],
                launch_probe_s=capped["device_model"]["launch_probe_s"],
                timed_launch_probe_s=capped["timed_launch_probe_s"],

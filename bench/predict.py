@@ -3,7 +3,7 @@ tinysn (results/memory-<gpu>.json's largest-batch runs, results/train-*-b32-<gpu
 rows), plan the same configuration again (on any machine: planning needs no GPU) and put
 `sched/timing.simulate`'s prediction beside the measured seconds per step.
 
-    PYTHONPATH=. python3 bench/predict.py [--results bench/results] [--out PATH]
+    PYTHONPATH=. python3 bench/predict.py [--results bench/results] [--today] [--out PATH]
 
 A run that recorded its measured conv times is planned with the rankings they give
 (workspace.rankings_of), so the plan made here takes the algorithms the run took; an older
@@ -18,11 +18,15 @@ a missing `keep_pools` False (no pooling output kept), a missing `evict_by_next_
 False (the cache evicts the least recently used), a missing `rebuild_joins` False (no
 join rebuilt by `plan._rebuild_joins`), a missing `fuse_relu` False (every ReLU its own
 layer), a missing `fuse_bn_relu` False (no batch norm's ReLU fused) and a missing
-`fuse_add_relu` False (no residual add's ReLU fused). A run without `batch_staged` copied
+`fuse_add_relu` False (no residual add's ReLU fused), a missing `fuse_bn_add` False (no
+batch norm fused into its residual add). A run without `batch_staged` copied
 each batch at its steps' start (sched/staging.py came later). The prediction itself always
 uses today's model (DeviceModel.h200, with the conv times the run measured and its probe
 of the host, beside its timed steps or else when it planned, where it recorded them), so
 the table shows how well today's model explains every measured step.
+`--today` plans each train.py run as today's planner does (its defaults, batch staged where
+the plan has room), still with the run's measured conv times and host probe: what the
+build of today is predicted to take on that run's machine, beside what the run measured.
 """
 import argparse
 import dataclasses
@@ -75,6 +79,7 @@ def train_plan_kw(run: dict, row: dict) -> dict:
                 fuse_relu=row.get("fuse_relu", False),
                 fuse_bn_relu=row.get("fuse_bn_relu", False),
                 fuse_add_relu=row.get("fuse_add_relu", False),
+                fuse_bn_add=row.get("fuse_bn_add", False),
                 device_model=planned_with(row))
 
 
@@ -96,7 +101,7 @@ def compare(net, memory, policy, measured: dict, graphed=False, host_memory=None
             "measured_bytes_moved_per_step": measured["moved"],
             "error": timeline.step_s / measured["s"] - 1, "bound_by": timeline.bound_by,
             "compute_s": timeline.compute_s, "to_host_s": timeline.to_host_s,
-            "to_device_s": timeline.to_device_s}
+            "to_device_s": timeline.to_device_s, "plan_steps": len(plan.steps)}
 
 
 def searched_lookahead(real: dict):
@@ -129,12 +134,20 @@ def memory_rows(path: Path) -> list:
                                fuse_relu=real.get("fuse_relu", False),
                                fuse_bn_relu=real.get("fuse_bn_relu", False),
                                fuse_add_relu=real.get("fuse_add_relu", False),
+                               fuse_bn_add=real.get("fuse_bn_add", False),
                                device_model=planned_with(real)), "model": name})
     return rows
 
 
-def train_rows(path: Path) -> list:
-    """The tinysn rows of a train.py result (batch 32, its optimizer settings)."""
+def today_plan_kw(run: dict, row: dict) -> dict:
+    """Today's planner options (its defaults) for a train.py row: the run's momentum and
+    the device model its planner chose with (its measured conv times), nothing else."""
+    return dict(momentum=run["sgd"]["momentum"], device_model=planned_with(row))
+
+
+def train_rows(path: Path, today: bool = False) -> list:
+    """The tinysn rows of a train.py result (batch 32, its optimizer settings), each planned
+    as it ran, or with `today` as today's planner plans it (`today_plan_kw`, staged)."""
     run = json.loads(path.read_text())
     rows = []
     for row in run["tinysn"]:
@@ -144,11 +157,12 @@ def train_rows(path: Path) -> list:
         memory = run.get("memory") or "40GiB"
         measured = {"s": row["ms_per_step"] / 1e3, "moved": row["bytes_moved_per_step"],
                     "probe": row.get("timed_launch_probe_s")}
-        plan_kw = train_plan_kw(run, row)
+        plan_kw = today_plan_kw(run, row) if today else train_plan_kw(run, row)
         rows.append({**compare(net, memory, row["policy"], measured, row["cuda_graph"],
-                               staged=row.get("batch_staged", False), **plan_kw),
-                     "model": run["model"],
-                     "fuse_bn_relu": plan_kw["fuse_bn_relu"] and fuses_a_batch_norm(net)})
+                               staged=today or row.get("batch_staged", False), **plan_kw),
+                     "model": run["model"], "today": today,
+                     "fuse_bn_relu": plan_kw.get("fuse_bn_relu", today)
+                     and fuses_a_batch_norm(net)})
     return rows
 
 
@@ -161,12 +175,16 @@ def fuses_a_batch_norm(net) -> bool:
 def main(argv=None) -> list:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--results", default=str(Path(__file__).parent / "results"))
+    ap.add_argument("--today", action="store_true",
+                    help="plan the train.py runs as today's planner does (module docstring); "
+                         "the memory runs are left out")
     add_out_argument(ap)
     args = ap.parse_args(argv)
     folder = Path(args.results)
-    rows = [r for p in sorted(folder.glob("memory-*.json")) if "graph" not in p.name
-            for r in memory_rows(p)]
-    rows += [r for p in sorted(folder.glob("train-*-b32-*.json")) for r in train_rows(p)]
+    rows = [] if args.today else [r for p in sorted(folder.glob("memory-*.json"))
+                                  if "graph" not in p.name for r in memory_rows(p)]
+    rows += [r for p in sorted(folder.glob("train-*-b32-*.json"))
+             for r in train_rows(p, args.today)]
     print("\n".join(table(rows)))
     write(args.out, {"rows": rows})
     return rows
@@ -179,6 +197,7 @@ def table(rows) -> list:
     for r in rows:
         how = "CUDA graph" if r["cuda_graph"] else "eager"
         how += ", batch norms' ReLUs fused" if r.get("fuse_bn_relu") else ""
+        how += ", as planned today" if r.get("today") else ""
         memory = format_bytes(sn.parse_bytes(r["memory"]))
         lines.append(f"| {r['model']} batch {r['batch']}, {memory}, \"{r['policy']}\", {how} | "
                      f"{r['measured_s']:.3f} | {r['predicted_s']:.3f} | {r['error']:+.0%} | "

@@ -177,7 +177,8 @@ def tinysn_row(net, policy, cuda_graph, device, args, host_memory=None) -> dict:
         rt = sn.Runtime(net, args.memory, policy, device=device, lr=args.lr,
                         momentum=args.momentum, weight_decay=args.weight_decay,
                         cuda_graph=cuda_graph, host_memory=host_memory,
-                        fuse_bn_relu=args.fuse_bn_relu, fuse_add_relu=args.fuse_add_relu)
+                        fuse_bn_relu=args.fuse_bn_relu, fuse_add_relu=args.fuse_add_relu,
+                        fuse_bn_add=args.fuse_bn_add)
     except ValueError as err:
         raise Refused(str(err)) from None
     setup_s = time.perf_counter() - t0
@@ -203,7 +204,7 @@ def tinysn_row(net, policy, cuda_graph, device, args, host_memory=None) -> dict:
                rebuild_joins=sn.plan.__kwdefaults__["rebuild_joins"],
                fuse_relu=sn.plan.__kwdefaults__["fuse_relu"],
                fuse_bn_relu=args.fuse_bn_relu, fuse_add_relu=args.fuse_add_relu,
-               batch_staged=rt.batch_staged,
+               fuse_bn_add=args.fuse_bn_add, batch_staged=rt.batch_staged,
                channels_last=sn.plan.__kwdefaults__["channels_last"],
                channels_last_outputs=sorted(rt.plan.channels_last),
                rebuilt_joins=rt.plan.rebuilt_joins,
@@ -252,6 +253,7 @@ def label(row: dict, model: str = "") -> str:
         name = f'tinysn "{row["policy"]}", ' + ("CUDA graph" if row["cuda_graph"] else "eager")
         name += ", batch norms' ReLUs apart" if row.get("fuse_bn_relu") is False else ""
         name += ", adds' ReLUs apart" if row.get("fuse_add_relu") is False else ""
+        name += ", batch norms apart from adds" if row.get("fuse_bn_add") is False else ""
         # a measured row without the field ran before sched/staging.py
         name += ", batch copied at the step's start" if "ms_per_step" in row \
             and "batch_staged" not in row else ""
@@ -315,6 +317,11 @@ def parse_args(argv=None):
                     help="tinysn plans with each ReLU after a residual add fused into it "
                          "where the net fits unmoved (default: the planner's, on); "
                          "--no-fuse-add-relu plans them apart")
+    ap.add_argument("--fuse-bn-add", action=argparse.BooleanOptionalAction,
+                    default=sn.plan.__kwdefaults__["fuse_bn_add"],
+                    help="tinysn plans each batch norm read by a residual add alone fused "
+                         "into the add where the adds' ReLUs are (default: the planner's, "
+                         "on); --no-fuse-bn-add plans them apart")
     common.add_out_argument(ap)
     args = ap.parse_args(argv)
     args.memory = args.memory or ("40GiB" if torch.cuda.is_available() else "1GiB")
@@ -356,7 +363,7 @@ def main(argv=None) -> dict:
             for c in PYTORCH_CONFIGS if not (c == "torch.compile" and skip_compile)]
     runs += [("tinysn", lambda p=p, g=g: tinysn_row(net, p, g, device, args),
               {"policy": p, "cuda_graph": g, "fuse_bn_relu": args.fuse_bn_relu,
-               "fuse_add_relu": args.fuse_add_relu})
+               "fuse_add_relu": args.fuse_add_relu, "fuse_bn_add": args.fuse_bn_add})
              for p in args.policies.split(",") for g in (False, True)]
     for side, run, labels in runs:
         result[side].append(guarded(run, **labels))

@@ -127,6 +127,14 @@ class OpSpec:
         """True when the layer's backward kernel needs its forward inputs."""
         return _apply(self.backward_reads_input, layer)
 
+    def inputs_read(self, layer) -> list:
+        """The forward inputs the layer's backward kernels read: none, or (`reads_input`)
+        all but a residual fused into it (sched/fuse.py: the add's backward read neither
+        of its inputs)."""
+        if not self.reads_input(layer):
+            return []
+        return list(layer.inputs[:1] if _residual(layer) else layer.inputs)
+
     def reads_output(self, layer) -> bool:
         """True when the layer's backward kernel needs its own output."""
         return _apply(self.backward_reads_output, layer)
@@ -248,9 +256,16 @@ def _conv_backward(program, lp):
     return launch
 
 
+def _residual(layer) -> bool:
+    """True for a batch norm a residual add was fused into (sched/fuse.py): its second
+    input is the residual, its output the add's."""
+    return layer.attrs.get("residual", False)
+
+
 def _bn_forward(program, layer, update_running):
     x, y, saved = _act(program, layer.inputs[0]), _act(program, layer), \
         _optional(program.saved[layer])
+    res = _act(program, layer.inputs[1]) if _residual(layer) else _optional(None)
     w, b = _param(program, layer, "weight"), _param(program, layer, "bias")
     mean, var = _buffer(program, layer, "running_mean"), _buffer(program, layer, "running_var")
     eps, momentum = layer.attrs.get("eps", 1e-5), layer.attrs.get("momentum", 0.1)
@@ -259,25 +274,49 @@ def _bn_forward(program, layer, update_running):
     def launch(rt, algos, ws):
         if rt.predicting:           # eval mode: normalise with the running statistics
             bn_k.forward_eval(x(rt), w(rt), b(rt), y(rt), mean(rt), var(rt), eps=eps,
-                              relu=relu)
+                              relu=relu, residual=res(rt))
         elif not update_running:    # a rebuild: the statistics its forward pass saved
-            bn_k.rebuild(x(rt), w(rt), b(rt), y(rt), saved(rt), relu=relu)
+            bn_k.rebuild(x(rt), w(rt), b(rt), y(rt), saved(rt), relu=relu, residual=res(rt))
         else:
             bn_k.forward(x(rt), w(rt), b(rt), y(rt), mean(rt), var(rt), saved(rt), ws, eps=eps,
-                         momentum=momentum, relu=relu, skip=rt.gate)
+                         momentum=momentum, relu=relu, residual=res(rt), skip=rt.gate)
     return launch
 
 
 def _bn_backward(program, lp):
-    """As a conv's (`_conv_backward`): a fused ReLU's backward first masks dy in place."""
+    """As a conv's (`_conv_backward`): a fused ReLU's backward first masks dy in place; with
+    a residual add fused in, the add's backward first (`_residual_dy`)."""
     layer, g = lp.layer, _grads(program, lp)
     x, w = _act(program, layer.inputs[0]), _param(program, layer, "weight")
     saved = _optional(program.saved[layer])
     dw, db = _param_grad(program, layer, "weight"), _param_grad(program, layer, "bias")
-    dy = _fused_relu_dy(program, layer, g)
+    dy = (_residual_dy if _residual(layer) else _fused_relu_dy)(program, layer, g)
     return lambda rt, algos, ws: bn_k.backward(
         x(rt), w(rt), dy(rt), saved(rt), g.dx[0](rt), dw(rt), db(rt), ws,
         accumulate=g.accumulate[0])
+
+
+def _residual_dy(program, layer, g):
+    """rt -> the gradient of the batch norm's own output where a residual add was fused
+    into it: the add's dy (through the fused ReLU's backward where this pass masks it,
+    kernels/join.py's fan-out reading y beside dy), which is also the residual's gradient.
+    Written once: as the residual's gradient where that is a first write (the batch norm
+    then reads it there), else over dy in place, the residual's gradient accumulating it
+    in the same kernel; nothing is written where nothing needs it."""
+    y = _act(program, layer) if _masks_dy(layer) else _optional(None)
+
+    def dy(rt):
+        grad, d_res, mask = g.dy(rt), g.dx[1](rt), y(rt)
+        if d_res is not None and not g.accumulate[1]:
+            if mask is not None or d_res.data_ptr() != grad.data_ptr():
+                join_k.add_backward(grad, [d_res], y=mask)
+            return d_res
+        outs = ([grad] if mask is not None else []) + ([d_res] if d_res is not None else [])
+        if outs:
+            join_k.add_backward(grad, outs, y=mask,
+                                accumulate=[d is d_res for d in outs])
+        return grad
+    return dy
 
 
 def _conv_launches(layer, phase, algos) -> int:
@@ -336,10 +375,10 @@ _bn_cost, _add_cost = _masking_cost(3), _masking_cost(1)
 
 def _bn_launches(layer, phase, algos) -> int:
     """Three kernels each way (a rebuild: the normalisation alone), and in a backward pass
-    a fused ReLU's backward where this pass masks dy."""
+    a fused ReLU's backward where this pass masks dy, or a fused residual add's fan-out."""
     if phase == "recompute":
         return 1
-    return 3 + (phase == "backward" and _masks_dy(layer))
+    return 3 + (phase == "backward" and (_masks_dy(layer) or _residual(layer)))
 
 
 def _relu_forward(program, layer, update_running):

@@ -104,11 +104,12 @@ class Runtime:
                  conv_algos=None, precision=None, layout="auto", host_memory=None,
                  cuda_graph: bool = False, process_group=None,
                  bucket_bytes=liveness.BUCKET_BYTES, fuse_relu: bool = True,
-                 fuse_bn_relu: bool = True, fuse_add_relu: bool = True):
+                 fuse_bn_relu: bool = True, fuse_add_relu: bool = True,
+                 fuse_bn_add: bool = True):
         device = inputs.pick_device(device)
         inputs.check_graph_request(cuda_graph, device)
         inputs.check_options(policy, lr, momentum, weight_decay, seed, precision, fuse_relu,
-                             fuse_bn_relu, fuse_add_relu)
+                             fuse_bn_relu, fuse_add_relu, fuse_bn_add)
         inputs.check_trainable(net)
         inputs.check_machine(memory, host_memory, device)
         bucket_bytes = liveness.parse_bucket_bytes(bucket_bytes)
@@ -120,7 +121,7 @@ class Runtime:
             memory, cuda_graph, momentum=momentum, conv_algos=conv_algos, layout=layout,
             host_memory=host_memory, data_parallel=process_group is not None,
             bucket_bytes=bucket_bytes, fuse_relu=fuse_relu, fuse_bn_relu=fuse_bn_relu,
-            fuse_add_relu=fuse_add_relu))
+            fuse_add_relu=fuse_add_relu, fuse_bn_add=fuse_bn_add))
         self.lr, self.momentum, self.weight_decay, self.seed = lr, momentum, weight_decay, seed
         self.precision = precision
         self.program = self.plan.program

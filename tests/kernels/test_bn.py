@@ -376,3 +376,65 @@ def test_relu_must_be_a_bool():
         with pytest.raises(ValueError, match="relu must be a bool"):
             call()
     assert not y.any()
+
+
+@pytest.mark.parametrize("relu", [False, True])
+@pytest.mark.parametrize("shape", [(3, 4, 7, 7), (2, 5, 33, 40)])
+def test_a_residual_stored_by_each_forward_is_the_add_of_its_output_bitwise(shape, relu):
+    """forward, rebuild and forward_eval with a residual store exactly what kernels/join.py's
+    add (with its fused ReLU where `relu`) makes of their output and the residual, in either
+    order, and the statistics are those of the batch norm alone."""
+    from tinysn.kernels import join
+    c = shape[1]
+    x, gamma, beta, res = _rand(shape, 11), _rand((c,), 12), _rand((c,), 13), _rand(shape, 14)
+    res0 = res.clone()
+    outs = []
+    for residual in (None, res):
+        rm, rv, saved = torch.zeros(c), torch.ones(c), torch.empty(2, c)
+        y, again, ev = (torch.full_like(x, NAN) for _ in range(3))
+        flags = dict(relu=relu and residual is not None, residual=residual)
+        bn.forward(x, gamma, beta, y, rm, rv, saved, _workspace(shape, "forward", "cpu"),
+                   **flags)
+        bn.rebuild(x, gamma, beta, again, saved, **flags)
+        bn.forward_eval(x, gamma, beta, ev, rm, rv, **flags)
+        outs.append((y, again, ev, saved, rm, rv))
+    assert torch.equal(res, res0)
+    for plain, fused in zip(outs[0][:3], outs[1][:3]):
+        for pair in ([plain, res], [res, plain]):
+            added = torch.empty_like(plain)
+            join.add_forward(pair, added, relu=relu)
+            assert torch.equal(fused, added)
+        assert not torch.equal(fused, plain)
+    assert all(torch.equal(a, b) for a, b in zip(outs[0][3:], outs[1][3:]))
+
+
+def test_a_residual_add_matches_torch():
+    """y = bn(x) + residual against torch float64."""
+    shape = (2, 5, 9, 11)
+    x, gamma, beta, res = _rand(shape, 1), _rand((5,), 2), _rand((5,), 3), _rand(shape, 4)
+    y, saved = torch.full_like(x, NAN), torch.empty(2, 5)
+    bn.forward(x, gamma, beta, y, torch.zeros(5), torch.ones(5), saved,
+               _workspace(shape, "forward", "cpu"), residual=res)
+    ref = F.batch_norm(x.double(), None, None, gamma.double(), beta.double(), training=True,
+                       eps=1e-5) + res.double()
+    torch.testing.assert_close(y.double(), ref, rtol=1e-5, atol=1e-5)
+
+
+def test_a_bad_residual_is_refused_before_anything_is_written():
+    shape = (2, 3, 4, 4)
+    x, v = _rand(shape, 0), torch.ones(3)
+    y, saved = torch.zeros_like(x), torch.ones(2, 3)
+    rm, rv = torch.zeros(3), torch.ones(3)
+    for residual, match in ((x[:1], "residual"), (x.double(), "residual")):
+        for call in (lambda: bn.forward(x, v, v, y, rm, rv, saved,
+                                        _workspace(shape, "forward", "cpu"), residual=residual),
+                     lambda: bn.rebuild(x, v, v, y, saved, residual=residual),
+                     lambda: bn.forward_eval(x, v, v, y, rm, rv, residual=residual)):
+            with pytest.raises(ValueError, match=match):
+                call()
+    room = torch.zeros(2 * x.numel())
+    shifted = room[8:8 + x.numel()].view(shape)
+    with pytest.raises(ValueError, match="y overlaps residual"):
+        bn.rebuild(x, v, v, room[:x.numel()].view(shape), saved, residual=shifted)
+    assert not y.any() and not room.any() and torch.equal(saved, torch.ones(2, 3))
+    assert torch.equal(rm, torch.zeros(3)) and torch.equal(rv, torch.ones(3))

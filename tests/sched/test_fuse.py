@@ -6,6 +6,7 @@ import tinysn as sn
 import tinysn.testing as snt
 from tinysn.ops import spec
 from tinysn.sched import plan as plan_mod
+from tinysn.sched import liveness
 from tinysn.sched.fuse import fuse_relus
 
 
@@ -73,17 +74,21 @@ def test_the_fused_plan_has_one_step_fewer_per_pass_of_each_pair():
         net, "64MiB", "baseline", fuse_relu=False).peak_bytes     # four tensors fewer
 
 
-def _assert_trains_alike(make_net, policy, flag):
+def _relu_fused(net) -> bool:
+    return any(layer.attrs.get("relu") for layer in net)
+
+
+def _assert_trains_alike(make_net, policy, flag, fused=_relu_fused):
     """Two steps with momentum, then a prediction (eval mode), with the Runtime option
     `flag` False and True: the same losses, parameters and prediction, bit for bit, and
-    peak == plan in both."""
+    peak == plan in both (`fused(plan.net)` says whether the option fused anything)."""
     torch.manual_seed(0)
     images, labels = torch.randn(2, 3, 8, 8), torch.tensor([1, 3])
     runs = []
     for fuse in (False, True):
         rt = sn.Runtime(make_net(), memory="64MiB", policy=policy, device="cpu", momentum=0.9,
                         **{flag: fuse})
-        assert fuse == any(layer.attrs.get("relu") for layer in rt.plan.net)
+        assert fuse == fused(rt.plan.net)
         losses = [rt.step(images, labels) for _ in range(2)]
         assert rt.stats.peak_bytes == rt.plan.peak_bytes
         runs.append((losses, rt.params(), rt.predict(images)))
@@ -98,7 +103,7 @@ def test_fused_training_is_bitwise_the_unfused(policy):
     _assert_trains_alike(_net, policy, "fuse_relu")
 
 
-@pytest.mark.parametrize("flag", ["fuse_relu", "fuse_bn_relu", "fuse_add_relu"])
+@pytest.mark.parametrize("flag", ["fuse_relu", "fuse_bn_relu", "fuse_add_relu", "fuse_bn_add"])
 def test_a_fusion_flag_must_be_a_bool(flag):
     net = _net()
     with pytest.raises(ValueError, match=f"{flag} must be a bool"):
@@ -294,3 +299,84 @@ def test_add_fused_training_on_the_gpu_is_bitwise_the_unfused(cuda_graph, tmp_pa
     monkeypatch.setenv("TINYSN_CACHE_DIR", str(tmp_path))
     net = sn.models.resnet(blocks=[1, 1, 1, 1], batch=4, classes=10, input_shape=(3, 32, 32))
     _assert_trains_alike_on_the_gpu(net, cuda_graph, "fuse_relu")
+
+
+def _residual_net(batch=2):
+    """Batch norms read by a residual add alone: b2 (its residual x, whose gradient a3's
+    pass wrote first, so b2's accumulates; a1's ReLU read by two convs: the fused layer
+    masks dy itself), b3 (its residual b4, another batch norm; no ReLU after a2) and b6
+    (its residual x again, first written; a3's ReLU read by one conv, which masks dx)."""
+    net = sn.Net(input_shape=(3, 8, 8), classes=5, batch=batch)
+    x = net.conv(net.data(), 8, kernel=3, padding=1, name="c0")
+    h = net.relu(net.bn(net.conv(x, 8, kernel=3, padding=1, name="c1"), name="b1"), name="r1")
+    s = net.relu(net.add(net.bn(net.conv(h, 8, kernel=1, name="c2"), name="b2"), x,
+                         name="a1"), name="ra1")
+    t = net.add(net.bn(net.conv(s, 8, kernel=1, name="c3"), name="b3"),
+                net.bn(net.conv(s, 8, kernel=3, padding=1, name="c4"), name="b4"), name="a2")
+    u = net.relu(net.add(net.bn(net.conv(t, 8, kernel=1, name="c6"), name="b6"), x,
+                         name="a3"), name="ra3")
+    u = net.relu(net.conv(u, 8, kernel=3, padding=1, name="c7"), name="r7")
+    net.softmax_loss(net.fc(net.pool(u, "max", kernel=2, name="p"), 5, name="fc"),
+                     name="loss")
+    return net
+
+
+def _residual_fused(net) -> bool:
+    return any(layer.attrs.get("residual") for layer in net)
+
+
+def test_a_batch_norm_read_by_an_add_alone_is_fused_into_it():
+    net = _residual_net()
+    fused = fuse_relus(net, batch_norms=True, residuals=True)
+    assert [layer.name for layer in fused] == ["data1", "c0", "c1", "b1", "c2", "b2", "c3",
+                                               "c4", "b4", "b3", "c6", "b6", "c7", "p", "fc",
+                                               "loss"]
+    residual = {layer.name: [x.name for x in layer.inputs]
+                for layer in fused if layer.attrs.get("residual")}
+    assert residual == {"b2": ["c2", "c0"], "b3": ["c3", "b4"], "b6": ["c6", "c0"]}
+    assert {layer.name for layer in fused if layer.attrs.get("relu")} == {"b1", "b2", "b6",
+                                                                          "c7"}
+    assert {layer.name for layer in fused
+            if layer.attrs.get("relu_masked")} == {"b1", "b6", "c7"}
+    assert fused["b2"].shape == net["a1"].shape and fused["b2"].params == net["b2"].params
+    assert fused.param_shapes().keys() == net.param_shapes().keys()
+    assert fused.buffer_shapes() == net.buffer_shapes()
+    assert fuse_relus(net, batch_norms=True, adds=False, residuals=True)["a1"].op == "add"
+    # the backward pass reads the batch norm's input, never the residual: b4's output dies
+    # at the forward pass that adds it
+    program = liveness.Program(fused)
+    b4 = program.act[fused["b4"]]
+    assert program.passes[program.last_use(b4)].phase == "forward"
+    assert spec(fused["b3"]).inputs_read(fused["b3"]) == [fused["c3"]]
+    plain = sn.plan(net, "64MiB", "baseline", fuse_bn_add=False)
+    both = sn.plan(net, "64MiB", "baseline")
+    assert not _residual_fused(plain.net) and _residual_fused(both.net)
+    assert len(plain.steps) - len(both.steps) == 3 * 2
+    assert both.peak_bytes < plain.peak_bytes
+
+
+@pytest.mark.parametrize("policy", ["baseline", "all"])
+def test_batch_norm_add_fused_training_is_bitwise_the_unfused(policy):
+    """Every way the fused backward pass writes the residual's gradient (accumulating,
+    masked, copied), the same bits as the batch norm and the add apart."""
+    _assert_trains_alike(_residual_net, policy, "fuse_bn_add", fused=_residual_fused)
+
+
+def test_past_its_cap_a_plan_keeps_the_batch_norms_apart_from_the_adds():
+    net = _residual_net()
+    tight = sn.plan(net, int(snt.smallest_cap(net, "all") * 1.05), "all")
+    assert tight.bytes_to_host and not _residual_fused(tight.net)
+    assert not _residual_fused(sn.plan(net, "64MiB", "recompute").net)
+    assert _residual_fused(sn.plan(net, "64MiB", "all").net)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("cuda_graph", [False, True])
+def test_batch_norm_add_fused_training_on_the_gpu_is_bitwise_the_unfused(cuda_graph, tmp_path,
+                                                                          monkeypatch):
+    """A small ResNet under policy "all" on the GPU, eager and replayed: the same bits with
+    each block's last batch norm fused into its add as with the two apart."""
+    monkeypatch.setenv("TINYSN_CACHE_DIR", str(tmp_path))
+    net = sn.models.resnet(blocks=[1, 1, 1, 1], batch=4, classes=10, input_shape=(3, 32, 32))
+    _assert_trains_alike_on_the_gpu(net, cuda_graph, "fuse_bn_add")

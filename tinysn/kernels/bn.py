@@ -3,7 +3,7 @@ normalisation, unbiased for the running variance), NCHW float32, forward and bac
 
 API
     forward(x, gamma, beta, y, running_mean, running_var, saved, workspace, *,
-            eps=1e-5, momentum=0.1, update_running=True, relu=False)
+            eps=1e-5, momentum=0.1, update_running=True, relu=False, residual=None)
         y = (x - mean) * inv_std * gamma + beta, per channel over (N, H, W);
         saved[0] = mean, saved[1] = inv_std = 1 / sqrt(var + eps)   (saved is [2, C]);
         running_mean = (1 - m) running_mean + m mean,
@@ -11,22 +11,27 @@ API
         update_running=False (a recomputed bn) gives the same y and saved, stats untouched.
         relu=True stores max(y, 0) instead (a ReLU after the batch norm fused into it,
         sched/fuse.py: kernels/act.py's bits, NaN kept); the statistics are y's before it.
+        residual (x's shape): y + residual is stored instead (before any ReLU), the
+        residual add that alone reads the batch norm's output fused into it
+        (sched/fuse.py; kernels/join.py's bits: one float add).
     backward(x, gamma, dy, saved, dx, dgamma, dbeta, workspace, *, accumulate=False)
         dbeta = sum dy, dgamma = sum dy * xhat,
         dx (+)= gamma * inv_std / n * (n dy - dbeta - xhat dgamma).
         dx, dgamma, dbeta may each be None; dgamma / dbeta always overwrite.
         dx may be dy (in place: the sums are taken before dx is written), unless it
         accumulates; it must not otherwise overlap x, dy, saved or the workspace.
-    rebuild(x, gamma, beta, y, saved, *, relu=False)
+    rebuild(x, gamma, beta, y, saved, *, relu=False, residual=None)
         the forward's y again from the statistics it saved (the recompute policy rebuilding
         a dropped output): the normalisation pass alone, no workspace, the same bits as
         the forward's y for the same x; saved and the running statistics are not written.
     workspace_bytes(shape, phase) -> bytes of scratch, phase "forward" | "backward"
         (a rebuild needs none).
-    forward_eval(x, gamma, beta, y, running_mean, running_var, *, eps=1e-5, relu=False)
+    forward_eval(x, gamma, beta, y, running_mean, running_var, *, eps=1e-5, relu=False,
+                 residual=None)
         eval mode (nn.BatchNorm2d after .eval()): one elementwise pass,
         y = (x - running_mean) / sqrt(running_var + eps) * gamma + beta; no workspace,
-        no statistics written, any batch (even one value per channel).
+        no statistics written, any batch (even one value per channel); relu and residual
+        as in forward.
 
 Reductions (three launches per phase, no atomics, bitwise deterministic):
   1. partials: channel c's N x HW values are cut into chunks (row ranges x column ranges of
@@ -38,7 +43,8 @@ Reductions (three launches per phase, no atomics, bitwise deterministic):
   2. finalize: one lane row per channel merges its chunks in a fixed order (Chan et al.:
      mean = sum n_i mean_i / n, M2 = sum M2_i + sum n_i (mean_i - mean)^2) and writes saved,
      the running statistics (forward) or dgamma, dbeta (backward).
-  3. an elementwise pass over [N*C, HW] tiles: y = (x - mean) * (inv_std gamma) + beta, or
+  3. an elementwise pass over [N*C, HW] tiles: y = (x - mean) * (inv_std gamma) + beta
+     (+ residual, then the ReLU, where asked), or
      dx = gamma inv_std (dy - dbeta / n - (x - mean) inv_std dgamma / n).
 Block shapes come from the tensor shape (no autotuning), so the summation order, and hence
 every bit of the result, does not depend on timing. x is read twice in the forward (stats,
@@ -188,10 +194,12 @@ def _bn_finalize_kernel(ws, saved, rmean, rvar, C, NCH, total, unbias, eps, mome
 
 
 @triton.jit
-def _bn_norm_kernel(x, y, saved, gamma, beta, NC, C, HW,
-                    R: tl.constexpr, COLS: tl.constexpr, RELU: tl.constexpr = False):
+def _bn_norm_kernel(x, y, saved, gamma, beta, res, NC, C, HW,
+                    R: tl.constexpr, COLS: tl.constexpr, RELU: tl.constexpr = False,
+                    RESIDUAL: tl.constexpr = False):
     """y = (x - mean) * (inv_std * gamma) + beta over [R rows of N*C, COLS of HW] tiles;
-    RELU: max(y, 0) stored instead (a ReLU fused into the batch norm, sched/fuse.py)."""
+    RESIDUAL: + res (a residual add fused into the batch norm), RELU: then max(y, 0)
+    stored instead (a ReLU fused into it, sched/fuse.py)."""
     rows = tl.program_id(0).to(tl.int64) * R + tl.arange(0, R)
     cols = tl.program_id(1) * COLS + tl.arange(0, COLS)
     rm = rows < NC
@@ -204,16 +212,19 @@ def _bn_norm_kernel(x, y, saved, gamma, beta, NC, C, HW,
     offs = (rows * HW)[:, None] + cols[None, :]
     v = tl.load(x + offs, mask=m, other=0.0)
     out = (v - mean[:, None]) * scale[:, None] + b[:, None]
+    if RESIDUAL:
+        out = out + tl.load(res + offs, mask=m, other=0.0)
     if RELU:
         out = tl.where(out < 0.0, 0.0, out)      # as kernels/act.py: NaN propagates
     tl.store(y + offs, out, mask=m)
 
 
 @triton.jit
-def _bn_eval_kernel(x, y, rmean, rvar, gamma, beta, NC, C, HW, eps,
-                    R: tl.constexpr, COLS: tl.constexpr, RELU: tl.constexpr = False):
+def _bn_eval_kernel(x, y, rmean, rvar, gamma, beta, res, NC, C, HW, eps,
+                    R: tl.constexpr, COLS: tl.constexpr, RELU: tl.constexpr = False,
+                    RESIDUAL: tl.constexpr = False):
     """y = (x - rmean) * (gamma / sqrt(rvar + eps)) + beta over [R rows of N*C, COLS] tiles;
-    RELU as _bn_norm_kernel."""
+    RESIDUAL and RELU as _bn_norm_kernel."""
     rows = tl.program_id(0).to(tl.int64) * R + tl.arange(0, R)
     cols = tl.program_id(1) * COLS + tl.arange(0, COLS)
     rm = rows < NC
@@ -226,6 +237,8 @@ def _bn_eval_kernel(x, y, rmean, rvar, gamma, beta, NC, C, HW, eps,
     offs = (rows * HW)[:, None] + cols[None, :]
     v = tl.load(x + offs, mask=m, other=0.0)
     out = (v - mean[:, None]) * scale[:, None] + b[:, None]
+    if RESIDUAL:
+        out = out + tl.load(res + offs, mask=m, other=0.0)
     if RELU:
         out = tl.where(out < 0.0, 0.0, out)
     tl.store(y + offs, out, mask=m)
@@ -348,14 +361,28 @@ def _check_relu(relu) -> None:
         raise ValueError(f"relu must be a bool, got {relu!r}")
 
 
+def _residual(residual, x):
+    """The tensor the normalisation pass reads as its residual (x itself, unread, where
+    there is none) after checking a given one is shaped like x and on x's device."""
+    if residual is None:
+        return x
+    check_tensor("residual", residual, x.shape)
+    if residual.device != x.device:
+        raise ValueError(f"residual is on {residual.device} but x is on {x.device}")
+    return residual
+
+
 def forward(x, gamma, beta, y, running_mean, running_var, saved, workspace, *,
-            eps=1e-5, momentum=0.1, update_running=True, relu=False, skip=None):
+            eps=1e-5, momentum=0.1, update_running=True, relu=False, residual=None,
+            skip=None):
     """Training-mode batch norm; see the module docstring. `relu`: store max(y, 0), a ReLU
     after the batch norm fused into it (sched/fuse.py; the same bits as the two layers).
+    `residual`: store y + residual (before the ReLU), the residual add after it fused in.
     `skip`: a one-element float32 tensor on x's device; where it holds a non-zero value
     (a bad batch's count) the running statistics stay as they were (_common.gate)."""
     n, c, h, w = _check_x(x)
     _check_relu(relu)
+    res = _residual(residual, x)
     dev = x.device
     check_tensor("y", y, x.shape)
     if y.device != dev:
@@ -392,32 +419,36 @@ def forward(x, gamma, beta, y, running_mean, running_var, saved, workspace, *,
         total / (total - 1), float(eps), float(momentum), skip_ptr,
         UPDATE=update_running, GATED=gated, CB=cb, NCHP=nchp)
     grid, r, cols = _elementwise_grid(n, c, hw)
-    run(_bn_norm_kernel, grid, x, y, saved, gamma, beta, n * c, c, hw, R=r, COLS=cols,
-        RELU=relu, num_warps=_WARPS)
+    run(_bn_norm_kernel, grid, x, y, saved, gamma, beta, res, n * c, c, hw, R=r, COLS=cols,
+        RELU=relu, RESIDUAL=residual is not None, num_warps=_WARPS)
 
 
-def rebuild(x, gamma, beta, y, saved, *, relu=False):
+def rebuild(x, gamma, beta, y, saved, *, relu=False, residual=None):
     """y again from the mean and inverse deviation the forward pass saved: its third
     kernel alone (x read once, not twice; one launch, not three), on the same inputs and
-    statistics, so the same bits (`relu` as in forward)."""
+    statistics, so the same bits (`relu` and `residual` as in forward)."""
     n, c, h, w = _check_x_with_saved(x, "y", y, saved)
     _check_relu(relu)
+    res = _residual(residual, x)
     dev = x.device
     _check_vec("gamma", gamma, c, dev)
     _check_vec("beta", beta, c, dev)
     check_no_overlap("bn.rebuild", [("y", y)],
-                     [("x", x), ("gamma", gamma), ("beta", beta), ("saved", saved)])
+                     [("x", x), ("gamma", gamma), ("beta", beta), ("saved", saved),
+                      ("residual", residual)])
     grid, r, cols = _elementwise_grid(n, c, h * w)
-    run(_bn_norm_kernel, grid, x, y, saved, gamma, beta, n * c, c, h * w, R=r, COLS=cols,
-        RELU=relu, num_warps=_WARPS)
+    run(_bn_norm_kernel, grid, x, y, saved, gamma, beta, res, n * c, c, h * w, R=r,
+        COLS=cols, RELU=relu, RESIDUAL=residual is not None, num_warps=_WARPS)
 
 
-def forward_eval(x, gamma, beta, y, running_mean, running_var, *, eps=1e-5, relu=False):
+def forward_eval(x, gamma, beta, y, running_mean, running_var, *, eps=1e-5, relu=False,
+                 residual=None):
     """Eval-mode batch norm with the running statistics; see the module docstring (`relu`
-    as in forward)."""
+    and `residual` as in forward)."""
     check_tensor("x", x)
     _check_relu(relu)
     n, c, h, w = _shape4(x.shape)
+    res = _residual(residual, x)
     dev = x.device
     check_tensor("y", y, x.shape)
     if y.device != dev:
@@ -428,8 +459,9 @@ def forward_eval(x, gamma, beta, y, running_mean, running_var, *, eps=1e-5, relu
     if not (isinstance(eps, (int, float)) and eps > 0):
         raise ValueError(f"eps must be a positive number, got {eps!r}")
     grid, r, cols = _elementwise_grid(n, c, h * w)
-    run(_bn_eval_kernel, grid, x, y, running_mean, running_var, gamma, beta, n * c, c, h * w,
-        float(eps), R=r, COLS=cols, RELU=relu, num_warps=_WARPS)
+    run(_bn_eval_kernel, grid, x, y, running_mean, running_var, gamma, beta, res, n * c, c,
+        h * w, float(eps), R=r, COLS=cols, RELU=relu, RESIDUAL=residual is not None,
+        num_warps=_WARPS)
 
 
 def _check_dx(dx, x, dy, saved, ws, accumulate):

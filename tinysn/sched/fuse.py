@@ -28,6 +28,19 @@ had two: Caffe, the paper's base, ran such ReLUs in place on the conv's output, 
 the same memory. Policies see a fused conv as a conv: its output is a checkpoint, never
 dropped as a cheap layer's; a fused add as an add (policy "all" may rebuild it, ReLU and
 all).
+
+A batch norm whose output one residual add of two tensors alone reads is made one layer
+with that add too (`fuse_residuals`, `fuse_relus(..., residuals=True)`; planned by default
+wherever the adds' ReLUs are, `plan(..., fuse_bn_add=False)` turns it off): ResNet's last
+batch norm of each block. Its normalisation pass stores bn(x) + residual (and the add's
+ReLU, kernels/bn.py `residual`), so the batch norm's output, a tensor of the block's
+output size, never exists: its write and the add's read of it go, and one launch each
+way. Its backward pass fans dy out to the residual's gradient as the add's did (masked by
+the add's ReLU where the add masked it) and runs the batch norm's backward on that same
+gradient (ops.py, `_residual_dy`). The fused layer is a batch norm (the batch norm's name,
+parameters, statistics and attributes, plus `residual=True` and the add's `relu` and
+`relu_masked`) whose second input is the residual, which its backward never reads
+(OpSpec.inputs_read): it dies where the add was. The same bits as apart.
 """
 from __future__ import annotations
 
@@ -65,15 +78,20 @@ def _fused_attrs(layer, batch_norms: bool, adds: bool) -> dict:
     return attrs
 
 
-def fuse_relus(net, batch_norms: bool = False, adds: bool = True):
+def fuse_relus(net, batch_norms: bool = False, adds: bool = True, residuals: bool = False):
     """`net`, checked, with every fusible conv (and, where `batch_norms`, batch norm; where
-    `adds`, add) and its ReLU made one layer (a new Net); `net` itself when there is nothing
-    to fuse."""
+    `adds`, add) and its ReLU made one layer (a new Net), and where `residuals` (with
+    `adds`) each add that can absorb a batch norm made one layer with it (`fuse_residuals`);
+    `net` itself when there is nothing to fuse."""
+    net.check()
+    if any(fusible(layer, batch_norms, adds) for layer in net.layers):
+        net = _fuse_relu_pairs(net, batch_norms, adds)
+    return fuse_residuals(net) if residuals and adds else net
+
+
+def _fuse_relu_pairs(net, batch_norms: bool, adds: bool):
     from ..graph import Net
 
-    net.check()
-    if not any(fusible(layer, batch_norms, adds) for layer in net.layers):
-        return net
     fused = Net(net.input_shape, net.classes, net.batch)
     copy = {}                       # layer of `net` -> the layer that stands for it
     for layer in net.layers:
@@ -85,3 +103,60 @@ def fuse_relus(net, batch_norms: bool = False, adds: bool = True):
                                        layer.params, layer.buffers)
     fused.loss = copy[net.loss]
     return fused
+
+
+def absorbed_bn(layer):
+    """The batch norm a residual add can absorb (None if none): an input of a two-input add
+    of two different tensors that is a batch norm storing no ReLU, read by the add alone,
+    whose own input the batch norm alone reads (so its gradient is written once, and in the
+    same order as before)."""
+    if layer.op != "add" or len(layer.inputs) != 2 or layer.inputs[0] is layer.inputs[1]:
+        return None
+    for x in layer.inputs:
+        if (x.op == "bn" and len(x.consumers) == 1 and not x.attrs.get("relu")
+                and not x.attrs.get("residual") and len(x.inputs[0].consumers) == 1):
+            return x
+    return None
+
+
+def fuse_residuals(net):
+    """`net` with each residual add that can absorb a batch norm (`absorbed_bn`) made one
+    layer with it (a new Net; `net` itself where there is none): the batch norm's name,
+    parameters and attributes plus `residual=True`, and the add's `relu` and `relu_masked`;
+    its inputs the batch norm's input and the add's other input (the residual). It stands
+    where the add stood, so the residual is computed before it. Its forward pass stores
+    bn(x) + residual (kernels/bn.py `residual`), the batch norm's output never exists;
+    its backward pass gives the residual the add's gradient, as the add's did, and runs
+    the batch norm's backward on it (ops.py). The same bits as the two layers apart."""
+    from ..graph import Net
+
+    absorbed = {absorbed_bn(layer): layer for layer in net.layers if absorbed_bn(layer)}
+    if not absorbed:
+        return net
+    fused = Net(net.input_shape, net.classes, net.batch)
+    copy = {}
+    for layer in net.layers:
+        if layer in absorbed:
+            continue                # made where its add stands
+        attrs = dict(layer.attrs)
+        if spec(layer).draws_mask:  # its masks stay keyed by its index in `net`
+            attrs.setdefault("mask_layer", layer.index)
+        bn = absorbed_bn(layer)
+        if bn is None:
+            copy[layer] = fused._add_layer(layer.op, layer.name, [copy[x] for x in layer.inputs],
+                                           layer.shape, attrs, layer.params, layer.buffers)
+            continue
+        residual = layer.inputs[1] if layer.inputs[0] is bn else layer.inputs[0]
+        attrs = dict(bn.attrs, residual=True)
+        attrs.update({k: v for k, v in layer.attrs.items() if k in ("relu", "relu_masked")})
+        copy[layer] = fused._add_layer("bn", bn.name, [copy[bn.inputs[0]], copy[residual]],
+                                       layer.shape, attrs, bn.params, bn.buffers)
+    fused.loss = copy[net.loss]
+    return fused
+
+
+def fuses_adds(net) -> bool:
+    """True where `net` (as fused) has an add storing its ReLU or a batch norm with its add
+    fused into it: the fusions a plan makes only where the net fits unmoved (plan.py)."""
+    return any(layer.attrs.get("residual") or (layer.op == "add" and layer.attrs.get("relu"))
+               for layer in net.layers)

@@ -200,8 +200,7 @@ class Program:
             if layer in self.grad:
                 lp.reads.append(self.grad[layer])
             op = spec(layer)
-            if op.reads_input(layer):
-                lp.reads += [self.act[x] for x in layer.inputs]
+            lp.reads += [self.act[x] for x in op.inputs_read(layer)]
             if op.reads_output(layer):
                 lp.reads.append(self.act[layer])
             if op.is_loss:

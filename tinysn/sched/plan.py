@@ -322,7 +322,7 @@ def plan(net, memory, policy: str = "all", *, momentum: float = 0.0, conv_algos=
          in_place_gradients: bool = True, keep_pools: bool = True,
          evict_by_next_use: bool = True, rebuild_joins: bool = True,
          fuse_relu: bool = True, fuse_bn_relu: bool = True, fuse_add_relu: bool = True,
-         channels_last: bool = True) -> Plan:
+         fuse_bn_add: bool = True, channels_last: bool = True) -> Plan:
     """Dry-run one training iteration of `net` under a `memory` cap and `policy`.
 
     Raises OutOfMemory naming the first step that does not fit. `conv_algos` pins conv
@@ -388,6 +388,10 @@ def plan(net, memory, policy: str = "all", *, momentum: float = 0.0, conv_algos=
     ReLU reads is made one layer with it too (the same bits; on the H200 at batch 32 it took
     ResNet-50's eager step from 67.6 to 50.3 ms and its graphed one from 17.3 to 16.8 ms);
     False plans them apart, as plans made before that did.
+    `fuse_bn_add` (default True; with `fuse_relu` and `fuse_add_relu`): where the adds'
+    ReLUs are fused, each batch norm whose output only a two-input residual add reads is
+    made one layer with the add too (fuse.fuse_residuals: ResNet's last batch norm of each
+    block; its output never exists; the same bits); False plans them apart.
     `channels_last` (default True): store a conv's output channels-last where one conv
     alone reads it and both convs' algorithms allow it (sched/channels_last.py; the plan's
     `channels_last` names them; the same bits); False stores every activation NCHW.
@@ -410,7 +414,8 @@ def plan(net, memory, policy: str = "all", *, momentum: float = 0.0, conv_algos=
                        in_place_gradients=in_place_gradients, keep_pools=keep_pools,
                        evict_by_next_use=by_next_use, rebuild_joins=rebuild_joins,
                        fuse_relu=fuse_relu, fuse_bn_relu=fuse_bn_relu,
-                       fuse_add_relu=fuse_add_relu, fits_unmoved=unmoved)
+                       fuse_add_relu=fuse_add_relu, fuse_bn_add=fuse_bn_add,
+                       fits_unmoved=unmoved)
     lru = search(False)             # checks every argument before anything is planned
     try:
         candidates = [(lru, _choose(lru, policy))]     # (search, its plan)
@@ -493,10 +498,12 @@ def _search(net, memory, policy, *, momentum, conv_algos, checkpoints, block_byt
             trade_budget=TRADE_BUDGET, lookahead=None, device_model=None,
             in_place_gradients=True, keep_pools=True,
             evict_by_next_use=True, rebuild_joins=True, fuse_relu=True,
-            fuse_bn_relu=True, fuse_add_relu=True, fits_unmoved=None) -> "_Search":
+            fuse_bn_relu=True, fuse_add_relu=True, fuse_bn_add=True,
+            fits_unmoved=None) -> "_Search":
     """Check `plan`'s arguments (before any state changes) and set up its runs: of `net`,
-    or with `fuse_relu` of its fused net (fuse.fuse_relus; its residual adds' ReLUs apart
-    where, fused, the net would not fit unmoved: `_fits_unmoved`, or `fits_unmoved` where a
+    or with `fuse_relu` of its fused net (fuse.fuse_relus; its residual adds' ReLUs, and the
+    batch norms before them, apart where, fused, the net would not fit unmoved:
+    `_fits_unmoved`, or `fits_unmoved` where a
     search of the other eviction order found it: the no-drop run that decides evicts
     nothing where it fits unmoved, so the order cannot change the answer). The search's
     `fits_unmoved` keeps the answer (None where nothing asked)."""
@@ -522,7 +529,8 @@ def _search(net, memory, policy, *, momentum, conv_algos, checkpoints, block_byt
         raise ValueError(f"device_model must be a timing.DeviceModel, got {device_model!r}")
     for name, flag in (("in_place_gradients", in_place_gradients), ("keep_pools", keep_pools),
                        ("rebuild_joins", rebuild_joins), ("fuse_relu", fuse_relu),
-                       ("fuse_bn_relu", fuse_bn_relu), ("fuse_add_relu", fuse_add_relu)):
+                       ("fuse_bn_relu", fuse_bn_relu), ("fuse_add_relu", fuse_add_relu),
+                       ("fuse_bn_add", fuse_bn_add)):
         if not isinstance(flag, bool):
             raise ValueError(f"{name} must be a bool, got {flag!r}")
     bucket_bytes = liveness.parse_bucket_bytes(bucket_bytes)
@@ -544,10 +552,10 @@ def _search(net, memory, policy, *, momentum, conv_algos, checkpoints, block_byt
 
     if not fuse_relu:
         return searching(net)
-    fused = fuse.fuse_relus(net, batch_norms=fuse_bn_relu, adds=fuse_add_relu)
+    fused = fuse.fuse_relus(net, batch_norms=fuse_bn_relu, adds=fuse_add_relu,
+                            residuals=fuse_bn_add)
     search = searching(fused)
-    fused_adds = any(layer.op == "add" and layer.attrs.get("relu") for layer in fused.layers)
-    if not fused_adds or policy in ("baseline", "liveness"):
+    if not fuse.fuses_adds(fused) or policy in ("baseline", "liveness"):
         return search
     if fits_unmoved is None:
         fits_unmoved = _fits_unmoved(search)

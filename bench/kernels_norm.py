@@ -11,7 +11,8 @@ than the minimum (bn reads x twice: the bytes it actually moves, per its time), 
 where outputs are comparable}.
 
 Shapes (ResNet-50 at batch 32, AlexNet for LRN, VGG16 for the tiling max pool):
-  bn        [32,64,112,112] and [32,256,56,56]     (training mode; backward: dx, dgamma, dbeta)
+  bn        [32,64,112,112] and [32,256,56,56]     (training mode; backward: dx, dgamma, dbeta;
+            on the second, the forward with a residual add fused in and the two apart)
   maxpool   3x3 / 2 pad 1 on [32,64,112,112], and VGG16's 2x2 / 2 on [32,64,224,224]
   avgpool   7x7 on [32,2048,7,7]                  (the global pool)
   add       two [32,256,56,56]                    (backward: 2 gradients, copy and accumulate)
@@ -89,7 +90,35 @@ def _bench_bn(r, device, batch):
               lambda: bn.backward(x, gamma, dy, saved, dx, dg, db, wsb),
               t_bwd, nbytes=3 * s, moved=5 * s, torch_op="native_batch_norm_backward",
               check=check_bwd)
+        if c == 256:        # a ResNet-50 block's output: its last batch norm and the add
+            _bench_bn_residual(r, shape, x, gamma, beta, rm, rv, saved, wsf, dy, y, dx)
         del x, dy, y, dx
+
+
+def _bench_bn_residual(r, shape, x, gamma, beta, rm, rv, saved, ws, res, y, out):
+    """The batch norm with its residual add fused in (`residual=`, sched/fuse.py) and the
+    two apart (bn.forward into `y`, then join.add_forward into `out`), each against
+    PyTorch's pair (native_batch_norm, then add): the fused pass's gain is the ratio of
+    the two rows' tinysn times."""
+    c, s = shape[1], x.numel() * 4
+    trm, trv = rm.clone(), rv.clone()
+    ty = torch.empty_like(x)
+
+    def t_pair():
+        torch.add(torch.ops.aten.native_batch_norm(x, gamma, beta, trm, trv, True, 0.1,
+                                                   1e-5)[0], res, out=ty)
+
+    def ref():
+        return F.batch_norm(x, None, None, gamma, beta, training=True) + res
+    r.run("bn.forward", "3-pass, residual add fused", _shape(shape),
+          lambda: bn.forward(x, gamma, beta, out, rm, rv, saved, ws, residual=res),
+          t_pair, nbytes=3 * s, moved=4 * s, torch_op="native_batch_norm + add",
+          check=lambda: _rel(out, ref()))
+    r.run("bn.forward", "3-pass, then join.add_forward", _shape(shape),
+          lambda: (bn.forward(x, gamma, beta, y, rm, rv, saved, ws),
+                   join.add_forward([y, res], out)),
+          t_pair, nbytes=3 * s, moved=6 * s, torch_op="native_batch_norm + add",
+          check=lambda: _rel(out, ref()))
 
 
 def _bench_pool(r, device, batch):

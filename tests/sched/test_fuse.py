@@ -1,6 +1,7 @@
 """sched/fuse.py: a ReLU fused into the conv whose output only it reads."""
 import pytest
 import torch
+from hypothesis import given, strategies as st
 
 import tinysn as sn
 import tinysn.testing as snt
@@ -368,6 +369,51 @@ def test_past_its_cap_a_plan_keeps_the_batch_norms_apart_from_the_adds():
     assert tight.bytes_to_host and not _residual_fused(tight.net)
     assert not _residual_fused(sn.plan(net, "64MiB", "recompute").net)
     assert _residual_fused(sn.plan(net, "64MiB", "all").net)
+
+
+
+@st.composite
+def residual_nets(draw):
+    """Random residual nets: a stem conv, then 1-3 blocks (a main branch conv-bn, or
+    conv-bn-relu-conv-bn, added to the block's input or to a conv-bn shortcut, in either
+    order, the add's ReLU after it or not), sometimes a last add of the final output and
+    the first block's (so that block's fused add gives its residual a gradient that
+    accumulates), then the head."""
+    c, size = draw(st.integers(1, 4)), draw(st.integers(3, 5))
+    net = sn.Net(input_shape=(c, size, size), classes=3, batch=draw(st.integers(1, 3)))
+    h = net.conv(net.data(), c, kernel=3, padding=1)
+    outputs = [h]
+    for _ in range(draw(st.integers(1, 3))):
+        kernel = draw(st.sampled_from([1, 3]))
+        y = net.bn(net.conv(h, c, kernel=kernel, padding=kernel // 2))
+        if draw(st.booleans()):
+            y = net.bn(net.conv(net.relu(y), c, kernel=1))
+        shortcut = h if draw(st.booleans()) else net.bn(net.conv(h, c, kernel=1))
+        h = net.add(*((y, shortcut) if draw(st.booleans()) else (shortcut, y)))
+        h = net.relu(h) if draw(st.booleans()) else h
+        outputs.append(h)
+    if len(outputs) > 2 and draw(st.booleans()):
+        h = net.add(h, outputs[1])
+    net.softmax_loss(net.fc(h, 3))
+    return net
+
+
+@snt.settings(6)
+@given(net=residual_nets(), policy=st.sampled_from(["baseline", "all"]))
+def test_random_residual_nets_train_bitwise_alike_with_their_batch_norms_fused(net, policy):
+    gen = torch.Generator().manual_seed(0)
+    images = torch.randn(net.batch, *net.input_shape, generator=gen)
+    labels = torch.randint(0, net.classes, (net.batch,), generator=gen)
+    runs = []
+    for fuse in (False, True):
+        rt = sn.Runtime(net, memory="64MiB", policy=policy, device="cpu", momentum=0.9,
+                        fuse_bn_add=fuse)
+        assert fuse == _residual_fused(rt.plan.net)
+        runs.append(([rt.step(images, labels) for _ in range(2)], rt.params(),
+                     rt.predict(images)))
+    (l0, p0, y0), (l1, p1, y1) = runs
+    assert l0 == l1 and torch.equal(y0, y1)
+    assert all(torch.equal(p0[k], p1[k]) for k in p0)
 
 
 @pytest.mark.gpu

@@ -12,7 +12,7 @@ where outputs are comparable}.
 
 Shapes (ResNet-50 at batch 32, AlexNet for LRN, VGG16 for the tiling max pool):
   bn        [32,64,112,112] and [32,256,56,56]     (training mode; backward: dx, dgamma, dbeta;
-            on the second, the forward with a residual add fused in and the two apart)
+            on the second, forward and backward with a residual add fused in and apart)
   maxpool   3x3 / 2 pad 1 on [32,64,112,112], and VGG16's 2x2 / 2 on [32,64,224,224]
   avgpool   7x7 on [32,2048,7,7]                  (the global pool)
   add       two [32,256,56,56]                    (backward: 2 gradients, copy and accumulate)
@@ -92,7 +92,34 @@ def _bench_bn(r, device, batch):
               check=check_bwd)
         if c == 256:        # a ResNet-50 block's output: its last batch norm and the add
             _bench_bn_residual(r, shape, x, gamma, beta, rm, rv, saved, wsf, dy, y, dx)
+            _bench_bn_residual_backward(r, shape, x, gamma, saved, wsb, dy, y, dx, dg, db,
+                                        (smean, sinv, trm, trv))
         del x, dy, y, dx
+
+
+def _bench_bn_residual_backward(r, shape, x, gamma, saved, ws, dy, mask, dx, dg, db, stats):
+    """The backward of a batch norm with its residual add and the add's ReLU fused in
+    (bn.backward's `relu_output` and `dy_out`: the residual's gradient stored by the first
+    kernel) and the two apart (join.add_backward's masked fan-out, then bn.backward), each
+    against PyTorch's pair (the ReLU's backward, then native_batch_norm_backward)."""
+    s = x.numel() * 4
+    d_res, d_branch = torch.empty_like(x), torch.empty_like(x)
+    smean, sinv, trm, trv = stats
+
+    def t_pair():
+        g = torch.where(mask <= 0, 0.0, dy)
+        torch.ops.aten.native_batch_norm_backward(g, x, gamma, trm, trv, smean, sinv, True,
+                                                  1e-5, [True, True, True])
+
+    def apart():
+        join.add_backward(dy, [d_branch, d_res], y=mask)
+        bn.backward(x, gamma, d_branch, saved, dx, dg, db, ws)
+    r.run("bn.backward", "residual add + ReLU fused, dy stored", _shape(shape),
+          lambda: bn.backward(x, gamma, dy, saved, dx, dg, db, ws, relu_output=mask,
+                              dy_out=d_res),
+          t_pair, nbytes=5 * s, moved=7 * s, torch_op="ReLU backward + native_bn_backward")
+    r.run("bn.backward", "join.add_backward, then bn.backward", _shape(shape), apart,
+          t_pair, nbytes=5 * s, moved=9 * s, torch_op="ReLU backward + native_bn_backward")
 
 
 def _bench_bn_residual(r, shape, x, gamma, beta, rm, rv, saved, ws, res, y, out):

@@ -285,38 +285,43 @@ def _bn_forward(program, layer, update_running):
 
 def _bn_backward(program, lp):
     """As a conv's (`_conv_backward`): a fused ReLU's backward first masks dy in place; with
-    a residual add fused in, the add's backward first (`_residual_dy`)."""
+    a residual add fused in, see `_bn_residual_backward`."""
     layer, g = lp.layer, _grads(program, lp)
     x, w = _act(program, layer.inputs[0]), _param(program, layer, "weight")
     saved = _optional(program.saved[layer])
     dw, db = _param_grad(program, layer, "weight"), _param_grad(program, layer, "bias")
-    dy = (_residual_dy if _residual(layer) else _fused_relu_dy)(program, layer, g)
+    if _residual(layer):
+        return _bn_residual_backward(program, layer, g, x, w, saved, dw, db)
+    dy = _fused_relu_dy(program, layer, g)
     return lambda rt, algos, ws: bn_k.backward(
         x(rt), w(rt), dy(rt), saved(rt), g.dx[0](rt), dw(rt), db(rt), ws,
         accumulate=g.accumulate[0])
 
 
-def _residual_dy(program, layer, g):
-    """rt -> the gradient of the batch norm's own output where a residual add was fused
-    into it: the add's dy (through the fused ReLU's backward where this pass masks it,
-    kernels/join.py's fan-out reading y beside dy), which is also the residual's gradient.
-    Written once: as the residual's gradient where that is a first write (the batch norm
-    then reads it there), else over dy in place, the residual's gradient accumulating it
-    in the same kernel; nothing is written where nothing needs it."""
+def _bn_residual_backward(program, layer, g, x, w, saved, dw, db):
+    """A batch norm with a residual add fused into it: the add's gradient (dy, through the
+    add's fused ReLU where this pass masks it) is the residual's gradient and the batch
+    norm's dy. Where the residual's gradient is a first write, the batch norm's first
+    kernel masks dy and stores it there as it sums it (bn.backward's `dy_out`), and its
+    last reads it there: no pass of its own. Else (the residual's gradient accumulates, or
+    there is none) kernels/join.py's fan-out masks dy in place and adds it to the
+    residual's gradient first, and the batch norm reads dy."""
     y = _act(program, layer) if _masks_dy(layer) else _optional(None)
 
-    def dy(rt):
+    def launch(rt, algos, ws):
         grad, d_res, mask = g.dy(rt), g.dx[1](rt), y(rt)
         if d_res is not None and not g.accumulate[1]:
-            if mask is not None or d_res.data_ptr() != grad.data_ptr():
-                join_k.add_backward(grad, [d_res], y=mask)
-            return d_res
+            copied = mask is None and d_res.data_ptr() == grad.data_ptr()   # dy is d_res
+            bn_k.backward(x(rt), w(rt), grad, saved(rt), g.dx[0](rt), dw(rt), db(rt), ws,
+                          accumulate=g.accumulate[0], relu_output=mask,
+                          dy_out=None if copied else d_res)
+            return
         outs = ([grad] if mask is not None else []) + ([d_res] if d_res is not None else [])
         if outs:
-            join_k.add_backward(grad, outs, y=mask,
-                                accumulate=[d is d_res for d in outs])
-        return grad
-    return dy
+            join_k.add_backward(grad, outs, y=mask, accumulate=[d is d_res for d in outs])
+        bn_k.backward(x(rt), w(rt), grad, saved(rt), g.dx[0](rt), dw(rt), db(rt), ws,
+                      accumulate=g.accumulate[0])
+    return launch
 
 
 def _conv_launches(layer, phase, algos) -> int:
@@ -370,15 +375,25 @@ def _masking_cost(mask_floats: int):
 
 # a batch norm masks dy in a pass of its own (it reads y and dy and writes dy); an add reads
 # y beside the dy it fans out
-_bn_cost, _add_cost = _masking_cost(3), _masking_cost(1)
+_bn_alone_cost, _add_cost = _masking_cost(3), _masking_cost(1)
+
+
+def _bn_cost(layer, phase) -> tuple:
+    """A batch norm's (`_masking_cost`); with a residual add fused in, its backward moves a
+    batch norm's backward's bytes plus the residual's gradient, written by its first
+    kernel, and y, read there where it masks (`_bn_residual_backward`)."""
+    if phase == "backward" and _residual(layer):
+        return layer.numel, 4 * layer.numel * (2 * 2 + 1 + _masks_dy(layer))
+    return _bn_alone_cost(layer, phase)
 
 
 def _bn_launches(layer, phase, algos) -> int:
     """Three kernels each way (a rebuild: the normalisation alone), and in a backward pass
-    a fused ReLU's backward where this pass masks dy, or a fused residual add's fan-out."""
+    a fused ReLU's backward where this pass masks dy (a fused residual add's mask goes in
+    the first kernel where its residual's gradient is a first write: ResNet's every one)."""
     if phase == "recompute":
         return 1
-    return 3 + (phase == "backward" and (_masks_dy(layer) or _residual(layer)))
+    return 3 + (phase == "backward" and _masks_dy(layer) and not _residual(layer))
 
 
 def _relu_forward(program, layer, update_running):

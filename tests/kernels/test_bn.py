@@ -438,3 +438,50 @@ def test_a_bad_residual_is_refused_before_anything_is_written():
         bn.rebuild(x, v, v, room[:x.numel()].view(shape), saved, residual=shifted)
     assert not y.any() and not room.any() and torch.equal(saved, torch.ones(2, 3))
     assert torch.equal(rm, torch.zeros(3)) and torch.equal(rv, torch.ones(3))
+
+
+@pytest.mark.parametrize("masked", [False, True])
+@pytest.mark.parametrize("shape", [(3, 4, 7, 7), (2, 5, 33, 40)])
+def test_backward_storing_its_dy_gives_the_fan_out_then_backward_bits(shape, masked):
+    """backward with dy_out (and relu_output) stores exactly what kernels/join.py's fan-out
+    makes of dy (masked by the ReLU's output) and gives the gradients of backward run on
+    that: a fused residual add's backward in the batch norm's own passes. dy_out may be
+    dy itself, and dx may then still be apart."""
+    from tinysn.kernels import join
+    c = shape[1]
+    x, gamma, dy, y = _rand(shape, 21), _rand((c,), 22), _rand(shape, 23), _rand(shape, 24)
+    y.view(-1)[::7] = 0.0               # a ReLU's output holds zeros: those mask dy too
+    saved = torch.stack([x.mean((0, 2, 3)), 1 / (x.var((0, 2, 3)) + 1e-5).sqrt()])
+    mask = y if masked else None
+    g_ref = torch.empty_like(dy)
+    join.add_backward(dy, [g_ref], y=mask)
+    ref = [torch.empty_like(x), torch.empty(c), torch.empty(c)]
+    bn.backward(x, gamma, g_ref, saved, *ref, _workspace(shape, "backward", "cpu"))
+    for in_place in (False, True):
+        grad = dy.clone()
+        out = grad if in_place else torch.full_like(dy, NAN)
+        got = [torch.full_like(x, NAN), torch.empty(c), torch.empty(c)]
+        bn.backward(x, gamma, grad, saved, *got, _workspace(shape, "backward", "cpu"),
+                    relu_output=mask, dy_out=out)
+        assert torch.equal(out, g_ref)
+        assert in_place or torch.equal(grad, dy)
+        assert all(torch.equal(a, b) for a, b in zip(got, ref))
+    if masked:
+        assert not torch.equal(g_ref, dy)
+
+
+def test_backward_refuses_a_bad_dy_out_before_writing():
+    shape = (2, 3, 4, 4)
+    x, v, dy = _rand(shape, 0), torch.ones(3), _rand(shape, 1)
+    saved, dx, out = torch.ones(2, 3), torch.zeros_like(x), torch.zeros_like(x)
+    ws = _workspace(shape, "backward", "cpu")
+    cases = [(dict(relu_output=dy.clone()), "relu_output needs dy_out"),
+             (dict(dy_out=out[:1]), "dy_out"),
+             (dict(dy_out=x), "dy_out overlaps x"),
+             (dict(dy_out=out, relu_output=out), "dy_out overlaps relu_output")]
+    for kwargs, match in cases:
+        with pytest.raises(ValueError, match=match):
+            bn.backward(x, v, dy, saved, dx, None, None, ws, **kwargs)
+    with pytest.raises(ValueError, match="overlaps"):
+        bn.backward(x, v, dy, saved, out, None, None, ws, dy_out=out)
+    assert not dx.any() and not out.any()

@@ -277,14 +277,15 @@ def check_device(where: str, ref: torch.Tensor, **named) -> None:
 
 
 def check_no_overlap(where: str, outputs, inputs) -> None:
-    """No output shares memory with another tensor of the launch; outputs and inputs are
-    (name, tensor or None) pairs."""
-    others = [(n, t) for n, t in outputs + inputs if t is not None and t.numel()]
-    for na, a in outputs:
+    """No output shares memory with another tensor of the launch, the same tensor object
+    passed twice included; outputs and inputs are (name, tensor or None) pairs."""
+    others = [(i, n, t) for i, (n, t) in enumerate(outputs + inputs)
+              if t is not None and t.numel()]
+    for i, (na, a) in enumerate(outputs):
         if a is None or a.numel() == 0:
             continue
-        for nb, b in others:
-            if b is a:
+        for j, nb, b in others:
+            if j == i:
                 continue
             a0, b0 = a.data_ptr(), b.data_ptr()
             if a0 < b0 + b.element_size() * b.numel() and b0 < a0 + a.element_size() * a.numel():

@@ -14,12 +14,18 @@ API
         residual (x's shape): y + residual is stored instead (before any ReLU), the
         residual add that alone reads the batch norm's output fused into it
         (sched/fuse.py; kernels/join.py's bits: one float add).
-    backward(x, gamma, dy, saved, dx, dgamma, dbeta, workspace, *, accumulate=False)
+    backward(x, gamma, dy, saved, dx, dgamma, dbeta, workspace, *, accumulate=False,
+             relu_output=None, dy_out=None)
         dbeta = sum dy, dgamma = sum dy * xhat,
         dx (+)= gamma * inv_std / n * (n dy - dbeta - xhat dgamma).
         dx, dgamma, dbeta may each be None; dgamma / dbeta always overwrite.
         dx may be dy (in place: the sums are taken before dx is written), unless it
         accumulates; it must not otherwise overlap x, dy, saved or the workspace.
+        dy_out (x's shape): the dy used is also stored there by the first pass, which the
+        last then reads instead; with relu_output, that dy is first masked by the ReLU
+        whose output relu_output is (0 where relu_output <= 0): a residual add fused into
+        the batch norm gives its residual the add's gradient so (sched/fuse.py). dy_out
+        may be dy; it must not overlap x, dx, saved, relu_output or the workspace.
     rebuild(x, gamma, beta, y, saved, *, relu=False, residual=None)
         the forward's y again from the statistics it saved (the recompute policy rebuilding
         a dropped output): the normalisation pass alone, no workspace, the same bits as
@@ -245,9 +251,12 @@ def _bn_eval_kernel(x, y, rmean, rvar, gamma, beta, res, NC, C, HW, eps,
 
 
 @triton.jit
-def _bn_bwd_partial_kernel(x, dy, saved, ws, N, C, HW, RPC, CPC, NCH, NHC,
-                           ROWS: tl.constexpr, COLS: tl.constexpr):
-    """ws[c, chunk] = (sum dy, sum dy * (x - mean)) over one chunk of channel c."""
+def _bn_bwd_partial_kernel(x, dy, saved, ws, y, dyo, N, C, HW, RPC, CPC, NCH, NHC,
+                           ROWS: tl.constexpr, COLS: tl.constexpr, MASK: tl.constexpr = False,
+                           WRITE: tl.constexpr = False):
+    """ws[c, chunk] = (sum dy, sum dy * (x - mean)) over one chunk of channel c; MASK: dy
+    first put through the backward of the ReLU whose output y is (kernels/act.py's rule),
+    WRITE: the dy so used stored in dyo (the chunks cover each element once)."""
     pid = tl.program_id(0)
     c, r0, r1, h0, h1 = _chunk_bounds(pid, N, HW, RPC, CPC, NCH, NHC)
     mean = tl.load(saved + c)
@@ -264,6 +273,10 @@ def _bn_bwd_partial_kernel(x, dy, saved, ws, N, C, HW, RPC, CPC, NCH, NHC,
             m = rm & (cols < h1)[None, :]
             offs = rbase + cols[None, :]
             g = tl.load(dy + offs, mask=m, other=0.0)
+            if MASK:
+                g = tl.where(tl.load(y + offs, mask=m, other=0.0) <= 0.0, 0.0, g)
+            if WRITE:
+                tl.store(dyo + offs, g, mask=m)
             v = tl.load(x + offs, mask=m, other=0.0)
             s1 += g
             s2 += g * tl.where(m, v - mean, 0.0)
@@ -474,8 +487,31 @@ def _check_dx(dx, x, dy, saved, ws, accumulate):
                      + ([] if in_place else [("dy", dy)]))
 
 
-def backward(x, gamma, dy, saved, dx, dgamma, dbeta, workspace, *, accumulate=False):
-    """Training-mode batch norm backward; see the module docstring."""
+def _check_dy_out(x, dy, dx, saved, ws, relu_output, dy_out):
+    """relu_output and dy_out shaped like x, on its device; relu_output only with dy_out;
+    dy_out is dy or apart from every other operand."""
+    for name, t in (("relu_output", relu_output), ("dy_out", dy_out)):
+        if t is not None:
+            check_tensor(name, t, x.shape)
+            if t.device != x.device:
+                raise ValueError(f"{name} is on {t.device} but x is on {x.device}")
+    if relu_output is not None and dy_out is None:
+        raise ValueError("bn.backward: relu_output needs dy_out (the masked dy is read there)")
+    if dy_out is not None:
+        same = dy_out.numel() > 0 and dy_out.data_ptr() == dy.data_ptr()
+        check_no_overlap("bn.backward", [("dy_out", dy_out)],
+                         [("x", x), ("saved", saved), ("workspace", ws), ("dx", dx),
+                          ("relu_output", relu_output)] + ([] if same else [("dy", dy)]))
+
+
+def backward(x, gamma, dy, saved, dx, dgamma, dbeta, workspace, *, accumulate=False,
+             relu_output=None, dy_out=None):
+    """Training-mode batch norm backward; see the module docstring. `dy_out` (x's shape):
+    the dy the pass uses is also stored there, by its first kernel, and its last reads it
+    there; `relu_output` (with dy_out): that dy is first put through the backward of the
+    ReLU whose output it is, 0 where relu_output <= 0 (kernels/act.py's bits). A residual
+    add fused into the batch norm (sched/fuse.py) so gives its residual the add's gradient
+    (masked by the add's ReLU) in the batch norm's own pass. dy_out may be dy (in place)."""
     n, c, h, w = _check_x_with_saved(x, "dy", dy, saved)
     dev = x.device
     if dx is not None:
@@ -493,15 +529,20 @@ def backward(x, gamma, dy, saved, dx, dgamma, dbeta, workspace, *, accumulate=Fa
     if ws.device != dev:
         raise ValueError(f"workspace is on {ws.device} but x is on {dev}")
     if dx is not None:
-        _check_dx(dx, x, dy, saved, ws, accumulate)
-    if dx is None and dgamma is None and dbeta is None:
+        _check_dx(dx, x, dy if dy_out is None else dy_out, saved, ws, accumulate)
+    _check_dy_out(x, dy, dx, saved, ws, relu_output, dy_out)
+    if dx is None and dgamma is None and dbeta is None and dy_out is None:
         return
     hw = h * w
     rpc, nr, cpc, nh = _chunks(n, c, hw)
     nch = nr * nh
     rows, cols = _tile_shape(rpc, min(cpc, hw))
-    run(_bn_bwd_partial_kernel, (c * nch,), x, dy, saved, ws, n, c, hw, rpc, cpc, nch, nh,
-        ROWS=rows, COLS=cols, num_warps=_WARPS)
+    run(_bn_bwd_partial_kernel, (c * nch,), x, dy, saved, ws,
+        dy if relu_output is None else relu_output, dy if dy_out is None else dy_out,
+        n, c, hw, rpc, cpc, nch, nh, ROWS=rows, COLS=cols, MASK=relu_output is not None,
+        WRITE=dy_out is not None, num_warps=_WARPS)
+    if dy_out is not None:
+        dy = dy_out
     sums = ws[c * nch * 2: c * nch * 2 + 2 * c]
     cb, nchp = _finalize_shape(c, nch)
     run(_bn_bwd_finalize_kernel, (cdiv(c, cb),),

@@ -35,9 +35,11 @@ wherever the adds' ReLUs are, `plan(..., fuse_bn_add=False)` turns it off): ResN
 batch norm of each block. Its normalisation pass stores bn(x) + residual (and the add's
 ReLU, kernels/bn.py `residual`), so the batch norm's output, a tensor of the block's
 output size, never exists: its write and the add's read of it go, and one launch each
-way. Its backward pass fans dy out to the residual's gradient as the add's did (masked by
-the add's ReLU where the add masked it) and runs the batch norm's backward on that same
-gradient (ops.py, `_residual_dy`). The fused layer is a batch norm (the batch norm's name,
+way. Its backward pass gives the residual the add's gradient (masked by the add's ReLU
+where the add masked it), which is also the batch norm's dy: where the residual's gradient
+is a first write (ResNet's every one) the batch norm's first backward kernel masks dy and
+stores it there as it sums it, so no pass of its own (ops.py, `_bn_residual_backward`).
+The fused layer is a batch norm (the batch norm's name,
 parameters, statistics and attributes, plus `residual=True` and the add's `relu` and
 `relu_masked`) whose second input is the residual, which its backward never reads
 (OpSpec.inputs_read): it dies where the add was. The same bits as apart.

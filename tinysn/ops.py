@@ -311,16 +311,15 @@ def _bn_residual_backward(program, layer, g, x, w, saved, dw, db):
     def launch(rt, algos, ws):
         grad, d_res, mask = g.dy(rt), g.dx[1](rt), y(rt)
         if d_res is not None and not g.accumulate[1]:
-            copied = mask is None and d_res.data_ptr() == grad.data_ptr()   # dy is d_res
-            bn_k.backward(x(rt), w(rt), grad, saved(rt), g.dx[0](rt), dw(rt), db(rt), ws,
-                          accumulate=g.accumulate[0], relu_output=mask,
-                          dy_out=None if copied else d_res)
-            return
-        outs = ([grad] if mask is not None else []) + ([d_res] if d_res is not None else [])
-        if outs:
-            join_k.add_backward(grad, outs, y=mask, accumulate=[d is d_res for d in outs])
+            if mask is None and d_res.data_ptr() == grad.data_ptr():
+                d_res = None                    # dy's block already is the residual's
+        else:
+            outs = ([grad] if mask is not None else []) + ([d_res] if d_res is not None else [])
+            if outs:
+                join_k.add_backward(grad, outs, y=mask, accumulate=[d is d_res for d in outs])
+            d_res = mask = None
         bn_k.backward(x(rt), w(rt), grad, saved(rt), g.dx[0](rt), dw(rt), db(rt), ws,
-                      accumulate=g.accumulate[0])
+                      accumulate=g.accumulate[0], relu_output=mask, dy_out=d_res)
     return launch
 
 

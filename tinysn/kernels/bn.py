@@ -330,10 +330,15 @@ def _bn_dx_kernel(x, dy, dx, saved, gamma, sums, NC, C, HW, inv_n,
 
 # ----------------------------------------------------------------------------- launchers
 
-def _check_vec(name, t, c, device):
-    check_tensor(name, t, (c,))
+def _check_shaped(name, t, shape, device):
+    """`t` a contiguous float32 tensor of `shape` on `device` (x's)."""
+    check_tensor(name, t, shape)
     if t.device != device:
         raise ValueError(f"{name} is on {t.device} but x is on {device}")
+
+
+def _check_vec(name, t, c, device):
+    _check_shaped(name, t, (c,), device)
 
 
 def _check_x(x):
@@ -379,9 +384,7 @@ def _residual(residual, x):
     there is none) after checking a given one is shaped like x and on x's device."""
     if residual is None:
         return x
-    check_tensor("residual", residual, x.shape)
-    if residual.device != x.device:
-        raise ValueError(f"residual is on {residual.device} but x is on {x.device}")
+    _check_shaped("residual", residual, x.shape, x.device)
     return residual
 
 
@@ -397,9 +400,7 @@ def forward(x, gamma, beta, y, running_mean, running_var, saved, workspace, *,
     _check_relu(relu)
     res = _residual(residual, x)
     dev = x.device
-    check_tensor("y", y, x.shape)
-    if y.device != dev:
-        raise ValueError(f"y is on {y.device} but x is on {dev}")
+    _check_shaped("y", y, x.shape, dev)
     _check_vec("gamma", gamma, c, dev)
     _check_vec("beta", beta, c, dev)
     check_tensor("saved", saved, (2, c))
@@ -463,9 +464,7 @@ def forward_eval(x, gamma, beta, y, running_mean, running_var, *, eps=1e-5, relu
     n, c, h, w = _shape4(x.shape)
     res = _residual(residual, x)
     dev = x.device
-    check_tensor("y", y, x.shape)
-    if y.device != dev:
-        raise ValueError(f"y is on {y.device} but x is on {dev}")
+    _check_shaped("y", y, x.shape, dev)
     for name, t in (("gamma", gamma), ("beta", beta), ("running_mean", running_mean),
                     ("running_var", running_var)):
         _check_vec(name, t, c, dev)
@@ -492,9 +491,7 @@ def _check_dy_out(x, dy, dx, saved, ws, relu_output, dy_out):
     dy_out is dy or apart from every other operand."""
     for name, t in (("relu_output", relu_output), ("dy_out", dy_out)):
         if t is not None:
-            check_tensor(name, t, x.shape)
-            if t.device != x.device:
-                raise ValueError(f"{name} is on {t.device} but x is on {x.device}")
+            _check_shaped(name, t, x.shape, x.device)
     if relu_output is not None and dy_out is None:
         raise ValueError("bn.backward: relu_output needs dy_out (the masked dy is read there)")
     if dy_out is not None:
@@ -515,9 +512,7 @@ def backward(x, gamma, dy, saved, dx, dgamma, dbeta, workspace, *, accumulate=Fa
     n, c, h, w = _check_x_with_saved(x, "dy", dy, saved)
     dev = x.device
     if dx is not None:
-        check_tensor("dx", dx, x.shape)
-        if dx.device != dev:
-            raise ValueError(f"dx is on {dx.device} but x is on {dev}")
+        _check_shaped("dx", dx, x.shape, dev)
         _check_vec("gamma", gamma, c, dev)
     if dgamma is not None:
         _check_vec("dgamma", dgamma, c, dev)

@@ -66,10 +66,17 @@ def masked_by_reader(layer, batch_norms: bool = False, adds: bool = True) -> boo
     return len(readers) == 1 and spec(readers[0]).masks_through_relu
 
 
-def _fused_attrs(layer, batch_norms: bool, adds: bool) -> dict:
+def _copied_attrs(layer) -> dict:
+    """`layer`'s attributes for a fused copy of its net: a layer that draws masks keeps
+    drawing them for its index in the net as built (ops.py)."""
     attrs = dict(layer.attrs)
-    if spec(layer).draws_mask:      # its masks stay keyed by its index in `net` (ops.py)
+    if spec(layer).draws_mask:
         attrs.setdefault("mask_layer", layer.index)
+    return attrs
+
+
+def _fused_attrs(layer, batch_norms: bool, adds: bool) -> dict:
+    attrs = _copied_attrs(layer)
     if fusible(layer, batch_norms, adds):
         attrs["relu"] = True
         if masked_by_reader(layer, batch_norms, adds):
@@ -132,21 +139,21 @@ def fuse_residuals(net):
     the batch norm's backward on it (ops.py). The same bits as the two layers apart."""
     from ..graph import Net
 
-    absorbed = {absorbed_bn(layer): layer for layer in net.layers if absorbed_bn(layer)}
-    if not absorbed:
+    bn_of = {layer: absorbed_bn(layer) for layer in net.layers}
+    bn_of = {add: bn for add, bn in bn_of.items() if bn is not None}
+    if not bn_of:
         return net
+    absorbed = set(bn_of.values())
     fused = Net(net.input_shape, net.classes, net.batch)
     copy = {}
     for layer in net.layers:
         if layer in absorbed:
             continue                # made where its add stands
-        attrs = dict(layer.attrs)
-        if spec(layer).draws_mask:  # its masks stay keyed by its index in `net`
-            attrs.setdefault("mask_layer", layer.index)
-        bn = absorbed_bn(layer)
+        bn = bn_of.get(layer)
         if bn is None:
             copy[layer] = fused._add_layer(layer.op, layer.name, [copy[x] for x in layer.inputs],
-                                           layer.shape, attrs, layer.params, layer.buffers)
+                                           layer.shape, _copied_attrs(layer), layer.params,
+                                           layer.buffers)
             continue
         residual = layer.inputs[1] if layer.inputs[0] is bn else layer.inputs[0]
         attrs = dict(bn.attrs, residual=True)

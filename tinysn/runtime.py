@@ -105,11 +105,11 @@ class Runtime:
                  cuda_graph: bool = False, process_group=None,
                  bucket_bytes=liveness.BUCKET_BYTES, fuse_relu: bool = True,
                  fuse_bn_relu: bool = True, fuse_add_relu: bool = True,
-                 fuse_bn_add: bool = True):
+                 fuse_bn_add: bool = True, group_updates: bool = True):
         device = inputs.pick_device(device)
         inputs.check_graph_request(cuda_graph, device)
         inputs.check_options(policy, lr, momentum, weight_decay, seed, precision, fuse_relu,
-                             fuse_bn_relu, fuse_add_relu, fuse_bn_add)
+                             fuse_bn_relu, fuse_add_relu, fuse_bn_add, group_updates)
         inputs.check_trainable(net)
         inputs.check_machine(memory, host_memory, device)
         bucket_bytes = liveness.parse_bucket_bytes(bucket_bytes)
@@ -121,7 +121,7 @@ class Runtime:
             memory, cuda_graph, momentum=momentum, conv_algos=conv_algos, layout=layout,
             host_memory=host_memory, data_parallel=process_group is not None,
             bucket_bytes=bucket_bytes, fuse_relu=fuse_relu, fuse_bn_relu=fuse_bn_relu,
-            fuse_add_relu=fuse_add_relu, fuse_bn_add=fuse_bn_add))
+            fuse_add_relu=fuse_add_relu, fuse_bn_add=fuse_bn_add, group_updates=group_updates))
         self.lr, self.momentum, self.weight_decay, self.seed = lr, momentum, weight_decay, seed
         self.precision = precision
         self.program = self.plan.program
@@ -569,8 +569,9 @@ def _build_launchers(program, data_parallel: bool) -> dict:
 def _then_update(kernel, lp, program, data_parallel: bool):
     """`kernel`, then (data parallel) the start of the all-reduce of the gradient bucket
     that ends at this pass, then the SGD updates of the buckets `program.updates` places
-    here, each bucket's after its all-reduce, two parameters per launch
-    (sgd.update_many)."""
+    here, each bucket's after its all-reduce, sgd.PER_LAUNCH parameter tensors per launch
+    (sgd.update_many; single process, a pass's one bucket may hold the layers before it
+    whose updates waited for it: liveness `_update_groups`)."""
     p = program
     reduce = p.reduces.get(lp.index) if data_parallel else None
     buckets = p.updates.get(lp.index, [])

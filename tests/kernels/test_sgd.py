@@ -82,9 +82,11 @@ def test_sgd_deterministic():
 
 @pytest.mark.parametrize("momentum,weight_decay", [(0.0, 0.0), (0.9, 1e-4)])
 def test_sgd_update_many_matches_one_update_each(momentum, weight_decay, device="cpu"):
-    """Two tensors share a launch (the second starting mid-grid, after the first's blocks),
-    an odd one out gets its own, an empty one none; each ends bitwise as update() leaves it."""
-    sizes = [5000, 37, 9000, 0, 4096]
+    """Four tensors share a launch (each after the blocks of those before it, mid-grid), the
+    two left over one more (its last slots empty), an empty one none; each ends bitwise as
+    update() leaves it."""
+    assert sgd.PER_LAUNCH == 4
+    sizes = [5000, 37, 9000, 0, 4096, 1, 8193]
     hp = dict(lr=0.1, momentum=momentum, weight_decay=weight_decay)
 
     def fresh():

@@ -192,32 +192,12 @@ def test_whether_the_adds_fit_unmoved_is_asked_once_for_both_eviction_orders(mon
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 @pytest.mark.parametrize("cuda_graph", [False, True])
-def test_fused_training_on_the_gpu_is_bitwise_the_unfused(cuda_graph, tmp_path, monkeypatch):
+def test_fused_training_on_the_gpu_is_bitwise_the_unfused(cuda_graph, trains_alike_on_the_gpu):
     """Policy "all" on the GPU (its conv algorithms from the measured rankings, the same for
     both: channels-last ones on the 32x32 layers), eager and replayed: the same bits. The
     rankings are this test's own (a private cache): a test beside it in another process
     that times the same shapes would otherwise rewrite them between the two Runtimes."""
-    monkeypatch.setenv("TINYSN_CACHE_DIR", str(tmp_path))
-    _assert_trains_alike_on_the_gpu(_vgg_like(), cuda_graph, "fuse_relu")
-
-
-def _assert_trains_alike_on_the_gpu(net, cuda_graph, flag):
-    """Four steps of `net` (batch 4, 32x32 images) under policy "all", with the Runtime
-    option `flag` False and True: the same conv algorithms, losses and parameters."""
-    gen = torch.Generator().manual_seed(1)
-    images = torch.randn(4, 3, 32, 32, generator=gen)
-    labels = torch.randint(0, 10, (4,), generator=gen)
-    runs = []
-    for fuse in (False, True):
-        rt = sn.Runtime(net, memory="1GiB", policy="all", device="cuda", momentum=0.9,
-                        cuda_graph=cuda_graph, **{flag: fuse})
-        losses = [rt.step(images, labels) for _ in range(4)]
-        assert rt.stats.peak_bytes == rt.plan.peak_bytes
-        runs.append((losses, rt.params(), rt.plan.conv_algos))
-        rt.close()
-    (l0, p0, a0), (l1, p1, a1) = runs
-    assert a0 == a1 and l0 == l1
-    assert all(torch.equal(p0[k], p1[k]) for k in p0)
+    trains_alike_on_the_gpu(_vgg_like(), cuda_graph, "fuse_relu")
 
 
 def _vgg_like():
@@ -281,25 +261,22 @@ def test_batch_norm_fused_training_is_bitwise_the_unfused(policy):
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 @pytest.mark.parametrize("cuda_graph", [False, True])
-def test_batch_norm_fused_training_on_the_gpu_is_bitwise_the_unfused(cuda_graph, tmp_path,
-                                                                      monkeypatch):
+def test_batch_norm_fused_training_on_the_gpu_is_bitwise_the_unfused(cuda_graph,
+                                                                     trains_alike_on_the_gpu):
     """A small ResNet under policy "all" on the GPU, eager and replayed: the same bits with
     the batch norms' ReLUs fused as without (private rankings, as the test above)."""
-    monkeypatch.setenv("TINYSN_CACHE_DIR", str(tmp_path))
     net = sn.models.resnet(blocks=[1, 1, 1, 1], batch=4, classes=10, input_shape=(3, 32, 32))
-    _assert_trains_alike_on_the_gpu(net, cuda_graph, "fuse_bn_relu")
+    trains_alike_on_the_gpu(net, cuda_graph, "fuse_bn_relu")
 
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 @pytest.mark.parametrize("cuda_graph", [False, True])
-def test_add_fused_training_on_the_gpu_is_bitwise_the_unfused(cuda_graph, tmp_path,
-                                                               monkeypatch):
+def test_add_fused_training_on_the_gpu_is_bitwise_the_unfused(cuda_graph, trains_alike_on_the_gpu):
     """A small ResNet under policy "all" on the GPU, eager and replayed: the same bits with
     every ReLU fused (the residual adds' too) as with every ReLU apart."""
-    monkeypatch.setenv("TINYSN_CACHE_DIR", str(tmp_path))
     net = sn.models.resnet(blocks=[1, 1, 1, 1], batch=4, classes=10, input_shape=(3, 32, 32))
-    _assert_trains_alike_on_the_gpu(net, cuda_graph, "fuse_relu")
+    trains_alike_on_the_gpu(net, cuda_graph, "fuse_relu")
 
 
 def _residual_net(batch=2):
@@ -419,10 +396,9 @@ def test_random_residual_nets_train_bitwise_alike_with_their_batch_norms_fused(n
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 @pytest.mark.parametrize("cuda_graph", [False, True])
-def test_batch_norm_add_fused_training_on_the_gpu_is_bitwise_the_unfused(cuda_graph, tmp_path,
-                                                                          monkeypatch):
+def test_batch_norm_add_fused_training_on_the_gpu_is_bitwise_the_unfused(cuda_graph,
+                                                                         trains_alike_on_the_gpu):
     """A small ResNet under policy "all" on the GPU, eager and replayed: the same bits with
     each block's last batch norm fused into its add as with the two apart."""
-    monkeypatch.setenv("TINYSN_CACHE_DIR", str(tmp_path))
     net = sn.models.resnet(blocks=[1, 1, 1, 1], batch=4, classes=10, input_shape=(3, 32, 32))
-    _assert_trains_alike_on_the_gpu(net, cuda_graph, "fuse_bn_add")
+    trains_alike_on_the_gpu(net, cuda_graph, "fuse_bn_add")

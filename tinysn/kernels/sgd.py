@@ -12,9 +12,10 @@ param.add_(d_p, alpha=-lr) are single FMAs in torch's kernels; buf.mul_(momentum
 two rounded ops), so results match torch.optim.SGD bitwise on the CPU interpreter and are
 expected to on the GPU (torch's foreach kernels may round differently there: ~1 ulp).
 One 1-D blocked memory-bound kernel: reads param, grad (and buf), writes param (and buf).
-update_many(items, ...) applies it to a list of (param, grad, buf) with one launch per two
-tensors (a layer's weight and bias, a batch norm's scale and shift): the same bits as one
-update() each, with half the launches, which a step's host pays for one by one.
+update_many(items, ...) applies it to a list of (param, grad, buf), up to PER_LAUNCH (4)
+tensors per launch (sched/liveness.py groups a batch norm's scale and shift with the next
+layer's weight): the same bits as one update() each, with a fraction of the launches,
+which a step's host pays for one by one and a replayed graph about 2 us of GPU time each.
 """
 import torch
 import triton
@@ -24,6 +25,7 @@ from ._common import INTERPRET, cdiv, check_tensor, gate, run
 
 BLOCK = 4096
 NUM_WARPS = 8
+PER_LAUNCH = 4   # parameter tensors one launch updates (update_many)
 # torch's add-with-alpha kernels compute a + alpha * b as one FMA (CPU vectorised fmadd; nvcc
 # contracts it on CUDA) and buf.mul_(m).add_(d) as two rounded ops. The kernel spells the FMAs
 # out with tl.fma and turns the compiler's own contraction off, so it rounds like torch.
@@ -31,23 +33,33 @@ _NO_FP_FUSION = {} if INTERPRET else {"enable_fp_fusion": False}
 
 
 @triton.jit
-def _sgd_kernel(p_ptr, g_ptr, buf_ptr, n, p2_ptr, g2_ptr, buf2_ptr, n2, lr, momentum,
+def _sgd_kernel(p0, g0, b0, n0, p1, g1, b1, n1, p2, g2, b2, n2, p3, g3, b3, n3, lr, momentum,
                 weight_decay, skip_ptr, HAS_WD: tl.constexpr, HAS_MOMENTUM: tl.constexpr,
                 GATED: tl.constexpr, BLOCK: tl.constexpr):
-    """The update of two tensors in one launch: programs [0, cdiv(n, BLOCK)) update the
-    first (n elements), the rest the second (n2; 0 when there is one tensor). GATED: where
-    skip_ptr's float is non-zero (a bad batch) nothing is read or written."""
-    first = tl.cdiv(n, BLOCK)
+    """The update of up to four tensors in one launch: the grid's programs go to the first
+    tensor's blocks (n0 elements), then the second's, and so on (n 0: no tensor there).
+    GATED: where skip_ptr's float is non-zero (a bad batch) nothing is read or written."""
+    end0 = tl.cdiv(n0, BLOCK)
+    end1 = end0 + tl.cdiv(n1, BLOCK)
+    end2 = end1 + tl.cdiv(n2, BLOCK)
     if GATED:
         keep = tl.load(skip_ptr) == 0.0
-        n = tl.where(keep, n, 0)
+        n0 = tl.where(keep, n0, 0)
+        n1 = tl.where(keep, n1, 0)
         n2 = tl.where(keep, n2, 0)
+        n3 = tl.where(keep, n3, 0)
     block = tl.program_id(0)
-    if block < first:
-        _sgd_block(p_ptr, g_ptr, buf_ptr, n, block, lr, momentum, weight_decay,
+    if block < end0:
+        _sgd_block(p0, g0, b0, n0, block, lr, momentum, weight_decay,
+                   HAS_WD, HAS_MOMENTUM, BLOCK)
+    elif block < end1:
+        _sgd_block(p1, g1, b1, n1, block - end0, lr, momentum, weight_decay,
+                   HAS_WD, HAS_MOMENTUM, BLOCK)
+    elif block < end2:
+        _sgd_block(p2, g2, b2, n2, block - end1, lr, momentum, weight_decay,
                    HAS_WD, HAS_MOMENTUM, BLOCK)
     else:
-        _sgd_block(p2_ptr, g2_ptr, buf2_ptr, n2, block - first, lr, momentum, weight_decay,
+        _sgd_block(p3, g3, b3, n3, block - end2, lr, momentum, weight_decay,
                    HAS_WD, HAS_MOMENTUM, BLOCK)
 
 
@@ -93,8 +105,9 @@ def update(param: torch.Tensor, grad: torch.Tensor, momentum_buf, *, lr: float,
 
 def update_many(items, *, lr: float, momentum: float, weight_decay: float,
                 skip=None) -> None:
-    """update() on each (param, grad, momentum_buf) of `items`, two tensors per launch. Every
-    item is checked before the first launch, so bad input changes nothing."""
+    """update() on each (param, grad, momentum_buf) of `items`, PER_LAUNCH tensors per launch
+    (the last launch takes the rest). Every item is checked before the first launch, so bad
+    input changes nothing."""
     lr = _number("lr", lr)
     momentum = _number("momentum", momentum)
     weight_decay = _number("weight_decay", weight_decay)
@@ -102,11 +115,12 @@ def update_many(items, *, lr: float, momentum: float, weight_decay: float,
     if not todo:
         return
     skip_ptr, gated = gate(skip, todo[0][0].device, todo[0][0])
-    for pair in (todo[i:i + 2] for i in range(0, len(todo), 2)):
-        (p, g, b), (p2, g2, b2) = pair[0], pair[-1]
-        n, n2 = p.numel(), (p2.numel() if len(pair) == 2 else 0)
-        run(_sgd_kernel, (cdiv(n, BLOCK) + cdiv(n2, BLOCK),),
-            p, g, b, n, p2, g2, b2, n2, lr, momentum, weight_decay, skip_ptr,
+    for group in (todo[i:i + PER_LAUNCH] for i in range(0, len(todo), PER_LAUNCH)):
+        slots = group + [(group[0][0], group[0][1], group[0][2])] * (PER_LAUNCH - len(group))
+        sizes = [p.numel() for p, _, _ in group] + [0] * (PER_LAUNCH - len(group))
+        args = [a for (p, g, b), n in zip(slots, sizes) for a in (p, g, b, n)]
+        run(_sgd_kernel, (sum(cdiv(n, BLOCK) for n in sizes),), *args,
+            lr, momentum, weight_decay, skip_ptr,
             HAS_WD=weight_decay != 0.0, HAS_MOMENTUM=momentum != 0.0, GATED=gated,
             BLOCK=BLOCK, num_warps=NUM_WARPS, **_NO_FP_FUSION)
 

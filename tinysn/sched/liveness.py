@@ -5,9 +5,10 @@ The training iteration is first written down as a *logical program*, independent
 policy: a list of `LayerPass`es, one forward pass per layer in route order, then one
 backward pass per layer in reverse order (the SGD update of a layer's parameters is part of
 its backward pass, since no parameter is used again in the iteration once its layer's
-backward has run). Each pass lists the tensors it reads and writes. From that, every
-tensor's uses give its live range, and the in/out live sets of every pass follow: a tensor
-is live from the pass that writes it first to the last pass that reads it. The planner
+backward has run, or of a later one's where small updates share a launch: `_update_groups`).
+Each pass lists the tensors it reads and writes. From that, every tensor's uses give its
+live range, and the in/out live sets of every pass follow: a tensor is live from the pass
+that writes it first to the last pass that reads it. The planner
 (plan.py) turns each pass into one or more executed `Step`s.
 
 Data parallel (`data_parallel=True`, tinysn/distributed.py): parameter gradients are
@@ -31,6 +32,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from ..kernels import sgd as sgd_k
 from ..ops import spec
 from ..units import parse_bytes
 from . import route
@@ -38,6 +40,51 @@ from . import route
 UPDATE_LAG = 2   # data parallel: backward passes between a bucket's start and its updates
                  # (its all-reduce overlaps that many kernels; its gradients live that long)
 BUCKET_BYTES = 25 << 20   # data parallel: gradient bytes that close a bucket (DDP's default)
+
+
+def _update_groups(layers) -> list:
+    """Positions in `layers` (those with parameters, in backward order) grouped into SGD
+    updates that share launches (sgd.update_many: PER_LAUNCH tensors each), each group
+    updated at its last layer's backward pass. A layer whose parameters are all vectors (a
+    batch norm's scale and shift: a few KB) waits for the next other layer with room left
+    in its launch, oldest first; no other layer waits, so no weight's gradient lives longer.
+    Vector layers left at the end share launches among themselves. ResNet-50: each batch
+    norm goes with the conv before it in forward order (where a block's last batch norm
+    and its shortcut's meet first, the shortcut's conv takes one, the block's conv the
+    other): 107 launches -> 54."""
+    groups, waiting = [], []
+    for i, layer in enumerate(layers):
+        count = len(layer.params)
+        if _vectors_only(layer) and count < sgd_k.PER_LAUNCH:
+            waiting.append(i)
+            continue
+        room, taken = sgd_k.PER_LAUNCH - count, []
+        for j in list(waiting):
+            if len(layers[j].params) <= room:
+                room -= len(layers[j].params)
+                taken.append(j)
+                waiting.remove(j)
+        groups.append(taken + [i])
+    run, held = [], 0
+    for j in waiting:
+        if run and held + len(layers[j].params) > sgd_k.PER_LAUNCH:
+            groups.append(run)
+            run, held = [], 0
+        run.append(j)
+        held += len(layers[j].params)
+    return groups + ([run] if run else [])
+
+
+def _vectors_only(layer) -> bool:
+    """True for a layer whose parameters are all vectors (a batch norm's)."""
+    return all(len(shape) == 1 for shape in layer.params.values())
+
+
+def groups_updates(net) -> bool:
+    """True where a Program of `net` with `group_updates` puts two layers' SGD updates in
+    one launch (`_update_groups`): where grouping changes the plan at all."""
+    layers = [layer for layer in reversed(route.forward_order(net)) if layer.params]
+    return any(len(group) > 1 for group in _update_groups(layers))
 
 
 def parse_bucket_bytes(value) -> int:
@@ -102,8 +149,10 @@ class Program:
     """The logical program of one training iteration of `net` and its tensors."""
 
     def __init__(self, net, momentum: float = 0.0, data_parallel: bool = False,
-                 bucket_bytes: int = BUCKET_BYTES, in_place_gradients: bool = True):
+                 bucket_bytes: int = BUCKET_BYTES, in_place_gradients: bool = True,
+                 group_updates: bool = False):
         net.check()
+        self.group_updates = group_updates
         self.net = net
         self.momentum_value = momentum
         self.data_parallel = data_parallel
@@ -226,17 +275,26 @@ class Program:
         starts after that pass, and backward pass index -> the buckets whose layers' SGD
         updates run at the end of that pass.
 
-        Single process: no all-reduce; each layer is updated at its own backward pass (a
-        bucket of one). Data parallel: a bucket starts after its last layer's pass, which
+        Single process: no all-reduce; each layer is updated at its own backward pass, or
+        (`group_updates`) with the layers after it in one launch (`_update_groups`). Data
+        parallel: a bucket starts after its last layer's pass, which
         reads all the bucket's gradients, and is updated `UPDATE_LAG` backward passes later
         (at most the last pass), which reads the layers' parameter gradients, parameters
         and momentum: the gradients stay live over the all-reduce in flight."""
         backward = [lp for lp in self.passes if lp.phase == "backward" and lp.layer.params]
-        if not self.data_parallel:
-            return [], {}, {lp.index: [(lp.layer,)] for lp in backward}
         sizes = [(lp, sum(self.tensors[t].nbytes
                           for t in self._layer_params(lp.layer, self.pgrad)))
                  for lp in backward]
+        if not self.data_parallel:
+            groups = (_update_groups([lp.layer for lp in backward]) if self.group_updates
+                      else [[i] for i in range(len(backward))])
+            updates = {}
+            for group in ([backward[i] for i in g] for g in groups):
+                at = group[-1]
+                updates[at.index] = [tuple(lp.layer for lp in group)]
+                self._add_reads(at, [lp.layer for lp in group[:-1]],
+                                (self.pgrad, self.param, self.momentum))
+            return [], {}, updates
         buckets, reduces, updates = [], {}, {}
         last = len(self.passes) - 1
         for group in group_buckets(sizes, self.bucket_bytes):

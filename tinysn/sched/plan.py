@@ -322,7 +322,8 @@ def plan(net, memory, policy: str = "all", *, momentum: float = 0.0, conv_algos=
          in_place_gradients: bool = True, keep_pools: bool = True,
          evict_by_next_use: bool = True, rebuild_joins: bool = True,
          fuse_relu: bool = True, fuse_bn_relu: bool = True, fuse_add_relu: bool = True,
-         fuse_bn_add: bool = True, channels_last: bool = True) -> Plan:
+         fuse_bn_add: bool = True, group_updates: bool = True,
+         channels_last: bool = True) -> Plan:
     """Dry-run one training iteration of `net` under a `memory` cap and `policy`.
 
     Raises OutOfMemory naming the first step that does not fit. `conv_algos` pins conv
@@ -392,6 +393,12 @@ def plan(net, memory, policy: str = "all", *, momentum: float = 0.0, conv_algos=
     ReLUs are fused, each batch norm whose output only a two-input residual add reads is
     made one layer with the add too (fuse.fuse_residuals: ResNet's last batch norm of each
     block; its output never exists; the same bits); False plans them apart.
+    `group_updates` (default True): where the net fits the cap without copying anything
+    out (as for the adds' ReLUs), the SGD updates of layers whose parameters are all
+    vectors (a batch norm's scale and shift) wait for the next layer's in backward order
+    and share its launch (liveness.py `_update_groups`: ResNet-50's 107 update launches ->
+    54; those gradients live a pass longer, a few KB; the same bits); False updates each
+    layer at its own backward pass everywhere, as plans made before that did.
     `channels_last` (default True): store a conv's output channels-last where one conv
     alone reads it and both convs' algorithms allow it (sched/channels_last.py; the plan's
     `channels_last` names them; the same bits); False stores every activation NCHW.
@@ -415,7 +422,7 @@ def plan(net, memory, policy: str = "all", *, momentum: float = 0.0, conv_algos=
                        evict_by_next_use=by_next_use, rebuild_joins=rebuild_joins,
                        fuse_relu=fuse_relu, fuse_bn_relu=fuse_bn_relu,
                        fuse_add_relu=fuse_add_relu, fuse_bn_add=fuse_bn_add,
-                       fits_unmoved=unmoved)
+                       group_updates=group_updates, fits_unmoved=unmoved)
     lru = search(False)             # checks every argument before anything is planned
     try:
         candidates = [(lru, _choose(lru, policy))]     # (search, its plan)
@@ -499,14 +506,16 @@ def _search(net, memory, policy, *, momentum, conv_algos, checkpoints, block_byt
             in_place_gradients=True, keep_pools=True,
             evict_by_next_use=True, rebuild_joins=True, fuse_relu=True,
             fuse_bn_relu=True, fuse_add_relu=True, fuse_bn_add=True,
-            fits_unmoved=None) -> "_Search":
+            group_updates=True, fits_unmoved=None) -> "_Search":
     """Check `plan`'s arguments (before any state changes) and set up its runs: of `net`,
     or with `fuse_relu` of its fused net (fuse.fuse_relus; its residual adds' ReLUs, and the
     batch norms before them, apart where, fused, the net would not fit unmoved:
     `_fits_unmoved`, or `fits_unmoved` where a
     search of the other eviction order found it: the no-drop run that decides evicts
-    nothing where it fits unmoved, so the order cannot change the answer). The search's
-    `fits_unmoved` keeps the answer (None where nothing asked)."""
+    nothing where it fits unmoved, so the order cannot change the answer), with
+    `group_updates` its small SGD updates sharing launches under the same condition
+    (liveness.groups_updates). The search's `fits_unmoved` keeps the answer (None where
+    nothing asked)."""
     if layout not in ("auto", "first_fit", "two_ended"):
         raise ValueError(f"layout must be 'auto', 'first_fit' or 'two_ended', got {layout!r}")
     if policy not in POLICIES:
@@ -530,15 +539,16 @@ def _search(net, memory, policy, *, momentum, conv_algos, checkpoints, block_byt
     for name, flag in (("in_place_gradients", in_place_gradients), ("keep_pools", keep_pools),
                        ("rebuild_joins", rebuild_joins), ("fuse_relu", fuse_relu),
                        ("fuse_bn_relu", fuse_bn_relu), ("fuse_add_relu", fuse_add_relu),
-                       ("fuse_bn_add", fuse_bn_add)):
+                       ("fuse_bn_add", fuse_bn_add), ("group_updates", group_updates)):
         if not isinstance(flag, bool):
             raise ValueError(f"{name} must be a bool, got {flag!r}")
     bucket_bytes = liveness.parse_bucket_bytes(bucket_bytes)
 
-    def searching(planned):
+    def searching(planned, grouped=False):
         program = liveness.Program(planned, momentum=momentum, data_parallel=data_parallel,
                                    bucket_bytes=bucket_bytes,
-                                   in_place_gradients=in_place_gradients)
+                                   in_place_gradients=in_place_gradients,
+                                   group_updates=grouped)
         roles = {}          # drops -> the tensors' roles, shared by the search's runs
 
         def make(cap, drops, small, floor=False, early=None, lookahead=1, headroom=None):
@@ -550,17 +560,19 @@ def _search(net, memory, policy, *, momentum, conv_algos, checkpoints, block_byt
                        early_write_back, trade_budget, lookahead, device_model, keep_pools,
                        rebuild_joins)
 
-    if not fuse_relu:
-        return searching(net)
-    fused = fuse.fuse_relus(net, batch_norms=fuse_bn_relu, adds=fuse_add_relu,
-                            residuals=fuse_bn_add)
-    search = searching(fused)
-    if not fuse.fuses_adds(fused) or policy in ("baseline", "liveness"):
+    fused = net if not fuse_relu else fuse.fuse_relus(
+        net, batch_norms=fuse_bn_relu, adds=fuse_add_relu, residuals=fuse_bn_add)
+    grouping = group_updates and not data_parallel and liveness.groups_updates(fused)
+    search = searching(fused, grouped=grouping)
+    moves_nothing = policy in ("baseline", "liveness")      # they fuse the adds everywhere
+    if not (grouping or (fuse.fuses_adds(fused) and not moves_nothing)):
         return search
     if fits_unmoved is None:
         fits_unmoved = _fits_unmoved(search)
     if not fits_unmoved:
-        search = searching(fuse.fuse_relus(net, batch_norms=fuse_bn_relu, adds=False))
+        apart = fused if moves_nothing or not fuse.fuses_adds(fused) else fuse.fuse_relus(
+            net, batch_norms=fuse_bn_relu, adds=False)
+        search = searching(apart)
     search.fits_unmoved = fits_unmoved
     return search
 

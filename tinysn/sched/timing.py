@@ -32,6 +32,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field, fields
 
+from ..kernels import sgd as sgd_k
 from ..kernels._common import cdiv
 from ..ops import spec
 from . import staging
@@ -184,28 +185,38 @@ class Timeline:
 
 
 def kernel_seconds(plan, launch: Launch, model: DeviceModel) -> float:
-    """Time of one Launch: its layer's kernels plus the SGD update a backward step applies
-    to the layer's parameters (a memory-bound pass over them)."""
+    """Time of one Launch: its layer's kernels plus the SGD updates its backward pass
+    applies (`Program.updates`: a memory-bound pass over those parameters)."""
     program = plan.program
     layer, phase = _layer_phase(plan, launch)
     seconds = measured_conv_seconds(layer, launch.algos, model)
     if seconds is None:
         seconds = layer_seconds(layer, phase, model)
-    if phase == "backward":
-        momentum = 2 if program.momentum else 0
-        params = sum(program.tensors[program.param[f"{layer.name}.{s}"]].nbytes
-                     for s in layer.params)
-        seconds += params * (3 + momentum) / model.bytes_per_s   # read w, dw (m); write w (m)
-    return seconds
+    momentum = 2 if program.momentum else 0
+    params = sum(program.tensors[t].nbytes for t in _updated_params(plan, launch))
+    return seconds + params * (3 + momentum) / model.bytes_per_s  # read w, dw (m); write w (m)
 
 
 def kernel_launches(plan, launch: Launch) -> int:
     """Triton kernels one Launch runs: its layer's own (OpSpec.launches, by phase and conv
-    algorithm) and, in a backward step, the SGD updates of its parameter tensors, two per
-    launch (sgd.update_many)."""
+    algorithm) and, in a backward step, those of the SGD updates its pass applies,
+    sgd.PER_LAUNCH tensors per launch of each bucket (sgd.update_many)."""
     layer, phase = _layer_phase(plan, launch)
     own = spec(layer).launches(layer, phase, launch.algos)
-    return own + (cdiv(len(layer.params), 2) if phase == "backward" else 0)
+    if phase != "backward":
+        return own
+    return own + sum(cdiv(sum(len(l.params) for l in bucket), sgd_k.PER_LAUNCH)
+                     for bucket in plan.program.updates.get(launch.key, []))
+
+
+def _updated_params(plan, launch: Launch) -> list:
+    """Ids of the parameter tensors whose SGD updates this Launch applies (none but in a
+    backward pass; there, those of the buckets `Program.updates` places at its pass)."""
+    if isinstance(launch.key, tuple) or plan.program.passes[launch.key].phase != "backward":
+        return []
+    p = plan.program
+    return [p.param[f"{layer.name}.{s}"] for bucket in p.updates.get(launch.key, [])
+            for layer in bucket for s in layer.params]
 
 
 def _layer_phase(plan, launch: Launch) -> tuple:

@@ -143,11 +143,26 @@ def test_bn_recompute_gives_same_bits():
 
 @pytest.mark.parametrize("shape", [(3, 4, 7, 7), (2, 5, 33, 40)])
 def test_bn_rebuild_from_saved_statistics_gives_the_forward_bits(shape):
+    _check_rebuild(shape, "cpu")
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not GPU, reason="needs a CUDA GPU")
+@pytest.mark.parametrize("shape", [(32, 64, 112, 112), (32, 256, 56, 56), (32, 2048, 7, 7),
+                                   (3, 5, 17, 19)])
+def test_bn_rebuild_on_the_gpu_gives_the_forward_bits(shape):
+    """The forward normalises with the statistics its programs merge in registers, a
+    rebuild with those it stored: the same floats, so the same bits, if the compiler keeps
+    inv_std as computed (no reassociation of 1 / sqrt into the scale)."""
+    _check_rebuild(shape, "cuda")
+
+
+def _check_rebuild(shape, device):
     c = shape[1]
-    x, gamma, beta = _rand(shape, 5), _rand((c,), 6), _rand((c,), 7)
-    rm, rv, saved = torch.zeros(c), torch.ones(c), torch.empty(2, c)
-    y = torch.empty_like(x)
-    bn.forward(x, gamma, beta, y, rm, rv, saved, _workspace(shape, "forward", "cpu"))
+    x, gamma, beta = _rand(shape, 5, device), _rand((c,), 6, device), _rand((c,), 7, device)
+    rm, rv = torch.zeros(c, device=device), torch.ones(c, device=device)
+    saved, y = torch.empty(2, c, device=device), torch.empty_like(x)
+    bn.forward(x, gamma, beta, y, rm, rv, saved, _workspace(shape, "forward", device))
     kept = (saved.clone(), rm.clone(), rv.clone())
     again = torch.full_like(x, NAN)
     bn.rebuild(x, gamma, beta, again, saved)

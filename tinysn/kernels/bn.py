@@ -178,7 +178,7 @@ def _bn_stats_kernel(x, ws, N, C, HW, RPC, CPC, NCH, NHC,
 @triton.jit
 def _merged_stats(ws, c, cm, NCH, total, eps, NCHP: tl.constexpr):
     """(mean, biased variance, inv_std) of each channel `c` (where cm) from its chunk
-    partials, merged in a fixed order (the module docstring's step 2)."""
+    partials, merged in a fixed order (Chan et al.; the module docstring's step 2)."""
     k = tl.arange(0, NCHP)
     m = cm[:, None] & (k < NCH)[None, :]
     p = ws + (c[:, None] * NCH + k[None, :]) * 3
@@ -201,7 +201,7 @@ def _bn_norm_kernel(x, y, saved, gamma, beta, res, ws, rmean, rvar, skip_ptr, NC
     RESIDUAL: + res (a residual add fused into the batch norm), RELU: then max(y, 0)
     stored instead (a ReLU fused into it, sched/fuse.py).
     MERGE (the forward pass): each program merges its channels' chunk partials from ws
-    itself (no launch of its own for step 2), and the programs holding image 0's first
+    itself (no merge pass of its own), and the programs holding image 0's first
     columns write saved and (UPDATE) the running statistics, GATED: not where skip_ptr's
     float is non-zero (a bad batch's count). Else (a rebuild) mean, inv_std come from saved.
     """

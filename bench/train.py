@@ -1,7 +1,8 @@
 """Training speed at an ordinary batch: tinysn beside the best PyTorch configuration.
 
     PYTHONPATH=. python bench/train.py --model resnet50 [--batch 32] [--out PATH]
-    PYTHONPATH=. python bench/train.py --table bench/results/train-*.json   # README rows
+    PYTHONPATH=. python bench/train.py --table bench/results/train-*.json   # bench/README rows
+    PYTHONPATH=. python bench/train.py --summary bench/results/train-*.json  # README's table
 
 Every configuration runs in this one process and is timed the same way: `--warmup` steps,
 then `--rounds` rounds of `--steps` back-to-back training steps, each round between two
@@ -348,6 +349,8 @@ def parse_args(argv=None):
 def main(argv=None) -> dict:
     if argv is None and sys.argv[1:2] == ["--table"]:
         return print_tables(sys.argv[2:])
+    if argv is None and sys.argv[1:2] == ["--summary"]:
+        return print("\n".join(summary_row(common.read(path)) for path in sys.argv[2:]))
     args = parse_args(argv)
     cuda = torch.cuda.is_available()
     device = torch.device("cuda" if cuda else "cpu")
@@ -381,6 +384,28 @@ def main(argv=None) -> dict:
     if args.out:
         print(f"wrote {args.out}")
     return result
+
+
+MODEL_NAMES = {"resnet50": "ResNet-50", "vgg16": "VGG16", "alexnet": "AlexNet",
+               "inception_v4": "Inception-v4"}
+
+
+def summary_row(result: dict) -> str:
+    """README.md's speed-table row for one result: the best PyTorch configuration's
+    images/s, then tinysn's first policy replayed as a CUDA graph and eager, each with its
+    ratio to that best (a refused or failed configuration says so)."""
+    best = max((r for r in result["pytorch"] if "images_per_s" in r),
+               key=lambda r: r["images_per_s"])
+    cells = [MODEL_NAMES.get(result["model"], result["model"]),
+             f"{best['images_per_s']:,.0f} ({best['config']})"]
+    policy = result["tinysn"][0]["policy"]
+    for graphed in (True, False):
+        row = next(r for r in result["tinysn"]
+                   if r["policy"] == policy and r["cuda_graph"] == graphed)
+        ratio = row.get("ratio_to_best")
+        cells.append("refused" if "refused" in row else "failed" if ratio is None else
+                     f"{row['images_per_s']:,.0f} ({ratio:.2f}x)")
+    return "| " + " | ".join(cells) + " |"
 
 
 def print_tables(paths) -> None:

@@ -106,6 +106,16 @@ def test_training_table_quotes_the_json():
             assert row["peak_equals_plan"] and row["losses"] == measured[0]["losses"]
 
 
+def test_readme_speed_table_quotes_the_json():
+    """README.md's batch-32 table holds, for each model, `bench/train.py --summary`'s row
+    for its tracked default run (train-<model>-b32-<gpu>.json)."""
+    from bench import train
+    readme = (ROOT / "README.md").read_text().splitlines()
+    for model in train.MODEL_NAMES:
+        row = train.summary_row(load(f"train-{model}-b32-NVIDIA-H200.json"))
+        assert "  " + row in readme, row
+
+
 def test_every_script_result_has_the_one_envelope():
     """Every results JSON a bench script wrote carries common.write's envelope (the plan
     JSON and the step's trace are written by `python -m tinysn plan` and `train --trace`,

@@ -120,6 +120,32 @@ def cases(batch: int) -> dict:
             t(n, 64, 112, 112), t(64), t(64), torch.empty(n, 64, 112, 112), t(64), t(64),
             torch.empty(2, 64), ws(bn.workspace_bytes((n, 64, 112, 112), "forward")),
             relu=True),
+        "bn fwd residual 256@56": lambda: bn.forward(   # a block's last, its add fused in
+            t(n, 256, 56, 56), t(256), t(256), torch.empty(n, 256, 56, 56), t(256), t(256),
+            torch.empty(2, 256), ws(bn.workspace_bytes((n, 256, 56, 56), "forward")),
+            relu=True, residual=t(n, 256, 56, 56), skip=torch.zeros(1)),
+        "bn bwd 256@56": lambda: bn.backward(
+            t(n, 256, 56, 56), t(256), t(n, 256, 56, 56), t(2, 256),
+            torch.empty(n, 256, 56, 56), torch.empty(256), torch.empty(256),
+            ws(bn.workspace_bytes((n, 256, 56, 56), "backward"))),
+        "bn bwd residual 256@56": lambda: bn.backward(   # the residual's gradient stored too
+            t(n, 256, 56, 56), t(256), t(n, 256, 56, 56), t(2, 256),
+            torch.empty(n, 256, 56, 56), torch.empty(256), torch.empty(256),
+            ws(bn.workspace_bytes((n, 256, 56, 56), "backward")),
+            relu_output=t(n, 256, 56, 56), dy_out=torch.empty(n, 256, 56, 56)),
+        "bn bwd params 2048@7": lambda: bn.backward(     # no dx: the merge pass alone
+            t(n, 2048, 7, 7), t(2048), t(n, 2048, 7, 7), t(2, 2048), None,
+            torch.empty(2048), torch.empty(2048),
+            ws(bn.workspace_bytes((n, 2048, 7, 7), "backward"))),
+        "bn fwd 2048@7": lambda: bn.forward(             # many channels per merge tile
+            t(n, 2048, 7, 7), t(2048), t(2048), torch.empty(n, 2048, 7, 7), t(2048), t(2048),
+            torch.empty(2, 2048), ws(bn.workspace_bytes((n, 2048, 7, 7), "forward"))),
+        "bn rebuild 2048@7": lambda: bn.rebuild(
+            t(n, 2048, 7, 7), t(2048), t(2048), torch.empty(n, 2048, 7, 7), t(2, 2048)),
+        "sgd 3 tensors": lambda: sgd.update_many(   # a conv's weight and a batch norm's
+            [(t(589824), t(589824), t(589824)), (t(256), t(256), t(256)),
+             (t(256), t(256), t(256))], lr=0.01, momentum=0.9, weight_decay=5e-4,
+            skip=torch.zeros(1)),
         "fc6 fwd": lambda: linear.forward(t(n, 25088), t(4096, 25088), t(4096),
                                           torch.empty(n, 4096)),
         "fc6 wgrad": lambda: linear.backward(t(n, 25088), None, t(n, 4096), None,

@@ -2,7 +2,8 @@
 case and every GPU config of the autotuned kernels: nothing spills, shared memory fits the
 H200's 227 KiB and every GEMM is a matrix-instruction kernel (a config list change that
 breaks one of these fails here, before any GPU time); the SGD update's loads and stores are
-16 bytes wide; an autotuned kernel (fc6's GEMM) is compiled once per GPU config."""
+16 bytes wide; a batch norm is two kernels each way; an autotuned kernel (fc6's GEMM) is
+compiled once per GPU config."""
 import json
 import os
 import subprocess
@@ -36,6 +37,15 @@ def test_every_config_compiles_for_the_h200_without_spills(tmp_path):
     sgd = [r for r in rows if r["case"] == "sgd 1M"]
     assert [r["kernel"] for r in sgd] == ["_sgd_kernel"]
     assert {"LDG.E.128", "STG.E.128"} <= set(sgd[0]["opcodes"])
+    # a batch norm is two kernels each way (its merges inside the elementwise pass), the
+    # merge pass alone only without dx; a conv's and a batch norm's updates one launch
+    kernels = {case: [r["kernel"] for r in rows if r["case"] == case]
+               for case in {r["case"] for r in rows}}
+    assert kernels["bn fwd residual 256@56"] == ["_bn_stats_kernel", "_bn_norm_kernel"]
+    assert kernels["bn bwd residual 256@56"] == ["_bn_bwd_partial_kernel", "_bn_dx_kernel"]
+    assert kernels["bn bwd params 2048@7"] == ["_bn_bwd_partial_kernel",
+                                               "_bn_bwd_finalize_kernel"]
+    assert kernels["sgd 3 tensors"] == ["_sgd_kernel"]
     gemm = [r for r in rows if r["case"] == "fc6 fwd"]
     assert len(gemm) == len({r["config"] for r in gemm}) == len(linear._gemm_kernel.all_configs)
     # every autotuned kernel of tinysn is among the cases, each with its whole GPU list

@@ -6,7 +6,7 @@ from hypothesis import assume, given, settings, strategies as st
 
 import tinysn  # noqa: F401  (interpreter switch before triton)
 from tinysn.kernels import pool
-from configs import config_count, pinned
+from tinysn.kernels._common import config_count, pinned
 
 GPU = torch.cuda.is_available()
 NAN = float("nan")

@@ -86,7 +86,7 @@ def autotune_configs(configs, interpreted_config):
 def autotune(configs, interpreted_config, restore=(), config_hook=None, **kwargs):
     """`triton.autotune` over `autotune_configs(configs, interpreted_config)`. The autotuner
     keeps the full GPU list as `all_configs`, so that tests can pin each config in turn
-    (tests/kernels/configs.py) whatever this run tunes over.
+    (`pinned` below) whatever this run tunes over.
 
     `config_hook(named_args)` readies a launch's arguments for one config (named_args holds
     the config's meta-parameters too): a kernel that takes TMA descriptors sets their boxes
@@ -115,6 +115,50 @@ def autotune(configs, interpreted_config, restore=(), config_hook=None, **kwargs
         tuner.config_hook = config_hook
         return tuner
     return wrap
+
+
+def autotuners(module) -> list:
+    """The autotuned kernels of a kernel module (those `autotune` built keep `all_configs`)."""
+    return [v for v in vars(module).values() if hasattr(v, "all_configs")]
+
+
+def config_count(module) -> int:
+    """The longest GPU config list among the module's autotuners: the index range of
+    `pinned`."""
+    found = autotuners(module)
+    if not found:
+        raise ValueError(f"{module.__name__} has no autotuned kernels")
+    return max(len(t.all_configs) for t in found)
+
+
+@contextlib.contextmanager
+def pinned(module, index: int):
+    """Within the block, every autotuner of `module` runs its GPU config `index` (modulo its
+    list's length) and nothing else, so a test can check, and a benchmark time, every
+    config, not only the one a run's autotuner picks; the picks made before are set aside
+    and restored after. Under the interpreter the GPU configs run too (their block sizes
+    and flags; warps and stages are ignored there). Raises AssertionError where the block
+    ran none of the module's autotuned kernels, or one ran a config it was not pinned to."""
+    saved = [(t, t.configs, dict(t.cache)) for t in autotuners(module)]
+    saved_picks = dict(_TUNED)
+    try:
+        for t, _, _ in saved:
+            t.configs = [t.all_configs[index % len(t.all_configs)]]
+            t.cache.clear()
+            t.best_config = None
+        _TUNED.clear()
+        yield
+        ran = [t for t, _, _ in saved if t.best_config is not None]
+        assert ran, f"no autotuned kernel of {module.__name__} ran"
+        for t in ran:
+            assert t.best_config is t.configs[0], "a kernel ran a config it was not pinned to"
+    finally:
+        for t, configs, cache in saved:
+            t.configs = configs
+            t.cache.clear()
+            t.cache.update(cache)
+        _TUNED.clear()
+        _TUNED.update(saved_picks)
 
 
 def _hook_config(cfg, hook):

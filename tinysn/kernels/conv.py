@@ -437,7 +437,7 @@ _WGT_CONFIGS = [_with(_cfg(*c[:6]), TAP=c[6]) for c in [
 # Under the interpreter (which pays per operation and per program, see INTERP_TILE) each
 # phase runs one config with large tiles: a LeNet layer on 8x8 digits is one or a few
 # programs of a few reduction steps. The GPU configs above still run on the CPU in the
-# tests that pin every config (tests/kernels/configs.py), which reach the loop tails.
+# tests that pin every config (`_common.pinned`), which reach the loop tails.
 _INTERP_FWD = _cfg(2048, 32, 32, 1, 1, group_m=2)       # M = pixels, N = K, BLOCK_K = C*R*S
 _INTERP_DATA = _cfg(1024, 16, 64, 1, 1, group_m=2)      # M = pixels, N = C, BLOCK_K = K*taps
 _INTERP_WGT = _with(_cfg(32, 64, 512, 1, 1, group_m=2), TAP=False)   # M = K, N = C*R*S

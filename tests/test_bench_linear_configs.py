@@ -1,0 +1,23 @@
+"""bench/linear_configs.py on the CPU (Triton's interpreter, its small case): every GPU config
+of the fully connected GEMM runs pinned, in each pass, and each pass names its fastest."""
+import json
+
+from bench import linear_configs
+from tinysn.kernels import _common, linear
+
+
+def test_every_config_of_every_pass_is_timed_and_the_fastest_named(tmp_path):
+    out = tmp_path / "linear-configs.json"
+    result = linear_configs.main(["--batch", "2", "--out", str(out)])
+    assert json.loads(out.read_text())["rows"] == result["rows"]
+    count = _common.config_count(linear)
+    rows = result["rows"]
+    assert len(rows) == len(linear_configs.PASSES) * (count + 1)
+    for name in linear_configs.PASSES:
+        timed = [r for r in rows if r["pass"] == name and "config" in r]
+        best = [r for r in rows if r["pass"] == name and "best_config" in r]
+        assert [r["config"] for r in timed] == [linear_configs.config_text(i)
+                                                for i in range(count)]
+        fastest = min(timed, key=lambda r: r["tinysn_ms"])
+        assert len(best) == 1 and best[0]["best_config"] == fastest["config"]
+        assert best[0]["tinysn_ms"] == fastest["tinysn_ms"] > 0

@@ -570,13 +570,13 @@ def backward(x, gamma, dy, saved, dx, dgamma, dbeta, workspace, *, accumulate=Fa
         WRITE=dy_out is not None, num_warps=_WARPS)
     if dy_out is not None:
         dy = dy_out
-    grid, r, cols = _elementwise_grid(n, c, hw)
     if dx is None:
         cb = _channel_block(c, nch)
         run(_bn_bwd_finalize_kernel, (cdiv(c, cb),), ws, saved,
             dgamma if dgamma is not None else ws, dbeta if dbeta is not None else ws, c, nch,
             HAS_DG=dgamma is not None, HAS_DB=dbeta is not None, CB=cb, NCHP=_padded(nch))
         return
+    grid, r, cols = _elementwise_grid(n, c, hw)
     run(_bn_dx_kernel, grid, x, dy, dx, saved, gamma, ws,
         dgamma if dgamma is not None else ws, dbeta if dbeta is not None else ws,
         n * c, c, hw, nch, 1.0 / (n * hw), ACC=accumulate, R=r, COLS=cols,

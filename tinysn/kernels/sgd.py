@@ -116,7 +116,7 @@ def update_many(items, *, lr: float, momentum: float, weight_decay: float,
         return
     skip_ptr, gated = gate(skip, todo[0][0].device, todo[0][0])
     for group in (todo[i:i + PER_LAUNCH] for i in range(0, len(todo), PER_LAUNCH)):
-        slots = group + [(group[0][0], group[0][1], group[0][2])] * (PER_LAUNCH - len(group))
+        slots = group + [group[0]] * (PER_LAUNCH - len(group))    # unread: their n is 0
         sizes = [p.numel() for p, _, _ in group] + [0] * (PER_LAUNCH - len(group))
         args = [a for (p, g, b), n in zip(slots, sizes) for a in (p, g, b, n)]
         run(_sgd_kernel, (sum(cdiv(n, BLOCK) for n in sizes),), *args,

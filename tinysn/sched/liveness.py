@@ -282,9 +282,6 @@ class Program:
         (at most the last pass), which reads the layers' parameter gradients, parameters
         and momentum: the gradients stay live over the all-reduce in flight."""
         backward = [lp for lp in self.passes if lp.phase == "backward" and lp.layer.params]
-        sizes = [(lp, sum(self.tensors[t].nbytes
-                          for t in self._layer_params(lp.layer, self.pgrad)))
-                 for lp in backward]
         if not self.data_parallel:
             groups = (_update_groups([lp.layer for lp in backward]) if self.group_updates
                       else [[i] for i in range(len(backward))])
@@ -295,6 +292,9 @@ class Program:
                 self._add_reads(at, [lp.layer for lp in group[:-1]],
                                 (self.pgrad, self.param, self.momentum))
             return [], {}, updates
+        sizes = [(lp, sum(self.tensors[t].nbytes
+                          for t in self._layer_params(lp.layer, self.pgrad)))
+                 for lp in backward]
         buckets, reduces, updates = [], {}, {}
         last = len(self.passes) - 1
         for group in group_buckets(sizes, self.bucket_bytes):

@@ -35,7 +35,7 @@ import torch.distributed as dist  # noqa: E402
 import torch.multiprocessing as mp  # noqa: E402
 
 from bench import common  # noqa: E402
-from bench.train import PYTORCH_CONFIGS, host_batch, timed, torch_step  # noqa: E402
+from bench.train import PYTORCH_CONFIGS, host_batch, set_up_torch, timed, torch_step  # noqa: E402
 from tinysn import distributed  # noqa: E402
 from tinysn.cli import MODELS  # noqa: E402
 
@@ -119,9 +119,7 @@ def _side(run) -> dict:
 def _worker(rank, world, port, batch, shrink, cuda_graph, args, out):
     """One process of one run: settles the batch (`shrink`: see _runtime), times tinysn,
     then PyTorch; rank 0 writes the rows to `out`."""
-    torch.backends.cudnn.allow_tf32 = True      # as bench/train.py sets PyTorch up
-    torch.backends.cuda.matmul.allow_tf32 = True
-    torch.backends.cudnn.benchmark = True
+    set_up_torch()
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     group, device = _join(rank, world, port, device)
     try:

@@ -35,7 +35,7 @@ import tinysn as sn  # noqa: E402
 import torch  # noqa: E402
 
 from bench import common  # noqa: E402
-from bench.train import PYTORCH_CONFIGS, config_step  # noqa: E402
+from bench.train import PYTORCH_CONFIGS, config_step, set_up_torch  # noqa: E402
 from tinysn.cli import MODELS  # noqa: E402
 from tinysn.sched.plan import Launch  # noqa: E402
 from tinysn.sched.timing import simulate  # noqa: E402
@@ -142,6 +142,7 @@ def main(argv=None) -> int:
     if not torch.cuda.is_available():
         print("bench/step_profile.py needs a CUDA GPU")
         return 1
+    set_up_torch()     # the PyTorch step's GEMMs in TF32, as bench/train.py times them
     net = MODELS[args.model](batch=args.batch)
     rt = sn.Runtime(net, args.memory, "all", device="cuda", **SGD)
     images, labels = (t.pin_memory() for t in sn.data.synthetic(net, seed=0))

@@ -130,6 +130,15 @@ def pytorch_row(net, config, device, args) -> dict:
     return timed(step, device, args.warmup, args.steps, args.rounds)
 
 
+def set_up_torch() -> None:
+    """PyTorch as a user after speed sets it up: TF32 in cuDNN and cuBLAS (tinysn's kernels
+    run TF32 too), cuDNN's own algorithm search. Every script that times or profiles a PyTorch
+    step calls this, so their figures compare alike."""
+    torch.backends.cudnn.allow_tf32 = True
+    torch.backends.cuda.matmul.allow_tf32 = True
+    torch.backends.cudnn.benchmark = True
+
+
 def config_step(net, config, device, sgd: dict):
     """The training step of PyTorch `config` (one of PYTORCH_CONFIGS) on the net's torch
     twin, with SGD settings `sgd`, as a function (torch_step)."""
@@ -354,9 +363,7 @@ def main(argv=None) -> dict:
     args = parse_args(argv)
     cuda = torch.cuda.is_available()
     device = torch.device("cuda" if cuda else "cpu")
-    torch.backends.cudnn.allow_tf32 = True
-    torch.backends.cuda.matmul.allow_tf32 = True
-    torch.backends.cudnn.benchmark = True
+    set_up_torch()
     net = MODELS[args.model](batch=args.batch)
     skip_compile = args.no_compile or not cuda
     result = {"model": args.model, "batch": args.batch, "steps": args.steps,

@@ -232,7 +232,21 @@ def resources(compiled) -> dict:
                   if word.startswith(_OPCODES)})
     return {"registers": int(fields.get("REG", 0)), "local_bytes": int(fields.get("LOCAL", 0)),
             "stack_bytes": int(fields.get("STACK", 0)),
-            "shared_bytes": int(compiled.metadata.shared), "opcodes": ops}
+            "shared_bytes": int(compiled.metadata.shared), "opcodes": ops,
+            "wgmma_a": wgmma_a_source(sass)}
+
+
+def wgmma_a_source(sass: str):
+    """Where the kernel's wgmma (HGMMA) instructions take their A operand: "shared" (a
+    shared-memory descriptor, as for B), "registers" (loaded from shared memory by the
+    threads first: more registers, and the MMA waits on those loads), both, or None."""
+    sources = set()
+    for line in sass.splitlines():
+        if "HGMMA" in line:      # HGMMA.<shape>.<types> D, A, B, C: A is gdesc[...] or Rn
+            operands = line.split("HGMMA", 1)[1].split(";")[0].split(",")
+            if len(operands) > 1:
+                sources.add("shared" if "gdesc" in operands[1] else "registers")
+    return "+".join(sorted(sources)) or None
 
 
 def report(names, batch: int) -> list:
@@ -247,9 +261,10 @@ def report(names, batch: int) -> list:
                        "num_warps": kw.get("num_warps", 4)}
                 row.update(resources(compile_sm90(fn, a, kw)))
                 rows.append(row)
+                a = f"wgmma A {row['wgmma_a']} " if row["wgmma_a"] else ""
                 print(f"{name:32s} {fn.__name__:32s} w{row['num_warps']} "
                       f"reg {row['registers']:3d} local {row['local_bytes']:4d} "
-                      f"smem {row['shared_bytes']:6d} {' '.join(row['opcodes'])}  {config}",
+                      f"smem {row['shared_bytes']:6d} {a}{' '.join(row['opcodes'])}  {config}",
                       flush=True)
     return rows
 

@@ -34,6 +34,8 @@ def test_every_config_compiles_for_the_h200_without_spills(tmp_path):
         assert r["shared_bytes"] <= H200_SHARED_BYTES, f"shared memory: {where}"
         if r["kernel"].startswith(("_conv_", "_gemm")):
             assert any(op.startswith(("HGMMA", "HMMA")) for op in r["opcodes"]), where
+        hgmma = any(op.startswith("HGMMA") for op in r["opcodes"])
+        assert (r["wgmma_a"] is not None) == hgmma, where
     sgd = [r for r in rows if r["case"] == "sgd 1M"]
     assert [r["kernel"] for r in sgd] == ["_sgd_kernel"]
     assert {"LDG.E.128", "STG.E.128"} <= set(sgd[0]["opcodes"])
@@ -62,3 +64,14 @@ def test_an_unknown_case_is_one_line():
     done = _run("--only", "nope")
     assert done.returncode != 0
     assert "unknown case(s) ['nope']" in done.stderr
+
+
+def test_wgmma_a_source_reads_the_a_operand():
+    sys.path.insert(0, ROOT)
+    from bench.sass import wgmma_a_source
+    line = "/*1b50*/  HGMMA.64x64x8.F32.TF32 R56, {}, gdesc[UR16], R56, gsb0 ;  /* 0x04 */"
+    assert wgmma_a_source(line.format("R88")) == "registers"
+    assert wgmma_a_source(line.format("gdesc[UR28]")) == "shared"
+    both = line.format("R88") + "\n" + line.format("gdesc[UR8]")
+    assert wgmma_a_source(both) == "registers+shared"
+    assert wgmma_a_source("/*0010*/  HMMA.1688.F32.TF32 R4, R8, R12, R4 ;") is None

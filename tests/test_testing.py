@@ -160,7 +160,8 @@ MUTATIONS = {                # name: (planted bug, the rules that may catch it)
     "drop_checkpoint": (drop_checkpoint, {"state", "stream"}),
     "recompute_with_forward": (recompute_with_forward, {"recompute"}),
     "rebuild_before_forward": (rebuild_before_forward, {"recompute"}),
-    "overlap": (overlap, {"overlap"}),
+    # a larger tensor put on the first one may also run past the arena's end (the cap)
+    "overlap": (overlap, {"overlap", "cap"}),
     # the other tensor may still be moving, or not on the device at all
     "hand_elsewhere": (hand_elsewhere, {"in place", "state"}),
     "keep_handed": (keep_handed, {"leak"}),

@@ -67,11 +67,15 @@ def test_an_unknown_case_is_one_line():
 
 
 def test_wgmma_a_source_reads_the_a_operand():
-    sys.path.insert(0, ROOT)
-    from bench.sass import wgmma_a_source
+    # in a process of its own: importing bench/sass.py switches Triton's interpreter off
     line = "/*1b50*/  HGMMA.64x64x8.F32.TF32 R56, {}, gdesc[UR16], R56, gsb0 ;  /* 0x04 */"
-    assert wgmma_a_source(line.format("R88")) == "registers"
-    assert wgmma_a_source(line.format("gdesc[UR28]")) == "shared"
-    both = line.format("R88") + "\n" + line.format("gdesc[UR8]")
-    assert wgmma_a_source(both) == "registers+shared"
-    assert wgmma_a_source("/*0010*/  HMMA.1688.F32.TF32 R4, R8, R12, R4 ;") is None
+    lines = [line.format("R88"), line.format("gdesc[UR28]"),
+             line.format("R88") + "\n" + line.format("gdesc[UR8]"),
+             "/*0010*/  HMMA.1688.F32.TF32 R4, R8, R12, R4 ;"]
+    code = ("import json, sys; from bench.sass import wgmma_a_source; "
+            "print(json.dumps([wgmma_a_source(s) for s in json.loads(sys.argv[1])]))")
+    env = dict(os.environ, PYTHONPATH=ROOT)
+    done = subprocess.run([sys.executable, "-c", code, json.dumps(lines)], capture_output=True,
+                          text=True, env=env, timeout=300, cwd=ROOT)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert json.loads(done.stdout) == ["registers", "shared", "registers+shared", None]

@@ -72,10 +72,9 @@ EXTRA_DATA = [
 ]
 # the channels-last kernel's (conv._nhwc_cfg): the tiles of its first sweep that its list
 # does not hold, less [128, 256] tiles and [128, 128] tiles in 8 warps (they computed wrong
-# sums: conv._NHWC_CONFIGS says where), and flat tiles (FLAT, its last field) beside its own
+# sums: conv._NHWC_CONFIGS says where)
 EXTRA_NHWC = [conv._nhwc_cfg(*c) for c in [
     (128, 128, 32, 4, 4), (128, 128, 16, 4, 5), (64, 64, 32, 4, 4), (128, 64, 64, 4, 3),
-    (256, 128, 32, 8, 3, True), (64, 128, 32, 4, 4, True), (128, 128, 32, 8, 3, True),
 ]]
 # the channels-last weight gradient's ([BLOCK_M channels, BLOCK_N output channels], BLOCK_K
 # pixels): the rest of its first sweep's tiles

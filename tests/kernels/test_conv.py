@@ -296,15 +296,12 @@ def test_algos_and_workspaces():
     assert conv.out_shape((1, 3, 224, 224), (64, 3, 7, 7), (2, 2), (3, 3)) == (1, 64, 112, 112)
     assert conv.out_shape((1, 3, 17, 17), (4, 3, 1, 7), 1, (0, 3)) == (1, 4, 17, 17)
     f = conv.algos(xs, ws, 1, 1, "forward")
-    # "nhwc": a channels-last copy of x with its padding (58 = 56 + 2), and of the weight
+    # "nhwc": a channels-last copy of x and of the weight
     assert f == {"implicit": 0, "im2col": 4 * 32 * 64 * 9 * 56 * 56,
-                 "nhwc": 4 * (32 * 64 * 58 * 58 + 64 * 64 * 9)}
+                 "nhwc": 4 * (32 * 64 * 56 * 56 + 64 * 64 * 9)}
     assert conv.algos(xs, ws, 1, 1, "backward_data") == {
         "implicit": 0, "flipped": 4 * 64 * 64 * 9, "transposed": 4 * 64 * 64 * 9,
-        "flipped_nhwc": 4 * (32 * 64 * 58 * 58 + 64 * 64 * 9)}
-    # unpadded (a 1x1): the copy is x's size
-    assert conv.algos(xs, (64, 64, 1, 1), 1, 0, "forward")["nhwc"] == \
-        4 * (32 * 64 * 56 * 56 + 64 * 64)
+        "flipped_nhwc": 4 * (32 * 64 * 56 * 56 + 64 * 64 * 9)}
     # channels-last needs stride 1 and channel counts divisible by 4
     assert "nhwc" not in conv.algos((32, 3, 56, 56), (64, 3, 3, 3), 1, 1, "forward")
     assert "flipped_nhwc" not in conv.algos((32, 64, 56, 56), (66, 64, 3, 3), 1, 1,
@@ -438,11 +435,9 @@ def test_nhwc_tiles_share_images_where_one_image_would_overhang():
 
 
 def test_nhwc_workspace_holds_channels_last_copies():
-    """"nhwc" leaves x padded as [N, H + 2*ph, W + 2*pw, C] in the workspace (its border
-    zeros), then the weight as [K, R, S, C]; "flipped_nhwc" dY padded by the flipped conv's
-    padding (R-1-ph, S-1-pw) as [N, P', Q', K], then the flipped weight as [C, R, S, K]
-    (W[k, c, R-1-r, S-1-s]); both results agree with "implicit" (the data gradient
-    accumulating)."""
+    """"nhwc" leaves x as [N, H, W, C] in the workspace, then the weight as [K, R, S, C];
+    "flipped_nhwc" dY as [N, P, Q, K], then the flipped weight as [C, R, S, K] (W[k, c, R-1-r,
+    S-1-s]); both results agree with "implicit" (the data gradient accumulating)."""
     gen = torch.Generator().manual_seed(9)
     xs, ws, padding = (2, 8, 5, 6), (12, 8, 3, 2), (1, 0)
     x, w, before = _rand(xs, gen, "cpu"), _rand(ws, gen, "cpu"), _rand(xs, gen, "cpu")
@@ -458,9 +453,8 @@ def test_nhwc_workspace_holds_channels_last_copies():
     conv.forward(x, w, None, y_ref, stride=1, padding=padding, precision="ieee")
     _close(y, y_ref, c * r * s, "ieee", "nhwc vs implicit")
     held = wsp[:need].view(torch.float32)
-    xp = F.pad(x, (padding[1],) * 2 + (padding[0],) * 2).permute(0, 2, 3, 1)
-    assert torch.equal(held[:xp.numel()].view(xp.shape), xp)
-    assert torch.equal(held[xp.numel():].view(k, r, s, c), w.permute(0, 2, 3, 1))
+    assert torch.equal(held[:x.numel()].view(n, h, wd, c), x.permute(0, 2, 3, 1))
+    assert torch.equal(held[x.numel():].view(k, r, s, c), w.permute(0, 2, 3, 1))
 
     need = conv.workspace_bytes(xs, ws, 1, padding, "backward_data", "flipped_nhwc")
     wsp = _workspace(need, "cpu")
@@ -471,9 +465,8 @@ def test_nhwc_workspace_holds_channels_last_copies():
                        precision="ieee")
     _close(dx, dx_ref, k * r * s, "ieee", "flipped_nhwc vs implicit")
     held = wsp[:need].view(torch.float32)
-    dyp = F.pad(dy, (s - 1 - padding[1],) * 2 + (r - 1 - padding[0],) * 2).permute(0, 2, 3, 1)
-    assert torch.equal(held[:dyp.numel()].view(dyp.shape), dyp)
-    assert torch.equal(held[dyp.numel():].view(c, r, s, k),
+    assert torch.equal(held[:dy.numel()].view(n, shp[2], shp[3], k), dy.permute(0, 2, 3, 1))
+    assert torch.equal(held[dy.numel():].view(c, r, s, k),
                        w.flip(2, 3).permute(1, 2, 3, 0))
 
 
@@ -958,47 +951,6 @@ def test_channels_last_gpu_every_config_repeatable(shape):
         _same_right_bits(dxs, dx_ref * (x > 0), k * ksz * ksz, f"{what}, data gradient")
         _same_right_bits(sums, (dx_ref + before.double()) * (x > 0), k * ksz * ksz,
                          f"{what}, accumulated data gradient")
-
-
-def _nhwc_runs_per_config(x, w, b, dy, pad, dev):
-    """[(config, y, dx)] of the channels-last forward (ReLU fused) and data gradient (masked
-    where x, a ReLU's output, is 0) of x, each config of the kernel pinned."""
-    ws = _workspace(max(conv.workspace_bytes(x.shape, w.shape, 1, pad, "forward", "nhwc"),
-                        conv.backward_workspace_bytes(x.shape, w.shape, 1, pad,
-                                                      "flipped_nhwc")), dev)
-    runs = []
-    for index, config in enumerate(conv._NHWC_CONFIGS):
-        y, dx = _nan((x.shape[0], w.shape[0], *x.shape[2:]), dev), _nan(x.shape, dev)
-        with pinned(conv, index):
-            conv.forward(x, w, b, y, stride=1, padding=pad, algo="nhwc", workspace=ws,
-                         relu=True)
-            conv.backward(x, w, dy, dx, None, None, stride=1, padding=pad,
-                          algo_data="flipped_nhwc", workspace=ws, x_is_relu_output=True)
-        runs.append((config, y, dx))
-    return runs
-
-
-@pytest.mark.gpu
-@gpu
-@pytest.mark.parametrize("shape", [(8, 64, 28, 64, 3), (4, 128, 56, 64, 3), (8, 256, 14, 64, 1)])
-def test_channels_last_gpu_flat_and_patch_tiles_same_bits(shape):
-    """The channels-last kernel's flat tiles (a 2-D box over the padded copy or an unpadded
-    x) and its patch tiles (a 4-D box) sum each output in the same order: every config, flat
-    or not, gives config 0's bits, forward and masked data gradient, and the float64 conv to
-    TF32 rounding."""
-    n, c, hw, k, ksz = shape
-    pad, dev = ksz // 2, "cuda"
-    gen = torch.Generator().manual_seed(sum(shape))
-    x = _rand((n, c, hw, hw), gen, dev).clamp_min(0)
-    w, b = _rand((k, c, ksz, ksz), gen, dev) / 30, _rand((k,), gen, dev)
-    dy = _rand((n, k, hw, hw), gen, dev)
-    runs = _nhwc_runs_per_config(x, w, b, dy, pad, dev)
-    assert any(config.kwargs.get("FLAT") for config, _, _ in runs)
-    y_ref = F.relu(F.conv2d(x.double(), w.double(), b.double(), padding=pad))
-    for config, y, dx in runs:
-        _close(y, y_ref, c * ksz * ksz, "tf32", f"{config}: forward")
-        assert torch.equal(y, runs[0][1]), f"{config}: other forward bits than config 0"
-        assert torch.equal(dx, runs[0][2]), f"{config}: other data-gradient bits than config 0"
 
 
 @pytest.mark.gpu

@@ -22,16 +22,14 @@ workspace bytes, fastest-expected first (the channels-last ones only where they 
                  no tap arithmetic, no bounds masks beyond the tile edges).
     "im2col"     unfold x into a workspace col [N, C*R*S, P, Q] (one gather kernel), then the
                  same kernel's 1x1 GEMM path on col with w viewed as [K, C*R*S, 1, 1].
-    "nhwc"       stride 1, C divisible by 4: copy x channels-last with its padding (Xt [N,
-                 H + 2*ph, W + 2*pw, C], the border zeros) and the weight as [K, R, S, C]
-                 into the workspace, then a tap-major GEMM whose operand tiles the GPU's TMA
-                 unit copies into shared memory as boxes: for each tap, the output patch's
-                 window shifted by the tap, or (flat tiles, a config's choice) a run of
-                 consecutive pixels shifted by the tap's flat offset. Both operands have the
-                 reduction axis (channels) contiguous, as the MMA wants, and no address or
-                 mask is computed per element. (In NCHW a tap's shift moves along the
-                 contiguous axis, and a TMA box must start 16-byte aligned there, so the copy
-                 is what makes the boxes possible.)
+    "nhwc"       stride 1, C divisible by 4: copy x channels-last (Xt [N, H, W, C]) and the
+                 weight as [K, R, S, C] into the workspace, then a tap-major GEMM whose
+                 operand tiles the GPU's TMA unit copies into shared memory as boxes: for each
+                 tap, the output patch's window shifted by the tap (zeros outside the image
+                 are the padding). Both operands have the reduction axis (channels)
+                 contiguous, as the MMA wants, and no address or mask is computed per element.
+                 (In NCHW a tap's shift moves along the contiguous axis, and a TMA box must
+                 start 16-byte aligned there, so the copy is what makes the boxes possible.)
   backward_data
     "implicit"   implicit GEMM, no workspace. The dx pixels are split into sh*sw residue
                  classes ((h+ph) % sh, (w+pw) % sw); each class has its own fixed set of
@@ -246,18 +244,14 @@ def _workspace_bytes(x_shape, w_shape, stride, padding, phase, algo) -> int:
     if phase == "backward_weight" and algo == "nhwc":      # Xt, then "splitk"'s chunks
         return 4 * n * c * h * w + _workspace_bytes(x_shape, w_shape, stride, padding, phase,
                                                     "splitk")
-    if algo == "nhwc":          # x copied with its padding, then the weight
-        _, _, hp, wp = _padded_shape(x_shape, pair(padding, "conv: padding", 0))
-        return 4 * (n * c * hp * wp + k * c * r * s)
+    if algo == "nhwc":
+        return 4 * (n * c * h * w + k * c * r * s)
     if algo == "tma":           # x's shifted copies, dY widened, the split-K chunks
         wp, copy_x, copy_dy = _tma_layout(x_shape, w_shape)
         return 4 * (copy_x * s * n * c * h * wp + copy_dy * n * k * h * wp +
                     tma_splits(x_shape, w_shape) * k * c * r * s)
-    if algo == "flipped_nhwc":  # dY copied with the flipped conv's padding, then the weight
-        ph, pw = pair(padding, "conv: padding", 0)
-        # (sized also where it does not apply: padding past the kernel, a negative pad here)
-        _, _, pp, qp = _padded_shape((n, k, p, q), (max(r - 1 - ph, 0), max(s - 1 - pw, 0)))
-        return 4 * (n * k * pp * qp + k * c * r * s)
+    if algo == "flipped_nhwc":
+        return 4 * (n * k * p * q + k * c * r * s)
     # splitk
     return 4 * splitk_splits(x_shape, w_shape, stride, padding) * k * c * r * s
 
@@ -451,7 +445,6 @@ _INTERP_WGT = _with(_cfg(32, 64, 512, 1, 1, group_m=2), TAP=False)   # M = K, N 
 
 def _prune(macs_fn):
     """Early config prune: a problem too small to be worth timing keeps the first config;
-    the channels-last kernel's flat tiles are timed only where they apply (FLAT_OK);
     where the pixel axis is provably contiguous (1x1 stride-1 convs over a pixel count that
     is a multiple of 4) the PIX flag changes nothing, so only PIX=True configs are timed; a
     1x1 conv has one tap, so the TAP flag changes nothing there either."""
@@ -460,8 +453,6 @@ def _prune(macs_fn):
         a.update(kwargs)
         if macs_fn(a) < _TUNE_MIN_MACS:
             return configs[:1]
-        if not a.get("FLAT_OK", True):      # the channels-last kernel's flat tiles
-            configs = [c for c in configs if not c.kwargs.get("FLAT")]
         if a.get("IS_1X1"):
             configs = [c for c in configs if not c.kwargs.get("TAP")] or configs[:1]
         if a.get("IS_1X1") and (a["P"] * a["Q"]) % 4 == 0:
@@ -1025,74 +1016,32 @@ _conv_bwd_data_t_acc = _autotune(_T_CONFIGS, _KEY, _bwd_data_macs, restore=["dx_
 # --------------------------------------------------------------------------------------------
 
 @triton.jit
-def _to_nhwc_kernel(x_ptr, xt_ptr, sum_ptr, C, HW, TILES, PER_PROGRAM, GROUPS, BORDER,
-                    SUM: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK_P: tl.constexpr,
-                    W: tl.constexpr = 1, PH: tl.constexpr = 0, PW: tl.constexpr = 0):
+def _to_nhwc_kernel(x_ptr, xt_ptr, sum_ptr, C, HW, TILES, PER_PROGRAM,
+                    SUM: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK_P: tl.constexpr):
     """Xt[n, p, c] = X[n, c, p] (p: flat pixel) over the tiles [g*PER_PROGRAM,
     (g+1)*PER_PROGRAM) of g = program_id(0), in order (tile t: image t // cdiv(HW, BLOCK_P),
     its pixel block t % cdiv(HW, BLOCK_P)). A [BLOCK_C, BLOCK_P] tile is read along the
     pixels and written along the channels; Triton transposes it through shared memory.
     SUM: also sum[g, c] = the values of channel c the program moved (a bias gradient's
-    partial sums, taken from dY on its way to channels-last instead of a second read).
-
-    PH, PW > 0: Xt is padded, [N, H + 2*PH, W + 2*PW, C] with x at rows PH.., columns PW..,
-    and the programs past the GROUPS copying ones write the zeros of its BORDER pixels
-    (_zero_border): the flat tiles of the channels-last conv read the padding from memory."""
+    partial sums, taken from dY on its way to channels-last instead of a second read)."""
     g = tl.program_id(0)
     offs_c = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
     c_ok = offs_c < C
-    PADDED: tl.constexpr = PH > 0 or PW > 0
-    WP: tl.constexpr = W + 2 * PW
-    if PADDED:
-        if g >= GROUPS:
-            _zero_border(xt_ptr, g - GROUPS, offs_c, c_ok, C, HW // W, BORDER, W, PH, PW,
-                         BLOCK_C, BLOCK_P)
-            return
     ptiles = tl.cdiv(HW, BLOCK_P)
     pix = tl.arange(0, BLOCK_P)
     acc = tl.zeros([BLOCK_C, BLOCK_P], dtype=tl.float32)
     t_lo = g * PER_PROGRAM
     for t in range(t_lo, tl.minimum(t_lo + PER_PROGRAM, TILES)):
-        img = (t // ptiles).to(tl.int64)
+        base = (t // ptiles).to(tl.int64) * C * HW
         offs_p = (t % ptiles) * BLOCK_P + pix
         ok = c_ok[:, None] & (offs_p < HW)[None, :]
-        v = tl.load(x_ptr + img * C * HW + (offs_c[:, None] * HW + offs_p[None, :]), mask=ok,
+        v = tl.load(x_ptr + base + (offs_c[:, None] * HW + offs_p[None, :]), mask=ok,
                     other=0.0)
-        if PADDED:          # pixel (y, x) of the image at (y + PH, x + PW) of its padded one
-            dst = img * C * ((HW // W + 2 * PH) * WP) + \
-                ((offs_p // W + PH) * WP + offs_p % W + PW)[None, :] * C
-        else:
-            dst = img * C * HW + offs_p[None, :] * C
-        tl.store(xt_ptr + dst + offs_c[:, None], v, mask=ok)
+        tl.store(xt_ptr + base + (offs_p[None, :] * C + offs_c[:, None]), v, mask=ok)
         if SUM:
             acc += v
     if SUM:
         tl.store(sum_ptr + g * C + offs_c, tl.sum(acc, axis=1), mask=c_ok)
-
-
-@triton.jit
-def _zero_border(xt_ptr, block, offs_c, c_ok, C, H, BORDER, W: tl.constexpr,
-                 PH: tl.constexpr, PW: tl.constexpr, BLOCK_C: tl.constexpr,
-                 BLOCK_P: tl.constexpr):
-    """Zeros at the border pixels [block*BLOCK_P, (block+1)*BLOCK_P) of the padded Xt [N,
-    H + 2*PH, W + 2*PW, C], channels `offs_c`: BORDER pixels in all, image by image, each
-    image's PH rows on top, PH below, then PW columns each side of its H rows."""
-    WP: tl.constexpr = W + 2 * PW
-    SIDES: tl.constexpr = max(2 * PW, 1)
-    per_image = 2 * PH * WP + 2 * PW * H
-    b = block * BLOCK_P + tl.arange(0, BLOCK_P)
-    img = (b // per_image).to(tl.int64)
-    j = b % per_image
-    top_bottom = j < 2 * PH * WP
-    side = j - 2 * PH * WP
-    row = tl.where(top_bottom, j // WP, PH + side // SIDES)
-    row = tl.where(top_bottom & (row >= PH), row + H, row)      # the rows below the image
-    col = tl.where(top_bottom, j % WP, side % SIDES)
-    col = tl.where(~top_bottom & (col >= PW), col + W, col)     # the right-hand columns
-    pix = img * ((H + 2 * PH) * WP) + row * WP + col
-    tl.store(xt_ptr + pix[:, None] * C + offs_c[None, :],
-             tl.zeros([BLOCK_P, BLOCK_C], tl.float32),
-             mask=(b < BORDER)[:, None] & c_ok[None, :])
 
 
 @triton.jit
@@ -1120,13 +1069,12 @@ def _weight_ohwi_kernel(w_ptr, wt_ptr, K, C, RS: tl.constexpr, FLIP: tl.constexp
 
 
 @triton.jit
-def _conv_nhwc_kernel(x_desc, xf_desc, w_desc, b_ptr, y_ptr, m_ptr, yin_desc, m_desc, N, C, K,
-                      PH, PW, H: tl.constexpr, W: tl.constexpr, P: tl.constexpr,
-                      Q: tl.constexpr, R: tl.constexpr, S: tl.constexpr, TW: tl.constexpr,
-                      THC: tl.constexpr, HAS_BIAS: tl.constexpr, ACCUMULATE: tl.constexpr,
-                      PRECISION: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                      BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr, FLAT: tl.constexpr = False,
-                      FLAT_OK: tl.constexpr = False, RELU: tl.constexpr = False,
+def _conv_nhwc_kernel(x_desc, w_desc, b_ptr, y_ptr, m_ptr, yin_desc, m_desc, N, C, K, PH, PW,
+                      H: tl.constexpr, W: tl.constexpr, P: tl.constexpr, Q: tl.constexpr,
+                      R: tl.constexpr, S: tl.constexpr, TW: tl.constexpr, THC: tl.constexpr,
+                      HAS_BIAS: tl.constexpr, ACCUMULATE: tl.constexpr, PRECISION: tl.constexpr,
+                      BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                      GROUP_M: tl.constexpr, RELU: tl.constexpr = False,
                       MASK: tl.constexpr = False, EPI_TMA: tl.constexpr = False,
                       Y_NHWC: tl.constexpr = False, M_NHWC: tl.constexpr = False):
     """Stride 1: Y[n, k, p, q] (+)= sum_(r,s,c) Xt[n, p-PH+r, q-PW+s, c] Wt[k, (r,s,c)] (+ b[k])
@@ -1149,32 +1097,17 @@ def _conv_nhwc_kernel(x_desc, xf_desc, w_desc, b_ptr, y_ptr, m_ptr, yin_desc, m_
     of 4), not as per-element loads: on short rows (TW < 32) those, TW pixels apart by
     channel, made a masked data gradient about 1.4x as slow on the H200; on rows of 32
     pixels the boxes were the slower (bench/conv_gap.py; _launch_nhwc picks).
-
-    FLAT (a config's choice, taken where FLAT_OK: no padding): a tile is BLOCK_M consecutive
-    pixels of Xt seen as a [N*H*W, C] matrix (xf_desc), tap (r, s) the same box moved r*W + s
-    rows on. Without padding, output pixel (n, p, q) reads Xt at that flat offset from its
-    own index n*H*W + p*W + q, so the box is exactly the tap's operand for every tile row
-    that is an output pixel (p < P, q < Q); the others read past their row or image and are
-    not stored. The box is 2-D, so the MMA reads it from shared memory; the 4-D patch's box
-    is reshaped to [BLOCK_M, BLOCK_K] first, which the compiler does through registers (the
-    threads load it before each MMA: bench/sass.py's wgmma_a).
     """
-    USE_FLAT: tl.constexpr = FLAT and FLAT_OK
-    EPI: tl.constexpr = EPI_TMA and not USE_FLAT
-    if USE_FLAT:
-        pid_m, pid_n = _tile_ids(tl.program_id(0), N * (H * W), K, BLOCK_M, BLOCK_N, GROUP_M)
-        m0 = pid_m * BLOCK_M
-    else:
-        NB: tl.constexpr = (BLOCK_M // TW + THC - 1) // THC
-        TH: tl.constexpr = BLOCK_M // TW // NB
-        TP: tl.constexpr = (P + TH - 1) // TH
-        TQ: tl.constexpr = (Q + TW - 1) // TW
-        pid_m, pid_n = _tile_ids(tl.program_id(0), tl.cdiv(N, NB) * (TP * TQ * BLOCK_M), K,
-                                 BLOCK_M, BLOCK_N, GROUP_M)
-        img0 = (pid_m // (TP * TQ)) * NB
-        patch = pid_m % (TP * TQ)
-        p0 = (patch // TQ) * TH
-        q0 = (patch % TQ) * TW
+    NB: tl.constexpr = (BLOCK_M // TW + THC - 1) // THC
+    TH: tl.constexpr = BLOCK_M // TW // NB
+    TP: tl.constexpr = (P + TH - 1) // TH
+    TQ: tl.constexpr = (Q + TW - 1) // TW
+    pid_m, pid_n = _tile_ids(tl.program_id(0), tl.cdiv(N, NB) * (TP * TQ * BLOCK_M), K,
+                             BLOCK_M, BLOCK_N, GROUP_M)
+    img0 = (pid_m // (TP * TQ)) * NB
+    patch = pid_m % (TP * TQ)
+    p0 = (patch // TQ) * TH
+    q0 = (patch % TQ) * TW
     k0 = pid_n * BLOCK_N
     blocks = tl.cdiv(C, BLOCK_K)
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
@@ -1182,28 +1115,18 @@ def _conv_nhwc_kernel(x_desc, xf_desc, w_desc, b_ptr, y_ptr, m_ptr, yin_desc, m_
         tap = i // blocks
         c0 = (i - tap * blocks) * BLOCK_K
         r = tap // S
-        if USE_FLAT:
-            a = xf_desc.load([m0 + r * W + (tap - r * S), c0])               # [BM, BK]
-        else:
-            a = x_desc.load([img0, p0 - PH + r, q0 - PW + (tap - r * S), c0])
-            a = a.reshape(BLOCK_M, BLOCK_K)
+        a = x_desc.load([img0, p0 - PH + r, q0 - PW + (tap - r * S), c0])
         b = w_desc.load([k0, tap * C + c0])                                  # [BN, BK]
-        acc = tl.dot(a, tl.trans(b), acc, input_precision=PRECISION)
+        acc = tl.dot(a.reshape(BLOCK_M, BLOCK_K), tl.trans(b), acc, input_precision=PRECISION)
 
     offs_m = tl.arange(0, BLOCK_M)
     offs_n = k0 + tl.arange(0, BLOCK_N)
     n_ok = offs_n < K
     if HAS_BIAS:
         acc += tl.load(b_ptr + offs_n, mask=n_ok, other=0.0)[None, :]
-    if USE_FLAT:
-        m = m0 + offs_m
-        img = m // (H * W)
-        p = (m // W) % H
-        q = m % W
-    else:
-        img = img0 + offs_m // (TH * TW)
-        p = p0 + (offs_m // TW) % TH
-        q = q0 + offs_m % TW
+    img = img0 + offs_m // (TH * TW)
+    p = p0 + (offs_m // TW) % TH
+    q = q0 + offs_m % TW
     PQ: tl.constexpr = P * Q
     pix = img.to(tl.int64) * PQ + p * Q + q
     pix_ok = (img < N) & (p < P) & (q < Q)
@@ -1214,7 +1137,7 @@ def _conv_nhwc_kernel(x_desc, xf_desc, w_desc, b_ptr, y_ptr, m_ptr, yin_desc, m_
                  mask=pix_ok[:, None] & n_ok[None, :])
     else:
         if MASK and M_NHWC:     # the ReLU output in the accumulator's [pixels, channels] order
-            if EPI:
+            if EPI_TMA:
                 r = m_desc.load([img0, p0, q0, k0]).reshape(BLOCK_M, BLOCK_N)
             else:
                 r = tl.load(m_ptr + ((pix * K)[:, None] + offs_n[None, :]),
@@ -1226,7 +1149,7 @@ def _conv_nhwc_kernel(x_desc, xf_desc, w_desc, b_ptr, y_ptr, m_ptr, yin_desc, m_
         mask = n_ok[:, None] & pix_ok[None, :]
         out = tl.trans(acc)                                                  # [BN, BM]
         if ACCUMULATE:
-            if EPI:
+            if EPI_TMA:
                 out += _nchw_box(yin_desc, img0, k0, p0, q0, BLOCK_N, BLOCK_M)
             else:
                 out += tl.load(y_ptrs, mask=mask, other=0.0)
@@ -1236,7 +1159,7 @@ def _conv_nhwc_kernel(x_desc, xf_desc, w_desc, b_ptr, y_ptr, m_ptr, yin_desc, m_
             if M_NHWC:
                 if ACCUMULATE:      # after the addition: the mask transposed to Y's order
                     out = _relu_gate(out, tl.trans(r))
-            elif EPI:
+            elif EPI_TMA:
                 out = _relu_gate(out, _nchw_box(m_desc, img0, k0, p0, q0, BLOCK_N, BLOCK_M))
             else:
                 out = _relu_mask(out, m_ptr + y_off, mask)
@@ -1259,7 +1182,6 @@ def _nhwc_boxes(nargs):
     tw = nargs["TW"]
     th, nb = _patch(nargs["BLOCK_M"], tw, nargs["THC"])
     nargs["x_desc"].block_shape = [nb, th, tw, nargs["BLOCK_K"]]
-    nargs["xf_desc"].block_shape = [nargs["BLOCK_M"], nargs["BLOCK_K"]]
     nargs["w_desc"].block_shape = [nargs["BLOCK_N"], nargs["BLOCK_K"]]
     if nargs.get("EPI_TMA"):        # the epilogue's boxes (else unread stand-ins)
         nargs["yin_desc"].block_shape = [nb, nargs["BLOCK_N"], th, tw]
@@ -1267,10 +1189,8 @@ def _nhwc_boxes(nargs):
             else [nb, nargs["BLOCK_N"], th, tw]
 
 
-def _nhwc_cfg(bm, bn, bk, warps, stages, flat=False):
-    """A TMA kernel's config; `flat`: the channels-last conv kernel's flat tiles (FLAT)."""
-    return triton.Config({"BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": bk, "GROUP_M": 8,
-                          **({"FLAT": True} if flat else {})},
+def _nhwc_cfg(bm, bn, bk, warps, stages):
+    return triton.Config({"BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": bk, "GROUP_M": 8},
                          num_warps=warps, num_stages=stages)
 
 
@@ -1289,11 +1209,6 @@ _NHWC_CONFIGS = [
     _nhwc_cfg(64, 128, 32, 4, 4),
     _nhwc_cfg(256, 128, 32, 8, 3),
     _nhwc_cfg(256, 64, 32, 8, 3),
-    # flat tiles (the kernel's FLAT): over the padded copy, or an x read in place where the
-    # conv has no padding (timed only there: the prune); the MMA reads their box from
-    # shared memory, not through registers
-    _nhwc_cfg(128, 128, 32, 4, 4, flat=True),
-    _nhwc_cfg(128, 64, 32, 4, 4, flat=True),
 ]
 _INTERP_NHWC = _nhwc_cfg(256, 32, 32, 1, 1)
 _NHWC_KEY = [a for a in _KEY if a not in ("SH", "SW")]     # stride 1
@@ -1910,29 +1825,18 @@ def nhwc_bias_launches(dy_shape, room) -> int:
     return int(_nhwc_tiles(dy_shape, room)[4] > 1)
 
 
-def _launch_to_nhwc(x, xt, db=None, room=None, pad=(0, 0)):
-    """xt (flat) = x [N, C, H, W] channels-last, [N, H, W, C], or padded by `pad` (ph, pw):
-    [N, H + 2*ph, W + 2*pw, C], its border zeros (_padded_shape); with `db` also db = x
-    summed over images and pixels per channel, through partial sums in `room` (float32)
-    where it takes several groups (_nhwc_tiles), then their fixed-order sum (the same
-    groups, and so the same bits, padded or not)."""
-    n, c, h, wd = x.shape
+def _launch_to_nhwc(x, xt, db=None, room=None):
+    """xt (flat) = x [N, C, H, W] channels-last, [N, H, W, C]; with `db` also db = x summed
+    over images and pixels per channel, through partial sums in `room` (float32) where it
+    takes several groups (_nhwc_tiles), then their fixed-order sum."""
+    c = x.shape[1]
     bc, bp, tiles, per, groups = _nhwc_tiles(x.shape, None if db is None else room.numel())
     sums = db if groups == 1 or db is None else room
-    ph, pw = pad
-    border = n * (2 * ph * (wd + 2 * pw) + 2 * pw * h)
-    geometry = dict(W=wd, PH=ph, PW=pw) if border else {}
-    run(_to_nhwc_kernel, (groups + cdiv(border, bp), cdiv(c, bc)), x, xt,
-        xt if sums is None else sums, c, h * wd, tiles, per, groups, border,
-        SUM=db is not None, BLOCK_C=bc, BLOCK_P=bp, num_warps=4, **geometry)
+    run(_to_nhwc_kernel, (groups, cdiv(c, bc)), x, xt, xt if sums is None else sums,
+        c, x.shape[2] * x.shape[3], tiles, per, SUM=db is not None, BLOCK_C=bc, BLOCK_P=bp,
+        num_warps=4)
     if db is not None and groups > 1:
         _launch_splitk_reduce(room, db, c, groups)
-
-
-def _padded_shape(x_shape, pad):
-    """[N, C, H, W] of x padded by (ph, pw): the channels-last copy the "nhwc" kernel reads."""
-    n, c, h, w = x_shape
-    return n, c, h + 2 * pad[0], w + 2 * pad[1]
 
 
 def _launch_weight_ohwi(w, wt, o, i, rs, flip):
@@ -1944,39 +1848,29 @@ def _launch_weight_ohwi(w, wt, o, i, rs, flip):
 
 def _launch_nhwc(x, w, b, y, ws, ph, pw, prec, flip=False, accumulate=False, relu=False,
                  mask=None, bias_grad=None):
-    """"nhwc": X [N, C, H, W] -> Xt [N, H + 2*ph, W + 2*pw, C] (padded with zeros, so that
-    every config's tiles apply, flat ones too) and w -> Wt [O, R*S, C] in the workspace
-    `ws`, then the TMA kernel into Y [N, O, P, Q] (stride 1, padding (ph, pw)); a
-    channels-last X is read in place, unpadded, and Wt is then at the workspace's start
-    (flat tiles apply there only without padding). flip: the
+    """"nhwc": X [N, C, H, W] -> Xt [N, H, W, C] and w -> Wt [O, R*S, C] in the workspace
+    `ws`, then the TMA kernel into Y [N, O, P, Q] (stride 1, padding (ph, pw)). flip: the
     "flipped_nhwc" data gradient, X = dY, Y = dX, Wt from the flipped weight; `mask`: Y
     zeroed where it is <= 0 (a ReLU's backward, `_relu_mask`); `bias_grad` (db, room): db =
     X's per-channel sum, taken as X is copied (_launch_to_nhwc)."""
     n, c, h, wd = x.shape
     _, o, p, q = y.shape
     r, s = w.shape[2:]
+    wt = ws[n * h * wd * c:n * h * wd * c + o * r * s * c]
     if is_channels_last(x):     # read in place: no copy (and no bias gradient taken on one)
         xt = _nhwc_storage(x)
-        wt = ws[:o * r * s * c]
-    else:                       # copied with its padding: the flat tiles apply (below)
-        pad = (ph, pw)
-        n, c, h, wd = _padded_shape(x.shape, pad)
-        xt, wt = ws[:n * h * wd * c], ws[n * h * wd * c:n * h * wd * c + o * r * s * c]
-        _launch_to_nhwc(x, xt, *(bias_grad or (None, None)), pad=pad)
-        ph = pw = 0
+    else:
+        xt = ws[:n * h * wd * c]
+        _launch_to_nhwc(x, xt, *(bias_grad or ()))
     _launch_weight_ohwi(w, wt, o, c, r * s, flip)
     tw = _tile_w(q)
     thc = _tile_h_cap(n, p, tw)
     # boxes: placeholders, set per config by _nhwc_boxes
     x_desc = TensorDescriptor(xt, [n, h, wd, c], [h * wd * c, wd * c, c, 1], [1, 1, 1, 4])
-    xf_desc = TensorDescriptor(xt, [n * h * wd, c], [c, 1], [1, 4])
     w_desc = TensorDescriptor(wt, [o, r * s * c], [r * s * c, 1], [1, 4])
     tq = cdiv(q, tw)
-    flat_ok = ph == 0 and pw == 0       # a config's flat tiles apply (_conv_nhwc_kernel)
 
     def grid(meta):
-        if meta.get("FLAT") and flat_ok:
-            return (cdiv(n * h * wd, meta["BLOCK_M"]) * cdiv(o, meta["BLOCK_N"]),)
         th, nb = _patch(meta["BLOCK_M"], tw, thc)
         return (cdiv(n, nb) * cdiv(p, th) * tq * cdiv(o, meta["BLOCK_N"]),)
     m = y if mask is None else mask
@@ -1997,10 +1891,9 @@ def _launch_nhwc(x, w, b, y, ws, ph, pw, prec, flip=False, accumulate=False, rel
     else:
         yin_desc = m_desc = _nchw_desc(wt[:4].view(1, 1, 1, 4))
     _launch(_conv_nhwc_acc if accumulate else _conv_nhwc, grid,
-            (x_desc, xf_desc, w_desc, b if b is not None else y, y, m, yin_desc, m_desc,
+            (x_desc, w_desc, b if b is not None else y, y, m, yin_desc, m_desc,
              n, c, o, ph, pw),
-            dict(H=h, W=wd, P=p, Q=q, R=r, S=s, TW=tw, THC=thc, FLAT_OK=flat_ok,
-                 HAS_BIAS=b is not None,
+            dict(H=h, W=wd, P=p, Q=q, R=r, S=s, TW=tw, THC=thc, HAS_BIAS=b is not None,
                  ACCUMULATE=accumulate, PRECISION=prec, RELU=relu, MASK=mask is not None,
                  EPI_TMA=epi_tma, Y_NHWC=is_channels_last(y), M_NHWC=m_nhwc))
 

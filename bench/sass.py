@@ -261,10 +261,11 @@ def report(names, batch: int) -> list:
                        "num_warps": kw.get("num_warps", 4)}
                 row.update(resources(compile_sm90(fn, a, kw)))
                 rows.append(row)
-                a = f"wgmma A {row['wgmma_a']} " if row["wgmma_a"] else ""
+                source = f"wgmma A {row['wgmma_a']} " if row["wgmma_a"] else ""
                 print(f"{name:32s} {fn.__name__:32s} w{row['num_warps']} "
                       f"reg {row['registers']:3d} local {row['local_bytes']:4d} "
-                      f"smem {row['shared_bytes']:6d} {a}{' '.join(row['opcodes'])}  {config}",
+                      f"smem {row['shared_bytes']:6d} {source}{' '.join(row['opcodes'])}  "
+                      f"{config}",
                       flush=True)
     return rows
 

@@ -17,7 +17,7 @@ from tinysn.kernels._common import config_count, pinned
 GPU = torch.cuda.is_available()
 gpu = pytest.mark.skipif(not GPU, reason="needs a CUDA GPU")
 
-ALL_ALGOS = {"forward": ("implicit", "im2col", "nhwc"),
+ALL_ALGOS = {"forward": ("implicit", "im2col", "nhwc", "splitk"),
              "backward_data": ("implicit", "flipped", "transposed", "zero_insert",
                                "flipped_nhwc"),
              "backward_weight": ("onepass", "splitk", "nhwc", "tma")}
@@ -268,6 +268,46 @@ def test_splitk_really_splits_and_is_deterministic():
     assert conv._TUNED      # the second launch took the direct path (autotuner's pick cached)
     _check(case, "cpu", "ieee", seed=5)
 
+
+
+def test_splitk_forward_cuts_small_grids_only():
+    """ResNet-50's 7- and 14-pixel layers at batch 32 (49-98 tiles of [128, 128]) are offered
+    the split-K forward, in chunks of whole 64s of at least 256; larger grids are not."""
+    def splits(c, hw, k, r, stride=1):
+        return conv.forward_splits((32, c, hw, hw), (k, c, r, r), stride, r // 2)
+    assert splits(512, 7, 512, 3) == 5            # 52 tiles, 4,608 long
+    assert splits(1024, 14, 256, 1) == 2          # 98 tiles
+    assert splits(256, 28, 256, 3, stride=2) == 2
+    assert splits(2048, 7, 512, 1) == 5
+    assert splits(64, 56, 64, 3) == 1             # 784 tiles
+    assert splits(512, 7, 2048, 1) == 1           # 208 tiles
+    assert splits(64, 7, 64, 1) == 1              # too short to cut
+    xs, ws = (32, 512, 7, 7), (512, 512, 3, 3)
+    f = conv.algos(xs, ws, 1, 1, "forward")
+    assert f["splitk"] == 4 * 5 * 32 * 512 * 7 * 7
+    assert "splitk" not in conv.algos((32, 64, 56, 56), (64, 64, 3, 3), 1, 1, "forward")
+
+
+def test_splitk_forward_sums_its_chunks_in_order():
+    """Each chunk is the plain kernel over its slice of the reduction (a chunk computed alone
+    through "implicit" on those input channels gives its partial to the bit), and the sum
+    adds them in chunk order, then the bias and the ReLU."""
+    gen = torch.Generator().manual_seed(11)
+    x, w, b = _rand((2, 512, 3, 3), gen, "cpu"), _rand((8, 512, 1, 1), gen, "cpu"), \
+        _rand((8,), gen, "cpu")
+    assert conv.forward_splits(x.shape, w.shape, 1, 0) == 2
+    need = conv.workspace_bytes(x.shape, w.shape, 1, 0, "forward", "splitk")
+    y = _nan((2, 8, 3, 3), "cpu")
+    conv.forward(x, w, b, y, stride=1, padding=0, algo="splitk", precision="ieee",
+                 workspace=_workspace(need, "cpu"), relu=True)
+    parts = []
+    for half in (slice(0, 256), slice(256, 512)):
+        part = _nan((2, 8, 3, 3), "cpu")
+        conv.forward(x[:, half].contiguous(), w[:, half].contiguous(), None, part, stride=1,
+                     padding=0, precision="ieee")
+        parts.append(part)
+    expected = torch.relu(parts[0] + parts[1] + b[None, :, None, None])
+    assert torch.equal(y, expected)
 
 
 @pytest.mark.parametrize("total,splits", [(5, 1), (7, 37), (130, 70)])
@@ -795,6 +835,8 @@ GPU_CASES = EDGE_CASES + [
     (2, 130, 6, 6, 70, 3, 3, 1, 1),         # reduction over several K blocks
     (2, 36, 14, 14, 44, 3, 3, 1, 1),        # channels-last: several patches, channel blocks
     (2, 8, 32, 32, 12, 3, 3, 1, 1),         # channels-last, 32-pixel rows: per-element epilogue
+    (8, 512, 7, 7, 256, 3, 3, 1, 1),        # split-K forward, 18 chunks
+    (4, 1024, 5, 5, 64, 1, 1, 1, 0),        # split-K forward, 1x1, 4 chunks
 ]
 
 

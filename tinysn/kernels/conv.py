@@ -119,7 +119,7 @@ from ._common import check_no_overlap, check_tensor, dot_precision, float_worksp
 from ._common import launch as _launch
 
 PHASES = ("forward", "backward_data", "backward_weight")
-_ALGOS = {"forward": ("implicit", "im2col", "nhwc"),
+_ALGOS = {"forward": ("implicit", "im2col", "nhwc", "splitk"),
           "backward_data": ("implicit", "flipped", "transposed", "zero_insert", "flipped_nhwc"),
           "backward_weight": ("onepass", "splitk", "nhwc", "tma")}
 
@@ -136,6 +136,13 @@ _TARGET_PROGRAMS = 1056
 _TMA_TARGET_PROGRAMS = 528
 _SPLIT_QUANTUM = 64
 _MAX_SPLITS = 256
+# the split-K forward: where a conv's output tiles, counted in [128, 128] tiles, are fewer
+# than this (2 per SM of an H200: ResNet-50's 14- and 7-pixel layers at batch 32 have 49-98),
+# the C*R*S reduction is cut into chunks of at least _FWD_MIN_CHUNK elements (whole
+# _FWD_CHUNK_QUANTUM blocks, which every forward config's BLOCK_K divides) to fill the GPU
+_FWD_TARGET_TILES = 264
+_FWD_MIN_CHUNK = 256
+_FWD_CHUNK_QUANTUM = 64
 # problems with fewer multiply-adds than this take the first config without autotuning
 _TUNE_MIN_MACS = 1 << 24
 
@@ -146,6 +153,7 @@ _TUNE_MIN_MACS = 1 << 24
 # Triton kernels one call of each (phase, algorithm) launches; a backward pass with a bias
 # adds one (_bias_grad_kernel). The step-time model charges the host per launch (eager).
 LAUNCHES = {("forward", "implicit"): 1, ("forward", "im2col"): 2, ("forward", "nhwc"): 3,
+            ("forward", "splitk"): 2,
             ("backward_data", "implicit"): 1, ("backward_data", "transposed"): 2,
             ("backward_data", "flipped"): 2, ("backward_data", "zero_insert"): 2,
             ("backward_data", "flipped_nhwc"): 3,
@@ -214,6 +222,27 @@ def tma_splits(x_shape, w_shape) -> int:
                       n * cdiv(h * w, 64)))
 
 
+def forward_splits(x_shape, w_shape, stride, padding) -> int:
+    """How many chunks the "splitk" forward cuts the C*R*S reduction into (1: the output
+    alone fills the GPU, or the reduction is too short to cut)."""
+    return _forward_splits(tuple(x_shape), tuple(w_shape), _hashable(stride),
+                           _hashable(padding))
+
+
+@functools.lru_cache(maxsize=4096)
+def _forward_splits(x_shape, w_shape, stride, padding) -> int:
+    n, k, p, q = out_shape(x_shape, w_shape, stride, padding)
+    crs = w_shape[1] * w_shape[2] * w_shape[3]
+    tiles = cdiv(n * p * q, 128) * cdiv(k, 128)
+    splits = max(1, min(_FWD_TARGET_TILES // tiles, crs // _FWD_MIN_CHUNK))
+    return cdiv(crs, _forward_chunk_blocks(crs, splits) * _FWD_CHUNK_QUANTUM)
+
+
+def _forward_chunk_blocks(crs, splits) -> int:
+    """The split-K forward's chunk length, in _FWD_CHUNK_QUANTUM blocks of the reduction."""
+    return cdiv(cdiv(crs, splits), _FWD_CHUNK_QUANTUM)
+
+
 def _split_len(npq, splits):
     return cdiv(cdiv(npq, splits), _SPLIT_QUANTUM) * _SPLIT_QUANTUM
 
@@ -252,6 +281,8 @@ def _workspace_bytes(x_shape, w_shape, stride, padding, phase, algo) -> int:
                     tma_splits(x_shape, w_shape) * k * c * r * s)
     if algo == "flipped_nhwc":
         return 4 * (n * k * p * q + k * c * r * s)
+    if phase == "forward":      # "splitk": one partial output per chunk
+        return 4 * forward_splits(x_shape, w_shape, stride, padding) * n * k * p * q
     # splitk
     return 4 * splitk_splits(x_shape, w_shape, stride, padding) * k * c * r * s
 
@@ -303,6 +334,8 @@ def _offered(algo, x_shape, w_shape, stride, padding, phase) -> bool:
     enough for it to have won somewhere."""
     if not _applies(algo, x_shape, w_shape, stride, padding, phase):
         return False
+    if phase == "forward" and algo == "splitk":
+        return forward_splits(x_shape, w_shape, stride, padding) > 1
     if algo not in ("nhwc", "flipped_nhwc"):
         return True
     _, _, p, q = out_shape(x_shape, w_shape, stride, padding)
@@ -532,9 +565,9 @@ def _relu_mask(g, m_ptrs, mask):
     return _relu_gate(g, tl.load(m_ptrs, mask=mask, other=0.0))
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["CHUNK_BLOCKS"])
 def _conv_fwd_kernel(x_ptr, w_ptr, b_ptr, y_ptr, m_ptr,
-                     N, C, K, SH, SW, PH, PW,
+                     N, C, K, SH, SW, PH, PW, CHUNK_BLOCKS,
                      H: tl.constexpr, W: tl.constexpr, P: tl.constexpr, Q: tl.constexpr,
                      R: tl.constexpr, S: tl.constexpr, IS_1X1: tl.constexpr,
                      HAS_BIAS: tl.constexpr, ACCUMULATE: tl.constexpr, PRECISION: tl.constexpr,
@@ -547,17 +580,27 @@ def _conv_fwd_kernel(x_ptr, w_ptr, b_ptr, y_ptr, m_ptr,
     gradient that runs this kernel: m_ptr is that ReLU's output). Y_NHWC: Y is stored
     channels-last, [N, P, Q, K] (a forward pass alone: no ACCUMULATE, no MASK).
 
+    Split-K ("splitk" forward): grid axis 1 is the chunk of the (c,r,s) reduction, each
+    CHUNK_BLOCKS * 64 long; chunk j stores its partial Y as images j*N to j*N + N-1 of y
+    (no bias, ReLU or mask: the in-order sum of the chunks applies them). With one chunk
+    (CHUNK_BLOCKS covering C*R*S) the loop is the plain one. CHUNK_BLOCKS is not
+    specialized, so both launches run one compiled kernel; counting it in blocks of 64 keeps
+    each chunk's start a known multiple of 64 (the weight loads stay 16 bytes wide).
+
     The gathered x tile is [BLOCK_K, BLOCK_M] with the pixel axis fast; the weight tile is
     [BLOCK_N, BLOCK_K], read along (c,r,s), its contiguous axis (16-byte loads). Addresses: one
     64-bit base per program (its first image), 32-bit offsets inside the tile. Spatial sizes
     are compile-time constants (divisions by them become multiplications).
     """
     pid = tl.program_id(0)
+    chunk = tl.program_id(1)
     PQ: tl.constexpr = P * Q
     HW: tl.constexpr = H * W
     RS: tl.constexpr = R * S
     M = N * PQ
     CRS = C * RS
+    k_first = chunk * CHUNK_BLOCKS * 64
+    k_end = tl.minimum(k_first + CHUNK_BLOCKS * 64, CRS)
     pid_m, pid_n = _tile_ids(pid, M, K, BLOCK_M, BLOCK_N, GROUP_M)
     m0 = pid_m * BLOCK_M
     img0 = m0 // PQ
@@ -583,7 +626,7 @@ def _conv_fwd_kernel(x_ptr, w_ptr, b_ptr, y_ptr, m_ptr,
     w_n = offs_n * CRS
 
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    for k0 in range(0, CRS, BLOCK_K):
+    for k0 in range(k_first, k_end, BLOCK_K):
         offs_k = k0 + tl.arange(0, BLOCK_K)
         k_ok = offs_k < CRS
         if IS_1X1:
@@ -605,7 +648,7 @@ def _conv_fwd_kernel(x_ptr, w_ptr, b_ptr, y_ptr, m_ptr,
 
     if HAS_BIAS:
         acc += tl.load(b_ptr + offs_n, mask=n_ok, other=0.0)[None, :]
-    y_base = img0.to(tl.int64) * (K * PQ)                   # 64-bit base, 32-bit offsets
+    y_base = (img0.to(tl.int64) + chunk * N) * (K * PQ)     # 64-bit base, 32-bit offsets
     if Y_NHWC:                     # [BM, BN] stored along the channels
         if RELU:
             acc = tl.where(acc < 0.0, 0.0, acc)
@@ -629,9 +672,12 @@ def _conv_fwd_kernel(x_ptr, w_ptr, b_ptr, y_ptr, m_ptr,
         tl.store(y_ptrs, out, mask=mask)
 
 
-_conv_fwd = _autotune(_FWD_CONFIGS, _KEY, _fwd_macs)(_conv_fwd_kernel)
+# keyed on the chunk length too: the split-K forward's best tile may differ from the plain one
+_conv_fwd = _autotune(_FWD_CONFIGS, _KEY + ["CHUNK_BLOCKS"], _fwd_macs)(_conv_fwd_kernel)
 # the "flipped" data gradient's accumulating launch (the autotuner restores dx after timing)
-_conv_fwd_acc = _autotune(_FWD_CONFIGS, _KEY, _fwd_macs, restore=["y_ptr"])(_conv_fwd_kernel)
+_conv_fwd_acc = _autotune(_FWD_CONFIGS, _KEY + ["CHUNK_BLOCKS"], _fwd_macs,
+                          restore=["y_ptr"])(_conv_fwd_kernel)
+assert all(_FWD_CHUNK_QUANTUM % c.kwargs["BLOCK_K"] == 0 for c in _FWD_CONFIGS + [_INTERP_FWD])
 
 
 @triton.jit
@@ -1542,10 +1588,13 @@ _conv_bwd_weight = _autotune(_WGT_CONFIGS, _KEY + ["SPLIT_LEN"], _bwd_weight_mac
                              interp=_INTERP_WGT)(_conv_bwd_weight_kernel)
 
 
-@triton.jit
-def _splitk_reduce_kernel(ws_ptr, dw_ptr, TOTAL, SPLITS, BLOCK: tl.constexpr,
-                          AHEAD: tl.constexpr):
-    """dw[i] = sum_{s < SPLITS} ws[s, i], in order s = 0, 1, ... (deterministic).
+@triton.jit(do_not_specialize=["PLANE", "CHANNELS"])
+def _splitk_reduce_kernel(ws_ptr, dw_ptr, b_ptr, TOTAL, SPLITS, PLANE, CHANNELS,
+                          BLOCK: tl.constexpr, AHEAD: tl.constexpr,
+                          HAS_BIAS: tl.constexpr = False, RELU: tl.constexpr = False):
+    """dw[i] = sum_{s < SPLITS} ws[s, i], in order s = 0, 1, ... (deterministic); then,
+    for the split-K forward, + b[(i // PLANE) % CHANNELS] where HAS_BIAS (dw is an NCHW
+    output of CHANNELS planes of PLANE pixels) and max(., 0) where RELU.
 
     AHEAD chunks' loads per step, issued ahead of the adds (the loop is unrolled and no
     load waits for an add): one load at a time waited a memory latency per chunk (a 1x1
@@ -1563,6 +1612,10 @@ def _splitk_reduce_kernel(ws_ptr, dw_ptr, TOTAL, SPLITS, BLOCK: tl.constexpr,
         for i in tl.static_range(AHEAD):
             acc += tl.load(base + i * TOTAL, mask=left > i, other=0.0)
         base += AHEAD * TOTAL
+    if HAS_BIAS:
+        acc += tl.load(b_ptr + (offs // PLANE) % CHANNELS, mask=ok, other=0.0)
+    if RELU:
+        acc = tl.where(acc < 0.0, 0.0, acc)          # as kernels/act.py: NaN propagates
     tl.store(dw_ptr + offs, acc, mask=ok)
 
 
@@ -1570,16 +1623,20 @@ _REDUCE_WARPS = 4
 _REDUCE_IN_FLIGHT = 32       # loads ahead per thread: AHEAD * (floats per thread)
 
 
-def _launch_splitk_reduce(chunks, out, total, splits):
+def _launch_splitk_reduce(chunks, out, total, splits, bias=None, plane=1, relu=False):
     """out[:total] = the in-order sum of `splits` chunks of `total` floats
     (_splitk_reduce_kernel), in blocks small enough to give the GPU a few hundred programs
     where `total` is small (a 1x1 conv's weight, a bias), each thread loading
-    _REDUCE_IN_FLIGHT floats ahead (4 chunks at 1,024 floats a block, 32 at 128)."""
+    _REDUCE_IN_FLIGHT floats ahead (4 chunks at 1,024 floats a block, 32 at 128). The
+    split-K forward's sum adds `bias` (out: NCHW, `plane` pixels a channel) and its ReLU."""
     block = _ELEM_BLOCK if INTERPRET else \
         max(128, min(_ELEM_BLOCK, next_power_of_2(cdiv(total, 264))))
     per_thread = max(1, block // (32 * _REDUCE_WARPS))
-    run(_splitk_reduce_kernel, (cdiv(total, block),), chunks, out, total, splits,
-        BLOCK=block, AHEAD=max(4, _REDUCE_IN_FLIGHT // per_thread), num_warps=_REDUCE_WARPS)
+    channels = 1 if bias is None else bias.numel()
+    run(_splitk_reduce_kernel, (cdiv(total, block),), chunks, out,
+        out if bias is None else bias, total, splits, plane, channels,
+        BLOCK=block, AHEAD=max(4, _REDUCE_IN_FLIGHT // per_thread), HAS_BIAS=bias is not None,
+        RELU=relu, num_warps=_REDUCE_WARPS)
 
 
 @triton.jit
@@ -1718,11 +1775,15 @@ def _weight_grid(k, c, rs, splits):
 
 
 def _launch_fwd(x, w, b, y, n, c, h, wd, k, p, q, sh, sw, ph, pw, r, s, prec,
-                accumulate=False, relu=False, mask=None, y_nhwc=False):
+                accumulate=False, relu=False, mask=None, y_nhwc=False, splits=1):
+    """_conv_fwd_kernel on one conv; with `splits` > 1 (the "splitk" forward) y holds
+    `splits` partial outputs, one per chunk of the reduction (no bias, ReLU or mask)."""
     is_1x1 = r == 1 and s == 1 and sh == 1 and sw == 1 and ph == 0 and pw == 0
-    _launch(_conv_fwd_acc if accumulate else _conv_fwd, _tile_grid(n * p * q, k),
+    blocks = _forward_chunk_blocks(c * r * s, splits)
+    _launch(_conv_fwd_acc if accumulate else _conv_fwd,
+            _tile_grid(n * p * q, k, cdiv(c * r * s, blocks * _FWD_CHUNK_QUANTUM)),
             (x, w, b if b is not None else y, y, y if mask is None else mask,
-             n, c, k, sh, sw, ph, pw),
+             n, c, k, sh, sw, ph, pw, blocks),
             dict(H=h, W=wd, P=p, Q=q, R=r, S=s, IS_1X1=is_1x1, HAS_BIAS=b is not None,
                  ACCUMULATE=accumulate, PRECISION=prec, RELU=relu, MASK=mask is not None,
                  Y_NHWC=y_nhwc))
@@ -1733,7 +1794,7 @@ def forward(x, w, b, y, *, stride, padding, algo="implicit", workspace=None, pre
     """y = conv2d(x, w, b, stride, padding), or relu of it where `relu` (a ReLU fused into
     the conv's store: the same bits as the two layers, without the ReLU's pass over y).
     x [N,C,H,W], w [K,C,R,S], b [K] or None, y [N,K,P,Q] (overwritten). algo "implicit" (no
-    workspace), "im2col" or "nhwc" (workspace)."""
+    workspace), "im2col", "nhwc" or "splitk" (workspace)."""
     prec = dot_precision(precision)
     _algo("forward", algo)
     if not isinstance(relu, bool):
@@ -1762,6 +1823,9 @@ def forward(x, w, b, y, *, stride, padding, algo="implicit", workspace=None, pre
     if algo == "nhwc":
         _launch_nhwc(x, w, b, y, ws, ph, pw, prec, relu=relu)
         return
+    if algo == "splitk":
+        _launch_forward_splitk(x, w, b, y, ws, (sh, sw, ph, pw), prec, relu)
+        return
     # im2col: col [N, C*R*S, P, Q], then a 1x1 conv of col with w as [K, C*R*S, 1, 1]
     crs = c * r * s
     bm, bk = (16, 16) if INTERPRET else (128, 32)
@@ -1769,6 +1833,18 @@ def forward(x, w, b, y, *, stride, padding, algo="implicit", workspace=None, pre
         x, ws, n, c, sh, sw, ph, pw, H=h, W=wd, P=p, Q=q, R=r, S=s, BLOCK_M=bm, BLOCK_K=bk,
         num_warps=4)
     _launch_fwd(ws, w, b, y, n, crs, p, q, k, p, q, 1, 1, 0, 0, 1, 1, prec, relu=relu)
+
+
+def _launch_forward_splitk(x, w, b, y, ws, geo, prec, relu):
+    """The "splitk" forward: each chunk of the C*R*S reduction writes its partial output
+    into the workspace, then their in-order sum, the bias and the ReLU go into y."""
+    (n, c, h, wd), (k, _, r, s) = x.shape, w.shape
+    sh, sw, ph, pw = geo
+    p, q = y.shape[2], y.shape[3]
+    splits = forward_splits(x.shape, w.shape, (sh, sw), (ph, pw))
+    _launch_fwd(x, w, None, ws, n, c, h, wd, k, p, q, sh, sw, ph, pw, r, s, prec,
+                splits=splits)
+    _launch_splitk_reduce(ws, y, y.numel(), splits, bias=b, plane=p * q, relu=relu)
 
 
 def _tile_w(q):

@@ -19,7 +19,7 @@ gpu = pytest.mark.skipif(not GPU, reason="needs a CUDA GPU")
 
 ALL_ALGOS = {"forward": ("implicit", "im2col", "nhwc", "splitk"),
              "backward_data": ("implicit", "flipped", "transposed", "zero_insert",
-                               "flipped_nhwc"),
+                               "flipped_nhwc", "flipped_splitk"),
              "backward_weight": ("onepass", "splitk", "nhwc", "tma")}
 # "flipped" and the channels-last algorithms run only some convs (conv._applies); asked for
 # elsewhere, they raise ValueError before any write. conv.algos() offers a subset of what
@@ -153,7 +153,7 @@ def _check(case, device="cpu", precision="ieee", seed=0, bias=True, accumulate=F
             _close(db, db_ref, red_wgt, precision, "db")
 
     # backward (both phases through one workspace); the algorithm pair rotates with the seed
-    algo_data = ALL_ALGOS["backward_data"][seed % 5]
+    algo_data = ALL_ALGOS["backward_data"][seed % 6]
     if not conv._applies(algo_data, x.shape, wt.shape, stride, padding, "backward_data"):
         algo_data = "implicit"
     algo_weight = ALL_ALGOS["backward_weight"][(seed // 3) % 4]
@@ -308,6 +308,35 @@ def test_splitk_forward_sums_its_chunks_in_order():
         parts.append(part)
     expected = torch.relu(parts[0] + parts[1] + b[None, :, None, None])
     assert torch.equal(y, expected)
+
+
+def test_flipped_splitk_data_gradient_splits_the_flipped_conv():
+    """The split-K data gradient runs the flipped conv's split-K forward: offered on the same
+    small grids (stride 1), summed in order, then the old dx added and the ReLU mask."""
+    assert conv.data_splits((32, 512, 7, 7), (512, 512, 3, 3), 1, 1) == 5
+    assert conv.data_splits((32, 256, 14, 14), (1024, 256, 1, 1), 1, 0) == 2
+    assert "flipped_splitk" not in conv.algos((32, 64, 56, 56), (64, 64, 3, 3), 1, 1,
+                                              "backward_data")
+    assert "flipped_splitk" not in conv.algos((32, 256, 28, 28), (256, 256, 3, 3), 2, 1,
+                                              "backward_data")     # strided: no flip
+    gen = torch.Generator().manual_seed(12)
+    x = _rand((2, 8, 3, 3), gen, "cpu")
+    w, dy, old = _rand((512, 8, 1, 1), gen, "cpu"), _rand((2, 512, 3, 3), gen, "cpu"), \
+        _rand((2, 8, 3, 3), gen, "cpu")
+    assert conv.data_splits(x.shape, w.shape, 1, 0) == 2
+    need = conv.workspace_bytes(x.shape, w.shape, 1, 0, "backward_data", "flipped_splitk")
+    dx = old.clone()
+    conv.backward_data(dy, w, dx, stride=1, padding=0, algo="flipped_splitk",
+                       workspace=_workspace(need, "cpu"), accumulate=True, precision="ieee",
+                       relu_output=x)
+    parts = []
+    for half in (slice(0, 256), slice(256, 512)):
+        part = _nan(x.shape, "cpu")
+        conv.backward_data(dy[:, half].contiguous(), w[half].contiguous(), part, stride=1,
+                           padding=0, algo="flipped", precision="ieee",
+                           workspace=_workspace(4 * 256 * 8, "cpu"))
+        parts.append(part)
+    assert torch.equal(dx, torch.where(x <= 0, 0.0, parts[0] + parts[1] + old))
 
 
 @pytest.mark.parametrize("total,splits", [(5, 1), (7, 37), (130, 70)])

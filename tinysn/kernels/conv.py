@@ -120,7 +120,8 @@ from ._common import launch as _launch
 
 PHASES = ("forward", "backward_data", "backward_weight")
 _ALGOS = {"forward": ("implicit", "im2col", "nhwc", "splitk"),
-          "backward_data": ("implicit", "flipped", "transposed", "zero_insert", "flipped_nhwc"),
+          "backward_data": ("implicit", "flipped", "transposed", "zero_insert", "flipped_nhwc",
+                            "flipped_splitk"),
           "backward_weight": ("onepass", "splitk", "nhwc", "tma")}
 
 # split-K sizing: aim for about this many programs, counted in [64, 64] tiles (8 per SM of a
@@ -156,7 +157,7 @@ LAUNCHES = {("forward", "implicit"): 1, ("forward", "im2col"): 2, ("forward", "n
             ("forward", "splitk"): 2,
             ("backward_data", "implicit"): 1, ("backward_data", "transposed"): 2,
             ("backward_data", "flipped"): 2, ("backward_data", "zero_insert"): 2,
-            ("backward_data", "flipped_nhwc"): 3,
+            ("backward_data", "flipped_nhwc"): 3, ("backward_data", "flipped_splitk"): 3,
             ("backward_weight", "onepass"): 1, ("backward_weight", "splitk"): 2,
             ("backward_weight", "nhwc"): 3, ("backward_weight", "tma"): 3}
 
@@ -238,9 +239,32 @@ def _forward_splits(x_shape, w_shape, stride, padding) -> int:
     return cdiv(crs, _forward_chunk_blocks(crs, splits) * _FWD_CHUNK_QUANTUM)
 
 
+def data_splits(x_shape, w_shape, stride, padding) -> int:
+    """How many chunks the "flipped_splitk" data gradient cuts its K*R*S reduction into: the
+    split-K forward's count for the flipped conv it runs (dY through the flipped weight);
+    1 where that conv does not exist (stride above 1, padding not below the kernel)."""
+    if not _flipped_applies(w_shape, stride, padding):
+        return 1
+    return forward_splits(*_flipped_conv(x_shape, w_shape, padding))
+
+
+def _flipped_conv(x_shape, w_shape, padding):
+    """(dY's shape, the flipped weight's, stride, padding) of the stride-1 forward conv that
+    computes a stride-1 conv's data gradient ("flipped")."""
+    n, k, p, q = out_shape(x_shape, w_shape, 1, padding)
+    c, r, s = x_shape[1], w_shape[2], w_shape[3]
+    ph, pw = pair(padding, "conv: padding", 0)
+    return (n, k, p, q), (c, k, r, s), 1, (r - 1 - ph, s - 1 - pw)
+
+
 def _forward_chunk_blocks(crs, splits) -> int:
     """The split-K forward's chunk length, in _FWD_CHUNK_QUANTUM blocks of the reduction."""
     return cdiv(cdiv(crs, splits), _FWD_CHUNK_QUANTUM)
+
+
+def _flipped_weight_floats(w_shape) -> int:
+    """Floats of "flipped_splitk"'s weight copy, rounded up to 64 bytes (its chunks follow)."""
+    return cdiv(w_shape[0] * w_shape[1] * w_shape[2] * w_shape[3], 16) * 16
 
 
 def _split_len(npq, splits):
@@ -283,6 +307,9 @@ def _workspace_bytes(x_shape, w_shape, stride, padding, phase, algo) -> int:
         return 4 * (n * k * p * q + k * c * r * s)
     if phase == "forward":      # "splitk": one partial output per chunk
         return 4 * forward_splits(x_shape, w_shape, stride, padding) * n * k * p * q
+    if algo == "flipped_splitk":    # the flipped weight, then a partial dx per chunk
+        return 4 * (_flipped_weight_floats(w_shape) +
+                    data_splits(x_shape, w_shape, stride, padding) * n * c * h * w)
     # splitk
     return 4 * splitk_splits(x_shape, w_shape, stride, padding) * k * c * r * s
 
@@ -336,6 +363,8 @@ def _offered(algo, x_shape, w_shape, stride, padding, phase) -> bool:
         return False
     if phase == "forward" and algo == "splitk":
         return forward_splits(x_shape, w_shape, stride, padding) > 1
+    if algo == "flipped_splitk":
+        return data_splits(x_shape, w_shape, stride, padding) > 1
     if algo not in ("nhwc", "flipped_nhwc"):
         return True
     _, _, p, q = out_shape(x_shape, w_shape, stride, padding)
@@ -377,7 +406,7 @@ def _applies(algo, x_shape, w_shape, stride, padding, phase="forward") -> bool:
         return _nhwc_applies(x_shape[1], stride)
     if algo == "flipped_nhwc":
         return _nhwc_applies(w_shape[0], stride) and _flipped_applies(w_shape, stride, padding)
-    if algo == "flipped":
+    if algo in ("flipped", "flipped_splitk"):
         return _flipped_applies(w_shape, stride, padding)
     return True
 
@@ -390,6 +419,7 @@ def _check_applies(phase, algo, x_shape, w_shape, geo):
     if phase == "backward_weight":
         nhwc += " and an output width divisible by 4"
     need = {"flipped": "stride 1 and padding smaller than the kernel",
+            "flipped_splitk": "stride 1 and padding smaller than the kernel",
             "nhwc": nhwc,
             "flipped_nhwc": "stride 1, padding smaller than the kernel and output channels "
                             "divisible by 4",
@@ -1589,12 +1619,15 @@ _conv_bwd_weight = _autotune(_WGT_CONFIGS, _KEY + ["SPLIT_LEN"], _bwd_weight_mac
 
 
 @triton.jit(do_not_specialize=["PLANE", "CHANNELS"])
-def _splitk_reduce_kernel(ws_ptr, dw_ptr, b_ptr, TOTAL, SPLITS, PLANE, CHANNELS,
+def _splitk_reduce_kernel(ws_ptr, dw_ptr, b_ptr, m_ptr, TOTAL, SPLITS, PLANE, CHANNELS,
                           BLOCK: tl.constexpr, AHEAD: tl.constexpr,
-                          HAS_BIAS: tl.constexpr = False, RELU: tl.constexpr = False):
+                          HAS_BIAS: tl.constexpr = False, RELU: tl.constexpr = False,
+                          ACCUMULATE: tl.constexpr = False, MASK: tl.constexpr = False):
     """dw[i] = sum_{s < SPLITS} ws[s, i], in order s = 0, 1, ... (deterministic); then,
     for the split-K forward, + b[(i // PLANE) % CHANNELS] where HAS_BIAS (dw is an NCHW
-    output of CHANNELS planes of PLANE pixels) and max(., 0) where RELU.
+    output of CHANNELS planes of PLANE pixels) and max(., 0) where RELU; for the split-K data
+    gradient, + dw[i] where ACCUMULATE, then 0 where MASK and m[i] <= 0 (as the data
+    gradient kernels' stores do).
 
     AHEAD chunks' loads per step, issued ahead of the adds (the loop is unrolled and no
     load waits for an add): one load at a time waited a memory latency per chunk (a 1x1
@@ -1616,6 +1649,10 @@ def _splitk_reduce_kernel(ws_ptr, dw_ptr, b_ptr, TOTAL, SPLITS, PLANE, CHANNELS,
         acc += tl.load(b_ptr + (offs // PLANE) % CHANNELS, mask=ok, other=0.0)
     if RELU:
         acc = tl.where(acc < 0.0, 0.0, acc)          # as kernels/act.py: NaN propagates
+    if ACCUMULATE:
+        acc += tl.load(dw_ptr + offs, mask=ok, other=0.0)
+    if MASK:
+        acc = _relu_mask(acc, m_ptr + offs, ok)
     tl.store(dw_ptr + offs, acc, mask=ok)
 
 
@@ -1623,20 +1660,23 @@ _REDUCE_WARPS = 4
 _REDUCE_IN_FLIGHT = 32       # loads ahead per thread: AHEAD * (floats per thread)
 
 
-def _launch_splitk_reduce(chunks, out, total, splits, bias=None, plane=1, relu=False):
+def _launch_splitk_reduce(chunks, out, total, splits, bias=None, plane=1, relu=False,
+                          accumulate=False, mask=None):
     """out[:total] = the in-order sum of `splits` chunks of `total` floats
     (_splitk_reduce_kernel), in blocks small enough to give the GPU a few hundred programs
     where `total` is small (a 1x1 conv's weight, a bias), each thread loading
     _REDUCE_IN_FLIGHT floats ahead (4 chunks at 1,024 floats a block, 32 at 128). The
-    split-K forward's sum adds `bias` (out: NCHW, `plane` pixels a channel) and its ReLU."""
+    split-K forward's sum adds `bias` (out: NCHW, `plane` pixels a channel) and its ReLU;
+    the split-K data gradient's adds out's old value where `accumulate`, then `mask`'s."""
     block = _ELEM_BLOCK if INTERPRET else \
         max(128, min(_ELEM_BLOCK, next_power_of_2(cdiv(total, 264))))
     per_thread = max(1, block // (32 * _REDUCE_WARPS))
     channels = 1 if bias is None else bias.numel()
     run(_splitk_reduce_kernel, (cdiv(total, block),), chunks, out,
-        out if bias is None else bias, total, splits, plane, channels,
-        BLOCK=block, AHEAD=max(4, _REDUCE_IN_FLIGHT // per_thread), HAS_BIAS=bias is not None,
-        RELU=relu, num_warps=_REDUCE_WARPS)
+        out if bias is None else bias, out if mask is None else mask, total, splits, plane,
+        channels, BLOCK=block, AHEAD=max(4, _REDUCE_IN_FLIGHT // per_thread),
+        HAS_BIAS=bias is not None, RELU=relu, ACCUMULATE=accumulate, MASK=mask is not None,
+        num_warps=_REDUCE_WARPS)
 
 
 @triton.jit
@@ -2057,14 +2097,22 @@ def _run_bwd_data(dy, w, dx, x_shape, geo, algo, ws, accumulate, prec, mask=None
         _launch_nhwc(dy, w, None, dx, ws, r - 1 - ph, s - 1 - pw, prec, flip=True,
                      accumulate=accumulate, mask=mask, bias_grad=bias_grad)
         return
-    if algo == "flipped":
+    if algo in ("flipped", "flipped_splitk"):
         # dx = conv(dY, wF [C, K, R, S], stride 1, padding (R-1-ph, S-1-pw)): the forward
-        # kernel with C <-> K and (H, W) <-> (P, Q)
+        # kernel with C <-> K and (H, W) <-> (P, Q); split-K: a partial dx per chunk of the
+        # K*R*S reduction after the weight copy, then their in-order sum
         total = k * c * r * s
         run(_weight_flip_kernel, (cdiv(total, _ELEM_BLOCK),),
             w, ws, total, k, c, RS=r * s, BLOCK=_ELEM_BLOCK, num_warps=4)
-        _launch_fwd(dy, ws, None, dx, n, k, p, q, c, h, wd, 1, 1, r - 1 - ph, s - 1 - pw, r, s,
-                    prec, accumulate, mask=mask)
+        if algo == "flipped":
+            _launch_fwd(dy, ws, None, dx, n, k, p, q, c, h, wd, 1, 1, r - 1 - ph, s - 1 - pw,
+                        r, s, prec, accumulate, mask=mask)
+            return
+        splits = data_splits(x_shape, w.shape, 1, (ph, pw))
+        chunks = ws[_flipped_weight_floats(w.shape):]
+        _launch_fwd(dy, ws, None, chunks, n, k, p, q, c, h, wd, 1, 1, r - 1 - ph, s - 1 - pw,
+                    r, s, prec, splits=splits)
+        _launch_splitk_reduce(chunks, dx, dx.numel(), splits, accumulate=accumulate, mask=mask)
         return
     # zero_insert: z [N, K, H+R-1, W+S-1], then a stride-1 conv of z with the flipped weight,
     # which is the implicit stride-1 kernel with padding (R-1, S-1) over z
@@ -2084,8 +2132,8 @@ def _check_dy(dy, x_shape, w_shape, stride, padding):
 def backward_data(dy, w, dx, *, stride, padding, algo="implicit", workspace=None,
                   accumulate=False, precision=None, relu_output=None):
     """dx (+)= conv2d_input(dx.shape, w, dy). dy [N,K,P,Q], w [K,C,R,S], dx [N,C,H,W].
-    algo "implicit" (no workspace), "flipped", "transposed", "zero_insert" or "flipped_nhwc"
-    (workspace). relu_output (dx's shape): the conv's input when it is a ReLU's output; dx
+    algo "implicit" (no workspace), "flipped", "transposed", "zero_insert", "flipped_nhwc"
+    or "flipped_splitk" (workspace). relu_output (dx's shape): the conv's input when it is a ReLU's output; dx
     then goes on through that ReLU's backward in the store (0 where relu_output <= 0, after
     any accumulation), the same bits as the ReLU's own backward pass would give."""
     prec = dot_precision(precision)

@@ -42,6 +42,7 @@ _TUNED = {"forward": "_conv_fwd", "backward_data": "_conv_bwd_data",
 # (phase, algorithm) pairs whose GEMM runs under an autotuner other than the phase's
 _TUNED_ALGO = {("backward_data", "transposed"): "_conv_bwd_data_t",
                ("backward_data", "flipped"): "_conv_fwd", ("forward", "nhwc"): "_conv_nhwc",
+               ("backward_data", "flipped_splitk"): "_conv_fwd",
                ("backward_data", "flipped_nhwc"): "_conv_nhwc",
                ("backward_weight", "nhwc"): "_conv_bwd_weight_nhwc",
                ("backward_weight", "tma"): "_conv_bwd_weight_tma"}

@@ -72,6 +72,9 @@ def cases(batch: int) -> dict:
     return {
         "conv fwd nhwc 256@56": conv_case("forward", "nhwc", 256, 56, 256),
         "conv fwd implicit 512@14": conv_case("forward", "implicit", 512, 14, 512),
+        "conv fwd splitk 512@7": conv_case("forward", "splitk", 512, 7, 512),   # ResNet-50's
+        "conv dgrad flipped_splitk+ 512@7": conv_case("backward_data", "flipped_splitk", 512,
+                                                      7, 512, accumulate=True),
         "conv dgrad flipped_nhwc 256@56": conv_case("backward_data", "flipped_nhwc", 256, 56,
                                                     256),
         "conv dgrad flipped+ 512@14": conv_case("backward_data", "flipped", 512, 14, 512,

@@ -48,6 +48,10 @@ def test_every_config_compiles_for_the_h200_without_spills(tmp_path):
     assert kernels["bn bwd params 2048@7"] == ["_bn_bwd_partial_kernel",
                                                "_bn_bwd_finalize_kernel"]
     assert kernels["sgd 3 tensors"] == ["_sgd_kernel"]
+    # the split-K forward and data gradient: the forward GEMM over chunks, then their sum
+    assert set(kernels["conv fwd splitk 512@7"]) == {"_conv_fwd_kernel", "_splitk_reduce_kernel"}
+    assert set(kernels["conv dgrad flipped_splitk+ 512@7"]) == {
+        "_weight_flip_kernel", "_conv_fwd_kernel", "_splitk_reduce_kernel"}
     gemm = [r for r in rows if r["case"] == "fc6 fwd"]
     assert len(gemm) == len({r["config"] for r in gemm}) == len(linear._gemm_kernel.all_configs)
     # every autotuned kernel of tinysn is among the cases, each with its whole GPU list

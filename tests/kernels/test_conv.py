@@ -61,9 +61,13 @@ def _close(got, ref, red_len, precision, what):
         assert err < 2e-3, f"{what}: relative error {err:.2e}"
 
 
+SPLIT_ALGOS = ("splitk", "flipped_splitk")    # the forward kernel over reduction chunks
+
+
 def _check(case, device="cpu", precision="ieee", seed=0, bias=True, accumulate=False,
-           dx_none=False, db_none=False):
-    """Run every algorithm of every phase, and backward(), on one conv; compare with float64."""
+           dx_none=False, db_none=False, split=True):
+    """Run every algorithm of every phase, and backward(), on one conv; compare with float64.
+    split=False leaves out SPLIT_ALGOS, whose GEMM is the "implicit" forward's."""
     n, c, h, w, k, r, s, stride, padding = case
     gen = torch.Generator().manual_seed(seed)
     x = _rand((n, c, h, w), gen, device)
@@ -88,7 +92,7 @@ def _check(case, device="cpu", precision="ieee", seed=0, bias=True, accumulate=F
     # forward
     offered = conv.algos(x.shape, wt.shape, stride, padding, "forward")
     assert list(offered)[0] == "implicit" and set(offered) <= set(ALL_ALGOS["forward"])
-    for algo in ALL_ALGOS["forward"]:
+    for algo in [a for a in ALL_ALGOS["forward"] if split or a not in SPLIT_ALGOS]:
         need = conv.workspace_bytes(x.shape, wt.shape, stride, padding, "forward", algo)
         assert offered.get(algo, need) == need
         y = _nan(shp, device)
@@ -109,7 +113,7 @@ def _check(case, device="cpu", precision="ieee", seed=0, bias=True, accumulate=F
 
     # backward_data
     offered = conv.algos(x.shape, wt.shape, stride, padding, "backward_data")
-    for algo in ALL_ALGOS["backward_data"]:
+    for algo in [a for a in ALL_ALGOS["backward_data"] if split or a not in SPLIT_ALGOS]:
         need = conv.workspace_bytes(x.shape, wt.shape, stride, padding, "backward_data", algo)
         assert offered.get(algo, need) == need
         dx = before.clone() if accumulate else _nan(x.shape, device)
@@ -212,6 +216,8 @@ EDGE_CASES = [
     (1, 4, 9, 12, 8, 5, 5, 1, (2, 0)),      # ... 5x5, patches taller than P, no side padding
     (3, 5, 7, 7, 6, 3, 3, 1, 1),            # "tma" weight gradient: rows widened 7 -> 8
     (2, 6, 3, 8, 5, 1, 1, 1, 0),            # ... a 1x1 read in place (no copies)
+    (1, 64, 4, 4, 8, 3, 3, 1, 1),           # split-K forward: 2 chunks of C*R*S
+    (1, 8, 4, 4, 64, 3, 3, 1, 1),           # split-K data gradient: 2 chunks of K*R*S
 ]
 
 
@@ -245,9 +251,12 @@ CONFIG_CASES = [
 
 @pytest.mark.parametrize("index", range(config_count(conv)))
 def test_conv_every_config(index):
+    """Every config of every conv autotuner on three cases; the split-K algorithms run the
+    forward kernel under the same configs as "implicit" and "flipped" (left out: CI time)."""
     with pinned(conv, index):
         for j, case in enumerate(CONFIG_CASES):
-            _check(case, "cpu", "ieee", seed=index, bias=j != 1, accumulate=(index + j) % 2 == 1)
+            _check(case, "cpu", "ieee", seed=index, bias=j != 1, accumulate=(index + j) % 2 == 1,
+                   split=False)
 
 
 def test_splitk_really_splits_and_is_deterministic():

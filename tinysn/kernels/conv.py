@@ -2133,9 +2133,10 @@ def backward_data(dy, w, dx, *, stride, padding, algo="implicit", workspace=None
                   accumulate=False, precision=None, relu_output=None):
     """dx (+)= conv2d_input(dx.shape, w, dy). dy [N,K,P,Q], w [K,C,R,S], dx [N,C,H,W].
     algo "implicit" (no workspace), "flipped", "transposed", "zero_insert", "flipped_nhwc"
-    or "flipped_splitk" (workspace). relu_output (dx's shape): the conv's input when it is a ReLU's output; dx
-    then goes on through that ReLU's backward in the store (0 where relu_output <= 0, after
-    any accumulation), the same bits as the ReLU's own backward pass would give."""
+    or "flipped_splitk" (workspace). relu_output (dx's shape): the conv's input when it is a
+    ReLU's output; dx then goes on through that ReLU's backward in the store (0 where
+    relu_output <= 0, after any accumulation), the same bits as the ReLU's own backward pass
+    would give."""
     prec = dot_precision(precision)
     _algo("backward_data", algo)
     if not isinstance(accumulate, bool):

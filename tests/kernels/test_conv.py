@@ -229,7 +229,9 @@ EDGE_CASES = [
 @given(case=conv_cases(), seed=st.integers(0, 2**16), bias=st.booleans(),
        accumulate=st.booleans(), dx_none=st.booleans(), db_none=st.booleans())
 def test_conv_random_shapes(case, seed, bias, accumulate, dx_none, db_none):
-    _check(case, "cpu", "ieee", seed, bias, accumulate, dx_none, db_none)
+    # the split-K algorithms left out: these reductions (C*R*S <= 245) never split, and
+    # the edge cases run them in one chunk and in two
+    _check(case, "cpu", "ieee", seed, bias, accumulate, dx_none, db_none, split=False)
 
 
 @pytest.mark.parametrize("case", EDGE_CASES)

@@ -6,19 +6,7 @@ from bench import kernels_conv
 from tinysn.kernels import conv
 
 
-def _run(phase, algo, x, w, dy):
-    need = conv.workspace_bytes(x.shape, w.shape, 1, 1, phase, algo)
-    kw = dict(stride=1, padding=1, algo=algo, workspace=torch.empty(max(need, 4),
-                                                                   dtype=torch.uint8))
-    if phase == "forward":
-        conv.forward(x, w, None, torch.empty(dy.shape), **kw)
-    elif phase == "backward_data":
-        conv.backward_data(dy, w, torch.empty(x.shape), **kw)
-    else:
-        conv.backward_weight(x, dy, torch.empty(w.shape), None, **kw)
-
-
-def test_each_algorithm_reports_the_autotuner_its_gemm_ran_under(monkeypatch):
+def test_each_algorithm_reports_the_autotuner_its_gemm_ran_under(monkeypatch, conv_phase):
     """Every algorithm of every phase, run once on a small conv every algorithm applies to:
     the last autotuned kernel it launched is the one whose pick its row reports."""
     ran = []
@@ -31,6 +19,6 @@ def test_each_algorithm_reports_the_autotuner_its_gemm_ran_under(monkeypatch):
     for phase in conv.PHASES:
         for algo in conv._ALGOS[phase]:
             ran.clear()
-            _run(phase, algo, x, w, dy)
+            conv_phase(phase, algo, x, w, dy)
             name = kernels_conv._TUNED_ALGO.get((phase, algo), kernels_conv._TUNED[phase])
             assert ran and ran[-1] is getattr(conv, name), f"{phase} {algo}: {name}"

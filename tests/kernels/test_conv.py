@@ -350,7 +350,7 @@ def test_flipped_splitk_data_gradient_splits_the_flipped_conv():
     assert torch.equal(dx, torch.where(x <= 0, 0.0, parts[0] + parts[1] + old))
 
 
-def test_launch_counts_are_the_kernels_each_algorithm_runs(monkeypatch):
+def test_launch_counts_are_the_kernels_each_algorithm_runs(monkeypatch, conv_phase):
     """conv.LAUNCHES, which the step-time model charges the host per call (eager), names every
     (phase, algorithm) and counts the Triton launches one call without a bias makes (the
     kernels stubbed: only the calls are counted)."""
@@ -361,15 +361,8 @@ def test_launch_counts_are_the_kernels_each_algorithm_runs(monkeypatch):
     assert set(conv.LAUNCHES) == {(p, a) for p in conv.PHASES for a in ALL_ALGOS[p]}
     x, w, dy = torch.zeros(2, 8, 8, 8), torch.zeros(12, 8, 3, 3), torch.zeros(2, 12, 8, 8)
     for (phase, algo), launches in conv.LAUNCHES.items():
-        need = conv.workspace_bytes(x.shape, w.shape, 1, 1, phase, algo)
-        kw = dict(stride=1, padding=1, algo=algo, workspace=_workspace(need, "cpu"))
         calls.clear()
-        if phase == "forward":
-            conv.forward(x, w, None, torch.empty(dy.shape), **kw)
-        elif phase == "backward_data":
-            conv.backward_data(dy, w, torch.empty(x.shape), **kw)
-        else:
-            conv.backward_weight(x, dy, torch.empty(w.shape), None, **kw)
+        conv_phase(phase, algo, x, w, dy)
         assert len(calls) == launches, (phase, algo, calls)
 
 

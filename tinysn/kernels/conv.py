@@ -703,10 +703,10 @@ def _conv_fwd_kernel(x_ptr, w_ptr, b_ptr, y_ptr, m_ptr,
 
 
 # keyed on the chunk length too: the split-K forward's best tile may differ from the plain one
-_conv_fwd = _autotune(_FWD_CONFIGS, _KEY + ["CHUNK_BLOCKS"], _fwd_macs)(_conv_fwd_kernel)
+_FWD_KEY = _KEY + ["CHUNK_BLOCKS"]
+_conv_fwd = _autotune(_FWD_CONFIGS, _FWD_KEY, _fwd_macs)(_conv_fwd_kernel)
 # the "flipped" data gradient's accumulating launch (the autotuner restores dx after timing)
-_conv_fwd_acc = _autotune(_FWD_CONFIGS, _KEY + ["CHUNK_BLOCKS"], _fwd_macs,
-                          restore=["y_ptr"])(_conv_fwd_kernel)
+_conv_fwd_acc = _autotune(_FWD_CONFIGS, _FWD_KEY, _fwd_macs, restore=["y_ptr"])(_conv_fwd_kernel)
 assert all(_FWD_CHUNK_QUANTUM % c.kwargs["BLOCK_K"] == 0 for c in _FWD_CONFIGS + [_INTERP_FWD])
 
 

@@ -6,6 +6,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 import tinysn as sn
 from tinysn import cli
@@ -49,8 +50,8 @@ BAD = [
     ("plan --plot /no/such/dir/p.png", ["--plot", "does not exist", "e.g. --plot out.png"]),
     ("plan --plot noext", ["--plot", ".png", "e.g. --plot out.png"]),
     ("train --model alexnet --data digits", ["--data digits", "--model lenet"]),
-    ("train --cuda-graph --device cpu", ["--cuda-graph", "--schedule constant"]),
-    ("train --cuda-graph --schedule constant --trace {tmp}/t.json", ["--trace", "--cuda-graph"]),
+    ("train --cuda-graph --device cpu", ["--cuda-graph", "GPU", "--device cpu"]),
+    ("train --cuda-graph --trace {tmp}/t.json", ["--trace", "--cuda-graph"]),
     ("train --memory 300KiB --device cpu", ["does not fit", "step", "bytes", "--memory",
                                            "--batch"]),
     ("plan --model alexnet --batch 8 --memory 1MiB --policy baseline",
@@ -262,3 +263,24 @@ def test_gpu_train_notice_rate_and_trace(tmp_path, monkeypatch, capsys):
     assert "images/s after 1 warm-up step" in out
     spans = [e for e in json.loads(trace.read_text())["traceEvents"] if e["ph"] == "X"]
     assert {e["tid"] for e in spans} == {0, 1, 2} and all(e["dur"] >= 0 for e in spans)
+
+
+@pytest.mark.gpu
+def test_gpu_train_cuda_graph_under_the_linear_schedule_is_the_eager_run(tmp_path, capsys):
+    """--cuda-graph under the default schedule (a new rate every step, read from the pool:
+    one capture serves them all) ends bitwise where the eager run does, AlexNet's dropout
+    masks included; the two checkpoints hold the same state."""
+    from tinysn import checkpoint
+    saved = {}
+    for mode in ("eager", "graph"):
+        saved[mode] = tmp_path / f"{mode}.safetensors"
+        status, _, err = run_main(["train", "--model", "alexnet", "--data", "synthetic",
+                                   "--batch", "4", "--steps", "6", "--memory", "2GiB",
+                                   "--policy", "all", "--device", "cuda",
+                                   "--save", str(saved[mode])]
+                                  + (["--cuda-graph"] if mode == "graph" else []), capsys)
+        assert status == 0, err
+    eager, graph = (checkpoint.read(saved[mode])[0] for mode in ("eager", "graph"))
+    assert eager.keys() == graph.keys()
+    for name, value in eager.items():
+        assert torch.equal(value, graph[name]), name

@@ -164,8 +164,8 @@ def _train_parser(p):
                    help="write the last step's kernels and copies as a Chrome trace (.json; "
                         "open it in Perfetto or chrome://tracing)")
     p.add_argument("--cuda-graph", action="store_true",
-                   help="replay each step as a CUDA graph (needs --schedule constant and a "
-                        "GPU)")
+                   help="replay each step as a CUDA graph (GPU only; any --schedule: the "
+                        "updates read the rate from the pool)")
     p.add_argument("--bucket-bytes", type=_checked(parse_bucket_bytes, "--bucket-bytes 25MiB"),
                    default=BUCKET_BYTES, help="under torchrun: gradient bytes per all-reduce "
                                               "bucket (layers in backward order)")
@@ -240,8 +240,6 @@ def _check_args(args) -> None:
     if dataset == "digits" and args.model != "lenet":
         raise UsageError("--data digits needs --model lenet (8x8 grayscale images), e.g. "
                          "--model lenet --data digits")
-    if args.cuda_graph and args.schedule != "constant":
-        raise UsageError("--cuda-graph replays a fixed learning rate: add --schedule constant")
     if args.save_every is not None and not args.save:
         raise UsageError("--save-every K needs a checkpoint path, e.g. --save run.safetensors")
     if args.cuda_graph and args.trace:
@@ -251,6 +249,9 @@ def _check_args(args) -> None:
     if args.device == "cuda" and _default_device() != "cuda":
         raise UsageError("--device cuda asked for, but no CUDA GPU is available: use "
                          "--device cpu")
+    if args.cuda_graph and args.device != "cuda":
+        raise UsageError("--cuda-graph replays steps captured on a GPU: drop it on the CPU "
+                         "(--device cpu)")
     _check_room("--memory", args.memory, args.device)
     if args.host_memory is not None:
         _check_room("--host-memory", args.host_memory, "cpu")

@@ -10,9 +10,10 @@ ones replay on the batch the Runtime copied into the pool's data and labels tens
 their planned offsets, or, staged, into the plan's staging span, which the captured step
 copies from first (the graph reads fixed addresses inside the pool); the events after that
 copy and after the loss are external, so each replay records them for the host and the
-staging stream. Changing lr,
-momentum or weight_decay (or the seed, which load_state_dict may set) triggers a new
-capture (they are launch arguments). Dropout replays too: its kernels read the iteration
+staging stream. The learning rate is read from the pool by the updates (kernels/sgd.py;
+the Runtime writes it there before a step whose rate changed), so a schedule replays the same
+graph; changing momentum or weight_decay (or the seed, which load_state_dict may set)
+triggers a new capture (they are launch arguments). Dropout replays too: its kernels read the iteration
 from a counter in the pool, and the kernel that advances it at the end of the step is part
 of the graph, so each replay draws the masks an eager step would.
 """
@@ -26,17 +27,20 @@ GRAPH_WARMUP = 2   # eager steps before a capture (compiles, autotuning, first-c
 
 class GraphReplay:
     """The captured step of one Runtime: `graph` (None until captured), the optimizer
-    settings and seed, `key`, it was captured with, and the bytes each replay copies each way.
+    settings and seed, `key`, it was captured with (the learning rate is not among them: the
+    updates read it from the pool), `captures` (how many so far), and the bytes each replay
+    copies each way.
     The Runtime owns it and passes itself to each call (so nothing refers back to it)."""
 
     def __init__(self):
         self.graph = self.key = None
+        self.captures = 0
         self.moved = (0, 0)              # bytes one captured step copies (to host, to device)
 
     def step(self, rt) -> None:
         """(Re)capture runtime `rt`'s step when needed, then replay it on the batch the
         Runtime copied into the pool (Runtime._batch_in_pool)."""
-        key = (rt.lr, rt.momentum, rt.weight_decay, rt.seed)
+        key = (rt.momentum, rt.weight_decay, rt.seed)
         if self.graph is None or self.key != key:
             self._capture(rt, key)
         self.graph.replay()
@@ -59,3 +63,4 @@ class GraphReplay:
         self.moved = (stats.bytes_to_host - before[0], stats.bytes_to_device - before[1])
         stats.bytes_to_host, stats.bytes_to_device = before
         self.graph, self.key = graph, key
+        self.captures += 1

@@ -41,9 +41,7 @@ def check_options(policy, lr, momentum, weight_decay, seed, precision,
     fuse_bn_add and group_updates."""
     if policy not in POLICIES:
         raise ValueError(f"unknown policy {policy!r}; choose one of {POLICIES}")
-    for name, value in (("lr", lr), ("momentum", momentum), ("weight_decay", weight_decay)):
-        if not isinstance(value, (int, float)) or isinstance(value, bool) or value < 0:
-            raise ValueError(f"{name} must be a non-negative number, got {value!r}")
+    check_rates(lr, momentum, weight_decay)
     if not isinstance(seed, int) or isinstance(seed, bool) or seed < 0:
         raise ValueError(f"seed must be a non-negative int, got {seed!r}")
     if precision not in (None, "tf32", "ieee"):
@@ -53,6 +51,15 @@ def check_options(policy, lr, momentum, weight_decay, seed, precision,
                        ("group_updates", group_updates)):
         if not isinstance(flag, bool):
             raise ValueError(f"{name} must be a bool, got {flag!r}")
+
+
+def check_rates(lr, momentum, weight_decay) -> None:
+    """The optimizer's settings are finite non-negative numbers: at construction, and at each
+    step (they are attributes a schedule sets), before the step changes anything."""
+    for name, value in (("lr", lr), ("momentum", momentum), ("weight_decay", weight_decay)):
+        if not isinstance(value, (int, float)) or isinstance(value, bool) or \
+                not 0 <= value < float("inf"):
+            raise ValueError(f"{name} must be a finite non-negative number, got {value!r}")
 
 
 def check_trainable(net) -> None:

@@ -141,6 +141,7 @@ class Runtime:
             self.program, process_group, self.tensors)    # data parallel (distributed.py)
         self._check_on_device(self._cuda and self.grad_sync is None)
         self.images, self.predicting, self._batch = None, False, None
+        self.lr_slot, self._lr_written = self.view(self.program.scalars)[1:2], None
         self._staging = self._staging_views()
         self._launch = _build_launchers(self.program, data_parallel=self.grad_sync is not None)
         self.cuda_graph = cuda_graph
@@ -213,7 +214,7 @@ class Runtime:
             return
         if self._cuda:
             torch.cuda.synchronize(self.device)   # copies and kernels may still use the pool
-        self.replay = self.grad_sync = self.recorder = self.gate = None
+        self.replay = self.grad_sync = self.recorder = self.gate = self.lr_slot = None
         self.tensors, self._views, self._events = [], [], []
         self.arena = self.host = self.images = self._batch = None
 
@@ -238,7 +239,9 @@ class Runtime:
         """
         inputs.check_open(self)
         inputs.check_batch(self.net, images, labels, values=False)
+        inputs.check_rates(self.lr, self.momentum, self.weight_decay)
         started = time.perf_counter()
+        self._write_lr()
         images = self._batch_into_pool(images, labels)
         if self.replay is not None and self.stats.iterations >= GRAPH_WARMUP:
             self.replay.step(self)
@@ -248,6 +251,15 @@ class Runtime:
         self.stats.step_seconds = time.perf_counter() - started
         return loss
 
+    def _write_lr(self) -> None:
+        """The pool's learning-rate float = `lr`, where it changed since the last step: the
+        updates read it there when they run (kernels/sgd.py), so a replayed graph takes a
+        schedule's new rate with no new capture. Written on the compute stream, behind the
+        last step's updates."""
+        if self.lr != self._lr_written:
+            self.lr_slot.fill_(self.lr)
+            self._lr_written = self.lr
+
     def _batch_into_pool(self, images, labels):
         """Copy the batch into the pool, the images into the data tensor's block (the view
         its launches read: the data layer's copy of it onto itself is no operation) and the
@@ -256,8 +268,8 @@ class Runtime:
 
         The batch is checked there (NaN and infinity in the images, labels out of range:
         inputs.check_values) so that a bad one changes no state. On one GPU two reductions
-        count its bad values into the pool's `check` float as the step's first kernels
-        (`_count_bad_values`, captured with the step in graph mode); every kernel that
+        count its bad values into the pool's check float (`scalars[0]`) as the step's first
+        kernels (`_count_bad_values`, captured with the step in graph mode); every kernel that
         writes training state (SGD, batch-norm running statistics, the dropout counter)
         skips its writes where the count is not zero (`gate`), and the count is read with the
         loss (`_finish_step`), which raises then: the host waits for the GPU once a step, not
@@ -272,7 +284,7 @@ class Runtime:
         pool_images.copy_(images, non_blocking=images.is_pinned())
         pool_labels.copy_(labels, non_blocking=labels.is_pinned())
         if self.gate is None:
-            flag = self.view(self.program.check) if self._cuda else None
+            flag = self.view(self.program.scalars)[0:1] if self._cuda else None
             inputs.check_values(pool_images, pool_labels, self.net.classes, flag)
         return pool_images
 
@@ -330,18 +342,18 @@ class Runtime:
 
     def _check_on_device(self, on: bool) -> None:
         """Check each batch in the step, with its verdict read beside the loss (`on`: one
-        GPU), or before the step (_batch_into_pool). `gate` is then the pool's `check`
+        GPU), or before the step (_batch_into_pool). `gate` is then the pool's check
         float, which the state-writing kernels read, `_verdict` the host's copy of the loss
         and that count (pinned on a GPU, so both come back in one wait) and `_loss_event`
         the event recorded after those copies in the step (on a GPU; external: a replay
         records it too), which the host waits for."""
-        self.gate = self.view(self.program.check) if on else None
+        self.gate = self.view(self.program.scalars)[0:1] if on else None
         self._verdict = torch.empty(2, pin_memory=self._cuda) if on else None
         self._loss_event = torch.cuda.Event(external=True) if on and self._cuda else None
         self._loss_step = self.plan.loss_step if on else None
 
     def _count_bad_values(self) -> None:
-        """The pool's `check` float = how many of the batch's values are bad."""
+        """The pool's check float (`gate`) = how many of the batch's values are bad."""
         inputs.count_bad_values(*self._batch_in_pool(), self.net.classes, self.gate)
 
     def _batch_in_pool(self):
@@ -590,7 +602,7 @@ def _then_update(kernel, lp, program, data_parallel: bool):
                 rt.grad_sync.finish(bucket)
             sgd_k.update_many([(rt.view(param), rt.view(grad),
                                 None if mom is None else rt.view(mom))
-                               for param, grad, mom in tensors], lr=rt.lr,
+                               for param, grad, mom in tensors], lr=rt.lr_slot,
                               momentum=rt.momentum, weight_decay=rt.weight_decay,
                               skip=rt.gate)
     return launch

@@ -100,6 +100,40 @@ def test_sgd_update_many_matches_one_update_each(momentum, weight_decay, device=
         assert torch.equal(p, q) and torch.equal(b, c)
 
 
+@pytest.mark.parametrize("lr", [0.1, 1e-3 / 3, 0.0])
+def test_sgd_reads_a_rate_held_in_memory_as_the_number(lr, device="cpu"):
+    """`lr` as a one-element float32 tensor (the Runtime's pool keeps it there, so a replayed
+    graph reads each step's rate) updates bit for bit as the number: the kernel reads the
+    float32 the number rounds to. Changing the tensor changes the next update's rate."""
+    sizes, hp = [4100, 7, 33, 9000, 5], dict(momentum=0.9, weight_decay=1e-3)
+
+    def fresh():
+        return [(_rand((n,), 3 * i, device), _rand((n,), 3 * i + 1, device),
+                 _rand((n,), 3 * i + 2, device)) for i, n in enumerate(sizes)]
+    by_number, in_memory = fresh(), fresh()
+    rate = torch.tensor([lr], dtype=torch.float32, device=device)
+    for step in range(2):
+        sgd.update_many(by_number, lr=lr * (step + 1), **hp)
+        rate.fill_(lr * (step + 1))
+        sgd.update_many(in_memory, lr=rate, **hp)
+    for (p, _, b), (q, _, c) in zip(by_number, in_memory):
+        assert torch.equal(p, q) and torch.equal(b, c)
+
+
+def test_sgd_rate_tensor_checked_before_any_launch():
+    """A rate tensor of the wrong dtype, shape or device, or lying inside a tensor the update
+    writes, is named before anything changes."""
+    p, g, b = _rand((10,), 0), _rand((10,), 1), torch.zeros(10)
+    before = p.clone()
+    hp = dict(momentum=0.9, weight_decay=0.0)
+    for bad, match in ((torch.tensor([0.1], dtype=torch.float64), "lr must be"),
+                       (torch.tensor([0.1, 0.2]), "lr must have shape"),
+                       (p[3:4], "lr lies inside a param"), (b[9:], "lr lies inside a momentum")):
+        with pytest.raises(ValueError, match=match):
+            sgd.update_many([(p, g, b)], lr=bad, **hp)
+        assert torch.equal(p, before) and not b.any()
+
+
 def test_sgd_update_many_checks_every_item_before_any_launch():
     """A bad third item (a launch of its own) is named before the first pair is touched."""
     p, g, b = _rand((10,), 0), _rand((10,), 1), torch.zeros(10)
@@ -167,3 +201,10 @@ def test_sgd_gpu(shape, momentum, weight_decay):
 @pytest.mark.skipif(not GPU, reason="needs CUDA")
 def test_sgd_gpu_update_many_matches_one_update_each(momentum, weight_decay):
     test_sgd_update_many_matches_one_update_each(momentum, weight_decay, device="cuda")
+
+
+@pytest.mark.parametrize("lr", [0.1, 1e-3 / 3])
+@pytest.mark.gpu
+@pytest.mark.skipif(not GPU, reason="needs CUDA")
+def test_sgd_gpu_reads_a_rate_held_in_memory_as_the_number(lr):
+    test_sgd_reads_a_rate_held_in_memory_as_the_number(lr, device="cuda")

@@ -12,6 +12,10 @@ param.add_(d_p, alpha=-lr) are single FMAs in torch's kernels; buf.mul_(momentum
 two rounded ops), so results match torch.optim.SGD bitwise on the CPU interpreter and are
 expected to on the GPU (torch's foreach kernels may round differently there: ~1 ulp).
 One 1-D blocked memory-bound kernel: reads param, grad (and buf), writes param (and buf).
+`lr` is a number, or a one-element float32 tensor on the parameters' device that the kernel
+reads when it runs: the Runtime keeps the rate in its pool so that a replayed CUDA graph takes
+each step's rate from there (a schedule needs no new capture; graphs.py). The two give the
+same bits (a number is passed to the kernel as that float32).
 update_many(items, ...) applies it to a list of (param, grad, buf), up to PER_LAUNCH (4)
 tensors per launch (sched/liveness.py groups a batch norm's scale and shift with the next
 layer's weight): the same bits as one update() each, with a fraction of the launches,
@@ -35,10 +39,15 @@ _NO_FP_FUSION = {} if INTERPRET else {"enable_fp_fusion": False}
 @triton.jit
 def _sgd_kernel(p0, g0, b0, n0, p1, g1, b1, n1, p2, g2, b2, n2, p3, g3, b3, n3, lr, momentum,
                 weight_decay, skip_ptr, HAS_WD: tl.constexpr, HAS_MOMENTUM: tl.constexpr,
-                GATED: tl.constexpr, BLOCK: tl.constexpr):
+                GATED: tl.constexpr, LR_IN_MEMORY: tl.constexpr, BLOCK: tl.constexpr):
     """The update of up to four tensors in one launch: the grid's programs go to the first
     tensor's blocks (n0 elements), then the second's, and so on (n 0: no tensor there).
-    GATED: where skip_ptr's float is non-zero (a bad batch) nothing is read or written."""
+    GATED: where skip_ptr's float is non-zero (a bad batch) nothing is read or written.
+    LR_IN_MEMORY: `lr` points at the rate's float32, else it is the rate."""
+    if LR_IN_MEMORY:
+        rate = tl.load(lr)
+    else:
+        rate = lr
     end0 = tl.cdiv(n0, BLOCK)
     end1 = end0 + tl.cdiv(n1, BLOCK)
     end2 = end1 + tl.cdiv(n2, BLOCK)
@@ -50,16 +59,16 @@ def _sgd_kernel(p0, g0, b0, n0, p1, g1, b1, n1, p2, g2, b2, n2, p3, g3, b3, n3, 
         n3 = tl.where(keep, n3, 0)
     block = tl.program_id(0)
     if block < end0:
-        _sgd_block(p0, g0, b0, n0, block, lr, momentum, weight_decay,
+        _sgd_block(p0, g0, b0, n0, block, rate, momentum, weight_decay,
                    HAS_WD, HAS_MOMENTUM, BLOCK)
     elif block < end1:
-        _sgd_block(p1, g1, b1, n1, block - end0, lr, momentum, weight_decay,
+        _sgd_block(p1, g1, b1, n1, block - end0, rate, momentum, weight_decay,
                    HAS_WD, HAS_MOMENTUM, BLOCK)
     elif block < end2:
-        _sgd_block(p2, g2, b2, n2, block - end1, lr, momentum, weight_decay,
+        _sgd_block(p2, g2, b2, n2, block - end1, rate, momentum, weight_decay,
                    HAS_WD, HAS_MOMENTUM, BLOCK)
     else:
-        _sgd_block(p3, g3, b3, n3, block - end2, lr, momentum, weight_decay,
+        _sgd_block(p3, g3, b3, n3, block - end2, rate, momentum, weight_decay,
                    HAS_WD, HAS_MOMENTUM, BLOCK)
 
 
@@ -90,12 +99,13 @@ def _number(name, v):
     return v
 
 
-def update(param: torch.Tensor, grad: torch.Tensor, momentum_buf, *, lr: float,
+def update(param: torch.Tensor, grad: torch.Tensor, momentum_buf, *, lr,
            momentum: float, weight_decay: float, skip=None) -> None:
     """One SGD step, in place on param (and momentum_buf). See the module docstring.
 
     param, grad, momentum_buf: contiguous float32 of one shape on one device, non-overlapping.
-    momentum_buf may be None only when momentum == 0 (it is then left untouched). `skip`: a
+    momentum_buf may be None only when momentum == 0 (it is then left untouched). `lr`: a
+    number, or a one-element float32 tensor on their device holding it. `skip`: a
     one-element float32 tensor on their device; where it holds a non-zero value when the
     kernel runs (a bad batch's count), nothing changes (_common.gate).
     """
@@ -103,18 +113,22 @@ def update(param: torch.Tensor, grad: torch.Tensor, momentum_buf, *, lr: float,
                 weight_decay=weight_decay, skip=skip)
 
 
-def update_many(items, *, lr: float, momentum: float, weight_decay: float,
+def update_many(items, *, lr, momentum: float, weight_decay: float,
                 skip=None) -> None:
     """update() on each (param, grad, momentum_buf) of `items`, PER_LAUNCH tensors per launch
     (the last launch takes the rest). Every item is checked before the first launch, so bad
     input changes nothing."""
-    lr = _number("lr", lr)
+    in_memory = isinstance(lr, torch.Tensor)
+    lr = lr if in_memory else _number("lr", lr)
     momentum = _number("momentum", momentum)
     weight_decay = _number("weight_decay", weight_decay)
     todo = [t for t in (_checked(*item, momentum) for item in items) if t[0].numel()]
     if not todo:
         return
-    skip_ptr, gated = gate(skip, todo[0][0].device, todo[0][0])
+    device = todo[0][0].device
+    if in_memory:
+        _check_rate_tensor(lr, device, todo)
+    skip_ptr, gated = gate(skip, device, todo[0][0])
     for group in (todo[i:i + PER_LAUNCH] for i in range(0, len(todo), PER_LAUNCH)):
         slots = group + [group[0]] * (PER_LAUNCH - len(group))    # unread: their n is 0
         sizes = [p.numel() for p, _, _ in group] + [0] * (PER_LAUNCH - len(group))
@@ -122,7 +136,20 @@ def update_many(items, *, lr: float, momentum: float, weight_decay: float,
         run(_sgd_kernel, (sum(cdiv(n, BLOCK) for n in sizes),), *args,
             lr, momentum, weight_decay, skip_ptr,
             HAS_WD=weight_decay != 0.0, HAS_MOMENTUM=momentum != 0.0, GATED=gated,
-            BLOCK=BLOCK, num_warps=NUM_WARPS, **_NO_FP_FUSION)
+            LR_IN_MEMORY=in_memory, BLOCK=BLOCK, num_warps=NUM_WARPS, **_NO_FP_FUSION)
+
+
+def _check_rate_tensor(lr, device, todo) -> None:
+    """A learning rate held in memory: one float32 on the parameters' device, apart from
+    every tensor the launches write (each program reads it as the others update)."""
+    check_tensor("lr", lr, shape=(1,))
+    if lr.device != device:
+        raise ValueError(f"sgd: lr is on {lr.device} but param is on {device}")
+    at = lr.data_ptr()
+    for p, _, b in todo:
+        for name, t in (("param", p), ("momentum_buf", b)):
+            if t.data_ptr() <= at < t.data_ptr() + 4 * t.numel():
+                raise ValueError(f"sgd: lr lies inside a {name}")
 
 
 def _checked(param, grad, momentum_buf, momentum):

@@ -195,10 +195,12 @@ class Program:
                                                 info.layer, "momentum", persistent=True)
         self.labels = self._new("labels", (net.batch,), "data", None, "labels",
                                 dtype=torch.int64, persistent=True)
-        # the count of the batch's bad values (kernels/check.py), taken before the forward
-        # pass: every write of training state waits on it (kernels/_common.gate) and the
-        # Runtime reads it with the loss
-        self.check = self._new("check", (1,), "state", None, "check", persistent=True)
+        # two floats of the step, sharing one block: [0] the count of the batch's bad values
+        # (kernels/check.py), taken before the forward pass: every write of training state
+        # waits on it (kernels/_common.gate) and the Runtime reads it with the loss; [1] the
+        # learning rate the updates read (the Runtime writes it before a step whose rate
+        # changed: a replayed graph reads each step's rate there, graphs.py)
+        self.scalars = self._new("scalars", (2,), "state", None, "scalars", persistent=True)
         # the iteration counter random masks are drawn from (advanced on the device)
         self.iteration = self._new("iteration", (1,), "state", None, "counter",
                                    dtype=torch.int64, persistent=True) \

@@ -79,6 +79,38 @@ def test_bad_input_raises_before_any_change():
     assert rt.stats.iterations == 0
 
 
+def test_training_steps_after_the_first_skip_the_tensor_checks(monkeypatch):
+    """The first training step checks every launch's tensors; the steps after it repeat
+    the same launches on the same views, inside `checked_before` (the checks return at
+    once), with the same results as steps that check; a kernel called directly between
+    steps still refuses bad tensors."""
+    from tinysn.kernels import _common, sgd
+    seen = []
+    real = sgd.update_many
+
+    def spy(*args, **kwargs):
+        seen.append(_common._CHECKED_BEFORE[0])
+        return real(*args, **kwargs)
+    monkeypatch.setattr(sgd, "update_many", spy)
+    net = block_net(batch=2, p=0.3)
+    rt, plain = (sn.Runtime(net, "64MiB", "all", device="cpu", conv_algos={}, lr=0.1,
+                            momentum=0.9) for _ in range(2))
+    batches = [batch_for(net, seed=s) for s in range(3)]
+    losses = []
+    for i, batch in enumerate(batches):
+        seen.clear()
+        losses.append(rt.step(*batch))
+        assert seen and all(flag == (i > 0) for flag in seen), i
+        assert not _common._CHECKED_BEFORE[0]
+        with pytest.raises(ValueError, match="grad"):
+            sgd.update(torch.zeros(3), torch.zeros(4), None, lr=0.1, momentum=0.0,
+                       weight_decay=0.0)
+    for batch, loss in zip(batches, losses):
+        plain._walked = False                # every step of this one checks
+        assert plain.step(*batch) == loss
+    assert all(torch.equal(v, plain.params()[k]) for k, v in rt.params().items())
+
+
 def test_a_learning_rate_set_between_steps_is_the_next_steps():
     """`rt.lr` may change before any step (a schedule); the updates read it from the pool
     (written there at the step's start), so a rate of 0 leaves the parameters as they were

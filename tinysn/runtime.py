@@ -45,6 +45,7 @@ few passes after its last layer).
 """
 from __future__ import annotations
 
+import contextlib
 import time
 from dataclasses import dataclass, field
 
@@ -53,6 +54,7 @@ import torch
 from . import checkpoint, distributed, evaluate, inputs, precompile
 from .graphs import GRAPH_WARMUP, GraphReplay
 from .kernels import sgd as sgd_k
+from .kernels._common import checked_before
 from .ops import advance_iteration, spec
 from .pool.arena import Arena
 from .sched import liveness
@@ -142,6 +144,7 @@ class Runtime:
         self._check_on_device(self._cuda and self.grad_sync is None)
         self.images, self.predicting, self._batch = None, False, None
         self.lr_slot, self._lr_written = self.view(self.program.scalars)[1:2], None
+        self._walked = False     # a training walk done: its launches' tensors were checked
         self._staging = self._staging_views()
         self._launch = _build_launchers(self.program, data_parallel=self.grad_sync is not None)
         self.cuda_graph = cuda_graph
@@ -381,29 +384,32 @@ class Runtime:
         rec = self.recorder if self.recorder is not None and self.recorder.begin(self) else None
         execute = self._EXECUTE
         training = until is None and self.gate is not None
-        if training:
-            if self._staging is not None:
-                self._unstage()
-            self._count_bad_values()
-        try:
-            for step in self.plan.steps[:until]:
-                self._step = step
-                for op in step.ops:
-                    if rec is None:
-                        execute[type(op)](self, op)
-                    else:
-                        start = rec.before(op, self)
-                        execute[type(op)](self, op)
-                        rec.after(start, op, step, self)
-                if training and step.index == self._loss_step:
-                    self._loss_to_host()
-            if until is None:            # a training step: the masks' counter moves on
-                advance_iteration(self)
-        finally:                         # also after an error: no copy is left in flight
-            self.images = None
-            self._join_copies()
+        repeat = until is None and self._walked      # a training walk made before: checked
+        with checked_before() if repeat else contextlib.nullcontext():
+            if training:
+                if self._staging is not None:
+                    self._unstage()
+                self._count_bad_values()
+            try:
+                for step in self.plan.steps[:until]:
+                    self._step = step
+                    for op in step.ops:
+                        if rec is None:
+                            execute[type(op)](self, op)
+                        else:
+                            start = rec.before(op, self)
+                            execute[type(op)](self, op)
+                            rec.after(start, op, step, self)
+                    if training and step.index == self._loss_step:
+                        self._loss_to_host()
+                if until is None:            # a training step: the masks' counter moves on
+                    advance_iteration(self)
+            finally:                         # also after an error: no copy is left in flight
+                self.images = None
+                self._join_copies()
         if until is None:
             self.stats.trace = self._trace
+            self._walked = True
 
     def _run_kernel(self, op):
         """A Launch: the layer's kernels (ops.py), on views of the arena; one trace record."""

@@ -50,6 +50,26 @@ def test_check_no_overlap():
         _common.check_no_overlap("op", [("a", buf[:3]), ("b", buf[2:])], [])
 
 
+def test_checked_before_skips_the_tensor_checks_only_inside_its_block():
+    """Inside `checked_before` (the Runtime's repeated training steps) the tensor checks
+    return at once; outside, and after an error inside, they raise as always."""
+    a, bad = torch.zeros(4), torch.zeros(4, dtype=torch.float64)
+    checks = [lambda: _common.check_tensor("x", bad),
+              lambda: _common.check_device("k", a, y=torch.zeros(4, device="meta")),
+              lambda: _common.check_no_overlap("k", [("y", a)], [("x", a)])]
+    for check in checks:
+        with pytest.raises(ValueError):
+            check()
+    with pytest.raises(RuntimeError, match="inside"):
+        with _common.checked_before():
+            for check in checks:
+                check()
+            raise RuntimeError("an error inside the block")
+    for check in checks:
+        with pytest.raises(ValueError):
+            check()
+
+
 def test_float_workspace_views_the_first_bytes():
     raw = torch.zeros(64, dtype=torch.uint8)
     ws = _common.float_workspace("op", raw, 16, raw.device)

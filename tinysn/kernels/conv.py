@@ -113,7 +113,8 @@ import triton
 import triton.language as tl
 from triton.tools.tensor_descriptor import TensorDescriptor
 
-from ._common import _TUNED, INTERP_TILE, INTERPRET, autotune, check_device  # noqa: F401
+from ._common import _CHECKED_BEFORE, _TUNED, INTERP_TILE, INTERPRET  # noqa: F401
+from ._common import autotune, check_device
 from ._common import cdiv, next_power_of_2
 from ._common import check_no_overlap, check_tensor, dot_precision, float_workspace, pair, run
 from ._common import launch as _launch
@@ -1720,7 +1721,9 @@ _BIAS_PROGRAMS = 1 if INTERPRET else 1056         # see bias_groups (8 per SM on
 
 def _check_4d(name, t, shape=None, channels_last=False):
     """A contiguous float32 4-D tensor (of `shape`); where `channels_last`, one stored
-    channels-last (`is_channels_last`) too."""
+    channels-last (`is_channels_last`) too. Skipped within `_common.checked_before`."""
+    if _CHECKED_BEFORE[0]:
+        return
     stored = _nhwc_storage(t) if channels_last and isinstance(t, torch.Tensor) and \
         t.dim() == 4 and is_channels_last(t) else t
     check_tensor(name, stored)

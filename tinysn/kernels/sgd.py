@@ -25,7 +25,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ._common import INTERPRET, cdiv, check_tensor, gate, run
+from ._common import _CHECKED_BEFORE, INTERPRET, cdiv, check_tensor, gate, run
 
 BLOCK = 4096
 NUM_WARPS = 8
@@ -141,7 +141,10 @@ def update_many(items, *, lr, momentum: float, weight_decay: float,
 
 def _check_rate_tensor(lr, device, todo) -> None:
     """A learning rate held in memory: one float32 on the parameters' device, apart from
-    every tensor the launches write (each program reads it as the others update)."""
+    every tensor the launches write (each program reads it as the others update); skipped
+    within `_common.checked_before`."""
+    if _CHECKED_BEFORE[0]:
+        return
     check_tensor("lr", lr, shape=(1,))
     if lr.device != device:
         raise ValueError(f"sgd: lr is on {lr.device} but param is on {device}")
@@ -153,14 +156,20 @@ def _check_rate_tensor(lr, device, todo) -> None:
 
 
 def _checked(param, grad, momentum_buf, momentum):
-    """(param, grad, buf) after the checks update() documents; buf is param (an unread
-    pointer) where momentum is 0."""
+    """(param, grad, buf) after the checks update() documents (the tensors' skipped within
+    `_common.checked_before`); buf is param (an unread pointer) where momentum is 0."""
+    if momentum != 0.0 and momentum_buf is None:
+        raise ValueError("sgd: momentum_buf is required when momentum != 0")
+    if not _CHECKED_BEFORE[0]:
+        _check_tensors(param, grad, momentum_buf, momentum)
+    return param, grad, momentum_buf if momentum != 0.0 else param
+
+
+def _check_tensors(param, grad, momentum_buf, momentum) -> None:
     check_tensor("param", param)
     check_tensor("grad", grad, shape=param.shape)
     tensors = [("param", param), ("grad", grad)]
     if momentum != 0.0:
-        if momentum_buf is None:
-            raise ValueError("sgd: momentum_buf is required when momentum != 0")
         check_tensor("momentum_buf", momentum_buf, shape=param.shape)
         tensors.append(("momentum_buf", momentum_buf))
     n = param.numel()
@@ -172,7 +181,6 @@ def _checked(param, grad, momentum_buf, momentum):
             a0, b0 = a.data_ptr(), b.data_ptr()
             if n and a0 < b0 + 4 * n and b0 < a0 + 4 * n:
                 raise ValueError(f"sgd: {na} and {nb} overlap")
-    return param, grad, momentum_buf if momentum != 0.0 else param
 
 
 def workspace_bytes(*args, **kwargs) -> int:

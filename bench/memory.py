@@ -244,6 +244,7 @@ def train_for_real(net, memory, host_memory=None, steps=2, cuda_graph=False):
            "fuse_add_relu": sn.plan.__kwdefaults__["fuse_add_relu"],
            "fuse_bn_add": sn.plan.__kwdefaults__["fuse_bn_add"],
            "group_updates": sn.plan.__kwdefaults__["group_updates"],
+           "fuse_updates": sn.plan.__kwdefaults__["fuse_updates"],
            "batch_staged": rt.batch_staged,
            "rebuilt_joins": rt.plan.rebuilt_joins,
            "device_model": rt.plan.device_model.record(),

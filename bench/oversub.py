@@ -254,6 +254,7 @@ def tinysn_point(net, cap, device, args):
                                fuse_add_relu=sn.plan.__kwdefaults__["fuse_add_relu"],
                                fuse_bn_add=sn.plan.__kwdefaults__["fuse_bn_add"],
                                group_updates=sn.plan.__kwdefaults__["group_updates"],
+                               fuse_updates=sn.plan.__kwdefaults__["fuse_updates"],
                                **SGD)
     return train.guarded(lambda: train.tinysn_row(net, "all", False, device, run_args,
                                                   host_memory=args.host_memory))
@@ -285,6 +286,7 @@ def curve_row(model, batch, capped, reference, bandwidth) -> dict:
                fuse_relu=capped["fuse_relu"], fuse_bn_relu=capped["fuse_bn_relu"],
                fuse_add_relu=capped["fuse_add_relu"], fuse_bn_add=capped["fuse_bn_add"],
                group_updates=capped["group_updates"],
+               fuse_updates=capped["fuse_updates"],
                batch_staged=capped["batch_staged"],
                trade_budget=capped["trade_budget"],
                launch_probe_s=capped["device_model"]["launch_probe_s"],

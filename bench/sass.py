@@ -153,6 +153,10 @@ def cases(batch: int) -> dict:
                                           torch.empty(n, 4096)),
         "fc6 wgrad": lambda: linear.backward(t(n, 25088), None, t(n, 4096), None,
                                              torch.empty(4096, 25088), torch.empty(4096)),
+        "fc6 wgrad+sgd": lambda: linear.backward(      # the weight's step in the epilogue
+            t(n, 25088), t(4096, 25088), t(n, 4096), None, None, torch.empty(4096),
+            update=sgd.Update(t(4096, 25088), torch.full((1,), 0.01), 0.9, 5e-4,
+                              torch.zeros(1))),
         "sgd 1M": lambda: sgd.update(t(1 << 20), t(1 << 20), t(1 << 20), lr=0.01,
                                      momentum=0.9, weight_decay=5e-4),
     }

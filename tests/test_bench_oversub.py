@@ -171,7 +171,8 @@ def test_a_failed_run_is_recorded_in_its_row():
               "in_place_gradients": True, "keep_pools": True, "evict_by_next_use": True,
               "rebuild_joins": True, "rebuilt_joins": ["add1"], "fuse_relu": True,
               "fuse_bn_relu": False, "fuse_add_relu": True, "fuse_bn_add": True,
-              "group_updates": False, "batch_staged": False, "trade_budget": 48, "device_model": {"launch_probe_s": 2e-5},
+              "group_updates": False, "fuse_updates": True, "batch_staged": False,
+              "trade_budget": 48, "device_model": {"launch_probe_s": 2e-5},
               "timed_launch_probe_s": 3e-5}
     row = oversub.curve_row("m", 4, capped, {"error": "OutOfMemory: no"}, bandwidth)
     assert row["images_per_s"] == 8.0 and row["pcie_floor_s"] == 3.0
@@ -179,7 +180,8 @@ def test_a_failed_run_is_recorded_in_its_row():
     assert row["launch_probe_s"] == 2e-5 and row["timed_launch_probe_s"] == 3e-5
     assert row["no_move_error"] == "OutOfMemory: no"
     assert (row["fuse_bn_relu"], row["fuse_add_relu"], row["fuse_bn_add"],
-            row["group_updates"], row["batch_staged"]) == (False, True, True, False, False)
+            row["group_updates"], row["fuse_updates"],
+            row["batch_staged"]) == (False, True, True, False, True, False)
     failed = oversub.curve_row("m", 8, {"refused": "too small"}, {}, bandwidth)
     assert failed == {"model": "m", "batch": 8, "error": "too small"}
     lines = oversub.table_rows({"rows": [row, failed], "pytorch": [

@@ -31,6 +31,7 @@ from .kernels import join as join_k
 from .kernels import linear as linear_k
 from .kernels import lrn as lrn_k
 from .kernels import pool as pool_k
+from .kernels import sgd as sgd_k
 from .kernels import softmax as softmax_k
 
 
@@ -464,16 +465,25 @@ def _fc_forward(program, layer, update_running):
 
 
 def _fc_backward(program, lp):
+    """Where the weight's update is fused (Program.fused_updates), its gradient goes into
+    the weight's SGD step in the weight-gradient GEMM (kernels/linear.py) with the
+    settings the SGD launches take (the pool's rate, the batch check's gate)."""
     layer, g, n = lp.layer, _grads(program, lp), lp.layer.shape[0]
     x, w = _act(program, layer.inputs[0]), _param(program, layer, "weight")
     dw, db = _param_grad(program, layer, "weight"), _param_grad(program, layer, "bias")
+    fused = f"{layer.name}.weight" in program.fused_updates
+    buf = _optional(program.momentum.get(f"{layer.name}.weight"))
 
     def flat_dx(rt):
         dx = g.dx[0](rt)
         return None if dx is None else dx.view(n, -1)
+
+    def step(rt):
+        return sgd_k.Update(buf(rt), rt.lr_slot, rt.momentum, rt.weight_decay,
+                            rt.gate) if fused else None
     return lambda rt, algos, ws: linear_k.backward(
         x(rt).view(n, -1), w(rt), g.dy(rt), flat_dx(rt), dw(rt), db(rt),
-        accumulate=g.accumulate[0], precision=rt.precision)
+        accumulate=g.accumulate[0], precision=rt.precision, update=step(rt))
 
 
 def _fc_cost(layer, phase) -> tuple:

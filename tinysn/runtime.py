@@ -107,11 +107,13 @@ class Runtime:
                  cuda_graph: bool = False, process_group=None,
                  bucket_bytes=liveness.BUCKET_BYTES, fuse_relu: bool = True,
                  fuse_bn_relu: bool = True, fuse_add_relu: bool = True,
-                 fuse_bn_add: bool = True, group_updates: bool = True):
+                 fuse_bn_add: bool = True, group_updates: bool = True,
+                 fuse_updates: bool = True):
         device = inputs.pick_device(device)
         inputs.check_graph_request(cuda_graph, device)
         inputs.check_options(policy, lr, momentum, weight_decay, seed, precision, fuse_relu,
-                             fuse_bn_relu, fuse_add_relu, fuse_bn_add, group_updates)
+                             fuse_bn_relu, fuse_add_relu, fuse_bn_add, group_updates,
+                             fuse_updates)
         inputs.check_trainable(net)
         inputs.check_machine(memory, host_memory, device)
         bucket_bytes = liveness.parse_bucket_bytes(bucket_bytes)
@@ -123,7 +125,8 @@ class Runtime:
             memory, cuda_graph, momentum=momentum, conv_algos=conv_algos, layout=layout,
             host_memory=host_memory, data_parallel=process_group is not None,
             bucket_bytes=bucket_bytes, fuse_relu=fuse_relu, fuse_bn_relu=fuse_bn_relu,
-            fuse_add_relu=fuse_add_relu, fuse_bn_add=fuse_bn_add, group_updates=group_updates))
+            fuse_add_relu=fuse_add_relu, fuse_bn_add=fuse_bn_add, group_updates=group_updates,
+            fuse_updates=fuse_updates))
         self.lr, self.momentum, self.weight_decay, self.seed = lr, momentum, weight_decay, seed
         self.precision = precision
         self.program = self.plan.program
@@ -596,7 +599,7 @@ def _then_update(kernel, lp, program, data_parallel: bool):
     if reduce is None and not buckets:
         return kernel
     updates = [[(p.param[n], p.pgrad[n], p.momentum.get(n))
-                for layer in bucket for n in (f"{layer.name}.{s}" for s in layer.params)]
+                for layer in bucket for n in (f"{layer.name}.{s}" for s in p.sgd_params(layer))]
                for bucket in buckets]
 
     def launch(rt, algos, ws):

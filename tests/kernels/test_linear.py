@@ -112,6 +112,62 @@ def test_linear_backward_needs_only_what_it_uses():
     torch.testing.assert_close(db, dy.sum(0), rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("momentum,weight_decay,rate_in_memory,gated",
+                         [(0.0, 0.0, False, False), (0.9, 1e-3, True, False),
+                          (0.9, 0.0, False, True), (0.0, 5e-4, True, True)])
+def test_linear_backward_with_update_is_dw_then_sgd_bitwise(momentum, weight_decay,
+                                                           rate_in_memory, gated,
+                                                           device="cpu", n=3, f=150, o=70):
+    """backward(update=...) leaves w (and its momentum buffer) as backward(dw) followed by
+    sgd.update(w, dw, ...) does, bit for bit, and dx and db as well: dx read w before its
+    step. A bad batch's count in `skip` leaves w and the buffer as they were."""
+    from tinysn.kernels import sgd
+    x, dy = _rand((n, f), 0, device), _rand((n, o), 1, device)
+    lr = torch.tensor([0.05], device=device) if rate_in_memory else 0.05
+    skip = torch.tensor([2.0 if gated else 0.0], device=device)
+    runs = []
+    for fused in (False, True):
+        w, buf = _rand((o, f), 2, device), _rand((o, f), 3, device) * 0.1
+        dx, db = torch.empty(n, f, device=device), torch.empty(o, device=device)
+        step = dict(lr=lr, momentum=momentum, weight_decay=weight_decay,
+                    skip=skip if gated else None)
+        if fused:
+            linear.backward(x, w, dy, dx, None, db, precision="ieee",
+                            update=sgd.Update(buf, **step))
+        else:
+            dw = torch.empty(o, f, device=device)
+            linear.backward(x, w, dy, dx, dw, db, precision="ieee")
+            sgd.update(w, dw, buf, **step)
+        runs.append((w, buf, dx, db))
+    for a, b in zip(*runs):
+        assert torch.equal(a, b)
+    if gated:
+        assert torch.equal(runs[1][0], _rand((o, f), 2, device))
+    else:
+        assert not torch.equal(runs[1][0], _rand((o, f), 2, device))
+
+
+def test_linear_backward_update_checks_before_any_launch():
+    """A fused step with dw, without x, with a buffer of the wrong shape or overlapping w,
+    or a negative rate, is named before anything changes."""
+    from tinysn.kernels import sgd
+    x, w, dy = _rand((3, 20), 0), _rand((5, 20), 1), _rand((3, 5), 2)
+    before, dx = w.clone(), torch.zeros(3, 20)
+    good = sgd.Update(torch.zeros(5, 20), 0.1, 0.9, 0.0)
+    for args, step, match in (
+            ((x, w, dy, dx, torch.empty(5, 20), None), good, "no dw"),
+            ((None, w, dy, dx, None, None), good, "no dw"),
+            ((x, w, dy, dx, None, None), good._replace(momentum_buf=torch.zeros(5, 21)),
+             "momentum_buf must have shape"),
+            ((x, w, dy, dx, None, None), good._replace(momentum_buf=w), "overlap"),
+            ((x, w, dy, dx, None, None), good._replace(momentum_buf=None), "required"),
+            ((x, w, dy, dx, None, None), good._replace(lr=-0.1), "lr"),
+            ((x, w, dy, w[:3], None, None), good, "overlap")):
+        with pytest.raises(ValueError, match=match):
+            linear.backward(*args, update=step)
+        assert torch.equal(w, before) and not dx.any()
+
+
 def test_linear_bad_input():
     x, w, b = _rand((3, 20), 0), _rand((5, 20), 1), _rand((5,), 2)
     y, dy = torch.empty(3, 5), _rand((3, 5), 3)
@@ -162,6 +218,18 @@ def test_linear_gpu(n, f, o, precision, accumulate):
 
 # every dimension larger than the largest tile's and not a multiple of any tile
 CONFIG_CASES = [(37, 150, 70), (260, 45, 17), (3, 300, 270)]
+
+
+@pytest.mark.parametrize("momentum,weight_decay,rate_in_memory,gated",
+                         [(0.9, 1e-3, True, False), (0.9, 0.0, False, True)])
+@pytest.mark.gpu
+@pytest.mark.skipif(not GPU, reason="needs CUDA")
+def test_linear_gpu_backward_with_update_is_dw_then_sgd_bitwise(momentum, weight_decay,
+                                                               rate_in_memory, gated):
+    """On the GPU, at VGG16's fc6 shape (its K, the batch, one block of every config), the
+    fused step's bits are the SGD kernel's: the GEMM runs without fp fusion there too."""
+    test_linear_backward_with_update_is_dw_then_sgd_bitwise(
+        momentum, weight_decay, rate_in_memory, gated, device="cuda", n=32, f=25088, o=4096)
 
 
 def _every_config(index, device, precision="ieee"):

@@ -66,8 +66,9 @@ def test_dead_layers_are_named_as_in_the_net():
 
 def test_the_fused_plan_has_one_step_fewer_per_pass_of_each_pair():
     net = _net()
-    fused = sn.plan(net, "64MiB", "liveness", fuse_bn_relu=False)     # the convs' alone
-    plain = sn.plan(net, "64MiB", "liveness", fuse_relu=False)
+    kw = dict(fuse_updates=False)     # the ReLUs' fusion alone moves the peak here
+    fused = sn.plan(net, "64MiB", "liveness", fuse_bn_relu=False, **kw)   # the convs' alone
+    plain = sn.plan(net, "64MiB", "liveness", fuse_relu=False, **kw)
     assert len(plain.steps) - len(fused.steps) == 2 * 4         # a forward and a backward
     assert not {s.layer for s in fused.steps} & {"r1", "r2", "r4", "r7"}
     assert fused.peak_bytes <= plain.peak_bytes

@@ -26,6 +26,7 @@ import triton.language as tl
 from ._common import autotune, check_device, check_no_overlap, check_tensor, dot_precision
 from ._common import cdiv, next_power_of_2
 from ._common import launch, run
+from .sgd import NO_FP_FUSION, fused_arguments, sgd_step
 
 _FWD, _DX, _DW = 0, 1, 2
 
@@ -60,14 +61,19 @@ _INTERP_CONFIG = _cfg(64, 128, 128, 1, 1, group_m=2)
 
 
 @autotune(_GPU_CONFIGS, _INTERP_CONFIG,
-                 key=["M", "N", "K", "MODE"], restore=["c_ptr"])
+                 key=["M", "N", "K", "MODE"], restore=["c_ptr", "buf_ptr"])
 @triton.jit
 def _gemm_kernel(a_ptr, b_ptr, c_ptr, bias_ptr, rowsum_ptr, M, N, K,
-                 sam, sak, sbk, sbn, scm,
+                 sam, sak, sbk, sbn, scm, buf_ptr, lr, momentum, weight_decay, skip_ptr,
                  MODE: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_ROWSUM: tl.constexpr,
-                 ACCUMULATE: tl.constexpr, PRECISION: tl.constexpr,
+                 ACCUMULATE: tl.constexpr, PRECISION: tl.constexpr, UPDATE: tl.constexpr,
+                 HAS_WD: tl.constexpr, HAS_MOMENTUM: tl.constexpr, GATED: tl.constexpr,
+                 LR_IN_MEMORY: tl.constexpr,
                  BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, GROUP_M: tl.constexpr):
     """C[M, N] (+)= A[M, K] @ B[K, N] (+ bias[N]); rowsum[M] = A.sum(1) when HAS_ROWSUM.
+    UPDATE: C is a parameter (buf_ptr its momentum buffer) and A @ B its gradient, which
+    goes into one SGD step of C (sgd.sgd_step; lr, momentum, weight_decay and skip_ptr as
+    the SGD kernel takes them) instead of being stored.
 
     A[m, k] at a_ptr + m*sam + k*sak, B[k, n] at b_ptr + k*sbk + n*sbn, C row-major (scm, 1).
     """
@@ -112,14 +118,35 @@ def _gemm_kernel(a_ptr, b_ptr, c_ptr, bias_ptr, rowsum_ptr, M, N, K,
     n_ok = offs_n < N
     if HAS_BIAS:
         acc += tl.load(bias_ptr + offs_n, mask=n_ok, other=0.0)[None, :]
-    c_ptrs = c_ptr + offs_m.to(tl.int64)[:, None] * scm + offs_n.to(tl.int64)[None, :]
+    c_offs = offs_m.to(tl.int64)[:, None] * scm + offs_n.to(tl.int64)[None, :]
     c_mask = m_ok[:, None] & n_ok[None, :]
-    if ACCUMULATE:
-        acc += tl.load(c_ptrs, mask=c_mask, other=0.0)
-    tl.store(c_ptrs, acc, mask=c_mask)
+    if UPDATE:
+        _update_tile(c_ptr + c_offs, buf_ptr + c_offs, c_mask, acc, lr, momentum,
+                     weight_decay, skip_ptr, HAS_WD, HAS_MOMENTUM, GATED, LR_IN_MEMORY)
+    else:
+        if ACCUMULATE:
+            acc += tl.load(c_ptr + c_offs, mask=c_mask, other=0.0)
+        tl.store(c_ptr + c_offs, acc, mask=c_mask)
     if HAS_ROWSUM:
         if pid_n == 0:
             tl.store(rowsum_ptr + offs_m, rs, mask=m_ok)
+
+
+@triton.jit
+def _update_tile(p_ptrs, buf_ptrs, mask, grad, lr, momentum, weight_decay, skip_ptr,
+                 HAS_WD: tl.constexpr, HAS_MOMENTUM: tl.constexpr, GATED: tl.constexpr,
+                 LR_IN_MEMORY: tl.constexpr):
+    """One SGD step of a parameter tile from its gradient `grad` (in registers), as the SGD
+    kernel takes it: nothing written where GATED and skip_ptr's float is not zero."""
+    if GATED:           # the flag read per element (one address), as kernels/bn.py does
+        mask = mask & (tl.load(skip_ptr + tl.zeros(grad.shape, tl.int32)) == 0.0)
+    rate = tl.load(lr) if LR_IN_MEMORY else lr
+    p = tl.load(p_ptrs, mask=mask, other=0.0)
+    b = tl.load(buf_ptrs, mask=mask, other=0.0) if HAS_MOMENTUM else grad
+    p, b = sgd_step(p, grad, b, rate, momentum, weight_decay, HAS_WD, HAS_MOMENTUM)
+    if HAS_MOMENTUM:
+        tl.store(buf_ptrs, b, mask=mask)
+    tl.store(p_ptrs, p, mask=mask)
 
 
 @triton.jit
@@ -133,13 +160,23 @@ def _colsum_kernel(dy_ptr, db_ptr, N, O, BLOCK_O: tl.constexpr, ROWS: tl.constex
         ptrs = dy_ptr + (i0 + rows)[:, None] * O + offs_o[None, :]
         acc += tl.load(ptrs, mask=((i0 + rows) < N)[:, None] & o_ok[None, :], other=0.0)
     tl.store(db_ptr + offs_o, tl.sum(acc, axis=0), mask=o_ok)
-def _launch(a, b, c, bias, rowsum, M, N, K, sam, sak, sbk, sbn, mode, accumulate, precision):
+_NO_UPDATE = dict(UPDATE=False, HAS_WD=False, HAS_MOMENTUM=False, GATED=False,
+                  LR_IN_MEMORY=False)
+
+
+def _launch(a, b, c, bias, rowsum, M, N, K, sam, sak, sbk, sbn, mode, accumulate, precision,
+            fused=None):
+    """One GEMM; `fused` (sgd.fused_arguments of a step of c): c is updated, not written."""
     grid = lambda meta: (cdiv(M, meta["BM"]) * cdiv(N, meta["BN"]),)  # noqa: E731
+    if fused is None:   # a (read-only) and zeros stand for the step's unread arguments
+        step, flags = (a, 0.0, 0.0, 0.0, a), _NO_UPDATE
+    else:
+        step, flags = fused[0], dict(fused[1], UPDATE=True, **NO_FP_FUSION)
     launch(_gemm_kernel, grid,
            (a, b, c, bias if bias is not None else c, rowsum if rowsum is not None else c,
-            M, N, K, sam, sak, sbk, sbn, N),
+            M, N, K, sam, sak, sbk, sbn, N, *step),
            dict(MODE=mode, HAS_BIAS=bias is not None, HAS_ROWSUM=rowsum is not None,
-                ACCUMULATE=accumulate, PRECISION=precision))
+                ACCUMULATE=accumulate, PRECISION=precision, **flags))
 
 
 def forward(x: torch.Tensor, w: torch.Tensor, b, y: torch.Tensor, *, precision=None) -> None:
@@ -165,15 +202,21 @@ def forward(x: torch.Tensor, w: torch.Tensor, b, y: torch.Tensor, *, precision=N
 
 
 def backward(x, w, dy: torch.Tensor, dx, dw, db, *, accumulate: bool = False,
-             precision=None) -> None:
+             precision=None, update=None) -> None:
     """dx (+)= dy @ w, dw = dy.T @ x, db = dy.sum(0); any of dx, dw, db may be None.
 
     x is needed only for dw and w only for dx (either may be None when its output is).
     accumulate=True adds into dx; dw and db are always overwritten.
+    update (an sgd.Update, with dw None): the weight gradient is not stored but goes into
+    one SGD step of w, in place, in the GEMM's epilogue (after dx has read w): the bits
+    sgd.update gives w and its buffer from that dw, without dw's memory or its round trip.
     """
     prec = dot_precision(precision)
     if not isinstance(accumulate, bool):
         raise ValueError(f"accumulate must be a bool, got {accumulate!r}")
+    if update is not None and (dw is not None or x is None or w is None):
+        raise ValueError("linear.backward: update takes x and w and no dw (the weight "
+                         "gradient goes into w's step, not into memory)")
     check_tensor("dy", dy)
     if dy.dim() != 2 or dy.shape[0] == 0 or dy.shape[1] == 0:
         raise ValueError(f"linear: dy must be a non-empty [N, O] tensor, got {tuple(dy.shape)}")
@@ -202,13 +245,19 @@ def backward(x, w, dy: torch.Tensor, dx, dw, db, *, accumulate: bool = False,
     if db is not None:
         check_tensor("db", db, shape=(o,))
     check_device("linear", dy, x=x, w=w, dx=dx, dw=dw, db=db)
-    check_no_overlap("linear", [("dx", dx), ("dw", dw), ("db", db)],
-                     [("x", x), ("w", w), ("dy", dy)])
+    written = [("w", w)] if update is not None else []
+    check_no_overlap("linear", [("dx", dx), ("dw", dw), ("db", db)] + written,
+                     [("x", x), ("dy", dy)] + ([] if written else [("w", w)]))
+    fused = None if update is None else fused_arguments(update, w)
+    if fused is not None:
+        check_no_overlap("linear", [("w's momentum_buf", update.momentum_buf)],
+                         [("x", x), ("dy", dy), ("dx", dx), ("db", db)])
 
     if dx is not None:      # dx[N, F] = dy[N, O] @ w[O, F]
         _launch(dy, w, dx, None, None, n, f, o, o, 1, f, 1, _DX, accumulate, prec)
-    if dw is not None:      # dw[O, F] = dy.T[O, N] @ x[N, F]  (+ db = row sums of dy.T)
-        _launch(dy, x, dw, None, db, o, f, n, 1, o, f, 1, _DW, False, prec)
+    if dw is not None or fused is not None:   # dw[O, F] = dy.T[O, N] @ x[N, F] (+ db)
+        _launch(dy, x, w if fused else dw, None, db, o, f, n, 1, o, f, 1, _DW, False, prec,
+                fused)
     elif db is not None:
         block_o = min(next_power_of_2(o), 256)
         run(_colsum_kernel, (cdiv(o, block_o),), dy, db, n, o, BLOCK_O=block_o, ROWS=8,

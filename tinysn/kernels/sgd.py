@@ -21,6 +21,8 @@ tensors per launch (sched/liveness.py groups a batch norm's scale and shift with
 layer's weight): the same bits as one update() each, with a fraction of the launches,
 which a step's host pays for one by one and a replayed graph about 2 us of GPU time each.
 """
+from typing import NamedTuple
+
 import torch
 import triton
 import triton.language as tl
@@ -33,7 +35,7 @@ PER_LAUNCH = 4   # parameter tensors one launch updates (update_many)
 # torch's add-with-alpha kernels compute a + alpha * b as one FMA (CPU vectorised fmadd; nvcc
 # contracts it on CUDA) and buf.mul_(m).add_(d) as two rounded ops. The kernel spells the FMAs
 # out with tl.fma and turns the compiler's own contraction off, so it rounds like torch.
-_NO_FP_FUSION = {} if INTERPRET else {"enable_fp_fusion": False}
+NO_FP_FUSION = {} if INTERPRET else {"enable_fp_fusion": False}
 
 
 @triton.jit
@@ -80,14 +82,27 @@ def _sgd_block(p_ptr, g_ptr, buf_ptr, n, block, lr, momentum, weight_decay,
     mask = offs < n
     p = tl.load(p_ptr + offs, mask=mask)
     d = tl.load(g_ptr + offs, mask=mask)
+    b = tl.load(buf_ptr + offs, mask=mask) if HAS_MOMENTUM else d
+    p, b = sgd_step(p, d, b, lr, momentum, weight_decay, HAS_WD, HAS_MOMENTUM)
+    if HAS_MOMENTUM:
+        tl.store(buf_ptr + offs, b, mask=mask)
+    tl.store(p_ptr + offs, p, mask=mask)
+
+
+@triton.jit
+def sgd_step(p, d, b, lr, momentum, weight_decay, HAS_WD: tl.constexpr,
+             HAS_MOMENTUM: tl.constexpr):
+    """(the new parameter, the new momentum buffer) from parameter p, gradient d and buffer
+    b (returned as it is without momentum): the module docstring's arithmetic, in torch's
+    order and rounding when the kernel is compiled without fp fusion (`NO_FP_FUSION`). The
+    SGD kernel runs it, and so does a weight-gradient GEMM that updates the weight in its
+    epilogue (kernels/linear.py: the gradient is never stored)."""
     if HAS_WD:
         d = tl.fma(p, weight_decay, d)           # torch: grad.add(param, alpha=wd)
     if HAS_MOMENTUM:
-        b = tl.load(buf_ptr + offs, mask=mask)
         b = momentum * b + d                    # two roundings (fp fusion is off)
-        tl.store(buf_ptr + offs, b, mask=mask)
         d = b
-    tl.store(p_ptr + offs, tl.fma(d, -lr, p), mask=mask)   # torch: param.add_(d, alpha=-lr)
+    return tl.fma(d, -lr, p), b                 # torch: param.add_(d, alpha=-lr)
 
 
 def _number(name, v):
@@ -113,6 +128,52 @@ def update(param: torch.Tensor, grad: torch.Tensor, momentum_buf, *, lr,
                 weight_decay=weight_decay, skip=skip)
 
 
+class Update(NamedTuple):
+    """An SGD step a kernel applies to the parameter it computes the gradient of, in its
+    epilogue (kernels/linear.py's weight gradient): the settings `update()` takes beside
+    param and grad."""
+    momentum_buf: object      # a tensor shaped like the parameter, or None without momentum
+    lr: object                # a number, or a one-element float32 tensor holding it
+    momentum: float
+    weight_decay: float
+    skip: object = None       # as update()'s
+
+
+def fused_arguments(step: Update, param) -> tuple:
+    """(buffer, rate, momentum, weight decay, skip pointer) and the constexpr flags
+    (HAS_WD, HAS_MOMENTUM, GATED, LR_IN_MEMORY) a kernel running `sgd_step` on `param`
+    takes for `step`, after update()'s checks of it: before anything launches."""
+    in_memory = isinstance(step.lr, torch.Tensor)
+    lr = step.lr if in_memory else _number("lr", step.lr)
+    momentum = _number("momentum", step.momentum)
+    weight_decay = _number("weight_decay", step.weight_decay)
+    buf = _fused_buffer(param, step.momentum_buf, momentum)
+    if in_memory:
+        _check_rate_tensor(lr, param.device, [(param, None, buf)])
+    skip_ptr, gated = gate(step.skip, param.device, param)
+    flags = dict(HAS_WD=weight_decay != 0.0, HAS_MOMENTUM=momentum != 0.0, GATED=gated,
+                 LR_IN_MEMORY=in_memory)
+    return (buf, lr, momentum, weight_decay, skip_ptr), flags
+
+
+def _fused_buffer(param, buf, momentum):
+    """The momentum buffer a fused step reads (param, unread, without momentum), checked:
+    shaped like param, on its device, apart from it."""
+    if momentum == 0.0:
+        return param
+    if buf is None:
+        raise ValueError("sgd: momentum_buf is required when momentum != 0")
+    if not _CHECKED_BEFORE[0]:
+        check_tensor("momentum_buf", buf, shape=param.shape)
+        if buf.device != param.device:
+            raise ValueError(f"sgd: momentum_buf is on {buf.device} but param is on "
+                             f"{param.device}")
+        a0, b0, n = param.data_ptr(), buf.data_ptr(), 4 * param.numel()
+        if n and a0 < b0 + n and b0 < a0 + n:
+            raise ValueError("sgd: param and momentum_buf overlap")
+    return buf
+
+
 def update_many(items, *, lr, momentum: float, weight_decay: float,
                 skip=None) -> None:
     """update() on each (param, grad, momentum_buf) of `items`, PER_LAUNCH tensors per launch
@@ -136,7 +197,7 @@ def update_many(items, *, lr, momentum: float, weight_decay: float,
         run(_sgd_kernel, (sum(cdiv(n, BLOCK) for n in sizes),), *args,
             lr, momentum, weight_decay, skip_ptr,
             HAS_WD=weight_decay != 0.0, HAS_MOMENTUM=momentum != 0.0, GATED=gated,
-            LR_IN_MEMORY=in_memory, BLOCK=BLOCK, num_warps=NUM_WARPS, **_NO_FP_FUSION)
+            LR_IN_MEMORY=in_memory, BLOCK=BLOCK, num_warps=NUM_WARPS, **NO_FP_FUSION)
 
 
 def _check_rate_tensor(lr, device, todo) -> None:

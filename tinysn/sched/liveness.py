@@ -43,48 +43,64 @@ BUCKET_BYTES = 25 << 20   # data parallel: gradient bytes that close a bucket (D
 
 
 def _update_groups(layers) -> list:
-    """Positions in `layers` (those with parameters, in backward order) grouped into SGD
-    updates that share launches (sgd.update_many: PER_LAUNCH tensors each), each group
-    updated at its last layer's backward pass. A layer whose parameters are all vectors (a
-    batch norm's scale and shift: a few KB) waits for the next other layer with room left
-    in its launch, oldest first; no other layer waits, so no weight's gradient lives longer.
-    Vector layers left at the end share launches among themselves. ResNet-50: each batch
-    norm goes with the conv before it in forward order (where a block's last batch norm
-    and its shortcut's meet first, the shortcut's conv takes one, the block's conv the
-    other): 107 launches -> 54."""
+    """Positions in `layers` (per layer with SGD launches to make, in backward order: how
+    many tensors they update, and whether all of the layer's parameters are vectors)
+    grouped into SGD updates that share launches (sgd.update_many: PER_LAUNCH tensors
+    each), each group updated at its last layer's backward pass. A layer whose parameters
+    are all vectors (a batch norm's scale and shift: a few KB) waits for the next other
+    layer with room left in its launch, oldest first; no other layer waits, so no
+    weight's gradient lives longer (an fc layer whose weight steps in its own kernel,
+    `fused_update_names`, still has a weight: its bias does not wait). Vector layers left
+    at the end share launches among themselves. ResNet-50: each batch norm goes with the
+    conv before it in forward order (where a block's last batch norm and its shortcut's
+    meet first, the shortcut's conv takes one, the block's conv the other): 107 launches
+    -> 54."""
     groups, waiting = [], []
-    for i, layer in enumerate(layers):
-        count = len(layer.params)
-        if _vectors_only(layer) and count < sgd_k.PER_LAUNCH:
+    for i, (count, vectors) in enumerate(layers):
+        if vectors and count < sgd_k.PER_LAUNCH:
             waiting.append(i)
             continue
         room, taken = sgd_k.PER_LAUNCH - count, []
         for j in list(waiting):
-            if len(layers[j].params) <= room:
-                room -= len(layers[j].params)
+            if layers[j][0] <= room:
+                room -= layers[j][0]
                 taken.append(j)
                 waiting.remove(j)
         groups.append(taken + [i])
     run, held = [], 0
     for j in waiting:
-        if run and held + len(layers[j].params) > sgd_k.PER_LAUNCH:
+        if run and held + layers[j][0] > sgd_k.PER_LAUNCH:
             groups.append(run)
             run, held = [], 0
         run.append(j)
-        held += len(layers[j].params)
+        held += layers[j][0]
     return groups + ([run] if run else [])
 
 
-def _vectors_only(layer) -> bool:
-    """True for a layer whose parameters are all vectors (a batch norm's)."""
-    return all(len(shape) == 1 for shape in layer.params.values())
+def fused_update_names(order, fuse_updates: bool) -> frozenset:
+    """The parameters whose SGD step runs in their layer's weight-gradient kernel, so that
+    their gradient is never stored (`fuse_updates`): every fc layer's weight
+    (kernels/linear.py, backward's `update`)."""
+    if not fuse_updates:
+        return frozenset()
+    return frozenset(f"{layer.name}.weight" for layer in order
+                     if layer.op == "fc" and "weight" in layer.params)
 
 
-def groups_updates(net) -> bool:
+def _launch_items(layer, fused) -> tuple:
+    """(how many of `layer`'s parameters an SGD launch updates: those not in `fused`,
+    whether all its parameters are vectors): `_update_groups`' view of a layer."""
+    count = sum(f"{layer.name}.{suffix}" not in fused for suffix in layer.params)
+    return count, all(len(shape) == 1 for shape in layer.params.values())
+
+
+def groups_updates(net, fuse_updates: bool = False) -> bool:
     """True where a Program of `net` with `group_updates` puts two layers' SGD updates in
     one launch (`_update_groups`): where grouping changes the plan at all."""
-    layers = [layer for layer in reversed(route.forward_order(net)) if layer.params]
-    return any(len(group) > 1 for group in _update_groups(layers))
+    order = route.forward_order(net)
+    fused = fused_update_names(order, fuse_updates)
+    items = [i for i in (_launch_items(layer, fused) for layer in reversed(order)) if i[0]]
+    return any(len(group) > 1 for group in _update_groups(items))
 
 
 def parse_bucket_bytes(value) -> int:
@@ -150,7 +166,7 @@ class Program:
 
     def __init__(self, net, momentum: float = 0.0, data_parallel: bool = False,
                  bucket_bytes: int = BUCKET_BYTES, in_place_gradients: bool = True,
-                 group_updates: bool = False):
+                 group_updates: bool = False, fuse_updates: bool = False):
         net.check()
         self.group_updates = group_updates
         self.net = net
@@ -158,6 +174,9 @@ class Program:
         self.data_parallel = data_parallel
         self.bucket_bytes = bucket_bytes
         self.order = route.forward_order(net)
+        # parameters stepped by their weight-gradient kernel, no gradient stored (single
+        # process: an all-reduce needs the gradient)
+        self.fused_updates = fused_update_names(self.order, fuse_updates and not data_parallel)
         self.requires_grad = set()   # layers whose output's gradient reaches a parameter
         for layer in self.order:
             if layer.params or any(x in self.requires_grad for x in layer.inputs):
@@ -217,8 +236,15 @@ class Program:
                 self.grad[layer] = self._new(layer.name + ".grad", layer.shape, "grad",
                                              layer, "grad")
         for name, tid in self.param.items():
+            if name in self.fused_updates:
+                continue
             info = self.tensors[tid]
             self.pgrad[name] = self._new(name + ".grad", info.shape, "grad", info.layer, "pgrad")
+
+    def sgd_params(self, layer) -> list:
+        """The suffixes of `layer`'s parameters that an SGD launch updates (each has a
+        stored gradient): all but those in `fused_updates`."""
+        return [s for s in layer.params if f"{layer.name}.{s}" in self.pgrad]
 
     def _needs_grad(self, layer) -> bool:
         """A layer's output needs a gradient only if a parameter lies upstream of it."""
@@ -283,9 +309,11 @@ class Program:
         reads all the bucket's gradients, and is updated `UPDATE_LAG` backward passes later
         (at most the last pass), which reads the layers' parameter gradients, parameters
         and momentum: the gradients stay live over the all-reduce in flight."""
-        backward = [lp for lp in self.passes if lp.phase == "backward" and lp.layer.params]
+        backward = [lp for lp in self.passes
+                    if lp.phase == "backward" and self.sgd_params(lp.layer)]
         if not self.data_parallel:
-            groups = (_update_groups([lp.layer for lp in backward]) if self.group_updates
+            groups = (_update_groups([_launch_items(lp.layer, self.fused_updates)
+                                      for lp in backward]) if self.group_updates
                       else [[i] for i in range(len(backward))])
             updates = {}
             for group in ([backward[i] for i in g] for g in groups):

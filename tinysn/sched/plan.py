@@ -323,7 +323,7 @@ def plan(net, memory, policy: str = "all", *, momentum: float = 0.0, conv_algos=
          evict_by_next_use: bool = True, rebuild_joins: bool = True,
          fuse_relu: bool = True, fuse_bn_relu: bool = True, fuse_add_relu: bool = True,
          fuse_bn_add: bool = True, group_updates: bool = True,
-         channels_last: bool = True) -> Plan:
+         channels_last: bool = True, fuse_updates: bool = True) -> Plan:
     """Dry-run one training iteration of `net` under a `memory` cap and `policy`.
 
     Raises OutOfMemory naming the first step that does not fit. `conv_algos` pins conv
@@ -402,6 +402,11 @@ def plan(net, memory, policy: str = "all", *, momentum: float = 0.0, conv_algos=
     `channels_last` (default True): store a conv's output channels-last where one conv
     alone reads it and both convs' algorithms allow it (sched/channels_last.py; the plan's
     `channels_last` names them; the same bits); False stores every activation NCHW.
+    `fuse_updates` (default True; one process): every fc layer's weight takes its SGD step
+    in its weight-gradient GEMM's epilogue (kernels/linear.py), so that gradient is never
+    stored: no block for it, no pass over it (liveness `fused_update_names`; the SGD
+    kernel's bits where the batch is one K-block of the GEMM); False stores it and updates
+    it with the SGD kernel, as plans made before that did.
 
     A plan that fits under a cap fits under every larger cap, for every policy and layout
     (`_Search` says why). The returned plan's `capacity` is the pool it was made for: the
@@ -422,7 +427,8 @@ def plan(net, memory, policy: str = "all", *, momentum: float = 0.0, conv_algos=
                        evict_by_next_use=by_next_use, rebuild_joins=rebuild_joins,
                        fuse_relu=fuse_relu, fuse_bn_relu=fuse_bn_relu,
                        fuse_add_relu=fuse_add_relu, fuse_bn_add=fuse_bn_add,
-                       group_updates=group_updates, fits_unmoved=unmoved)
+                       group_updates=group_updates, fuse_updates=fuse_updates,
+                       fits_unmoved=unmoved)
     lru = search(False)             # checks every argument before anything is planned
     try:
         candidates = [(lru, _choose(lru, policy))]     # (search, its plan)
@@ -506,7 +512,7 @@ def _search(net, memory, policy, *, momentum, conv_algos, checkpoints, block_byt
             in_place_gradients=True, keep_pools=True,
             evict_by_next_use=True, rebuild_joins=True, fuse_relu=True,
             fuse_bn_relu=True, fuse_add_relu=True, fuse_bn_add=True,
-            group_updates=True, fits_unmoved=None) -> "_Search":
+            group_updates=True, fuse_updates=True, fits_unmoved=None) -> "_Search":
     """Check `plan`'s arguments (before any state changes) and set up its runs: of `net`,
     or with `fuse_relu` of its fused net (fuse.fuse_relus; its residual adds' ReLUs, and the
     batch norms before them, apart where, fused, the net would not fit unmoved:
@@ -539,7 +545,8 @@ def _search(net, memory, policy, *, momentum, conv_algos, checkpoints, block_byt
     for name, flag in (("in_place_gradients", in_place_gradients), ("keep_pools", keep_pools),
                        ("rebuild_joins", rebuild_joins), ("fuse_relu", fuse_relu),
                        ("fuse_bn_relu", fuse_bn_relu), ("fuse_add_relu", fuse_add_relu),
-                       ("fuse_bn_add", fuse_bn_add), ("group_updates", group_updates)):
+                       ("fuse_bn_add", fuse_bn_add), ("group_updates", group_updates),
+                       ("fuse_updates", fuse_updates)):
         if not isinstance(flag, bool):
             raise ValueError(f"{name} must be a bool, got {flag!r}")
     bucket_bytes = liveness.parse_bucket_bytes(bucket_bytes)
@@ -548,7 +555,7 @@ def _search(net, memory, policy, *, momentum, conv_algos, checkpoints, block_byt
         program = liveness.Program(planned, momentum=momentum, data_parallel=data_parallel,
                                    bucket_bytes=bucket_bytes,
                                    in_place_gradients=in_place_gradients,
-                                   group_updates=grouped)
+                                   group_updates=grouped, fuse_updates=fuse_updates)
         roles = {}          # drops -> the tensors' roles, shared by the search's runs
 
         def make(cap, drops, small, floor=False, early=None, lookahead=1, headroom=None):
@@ -562,7 +569,8 @@ def _search(net, memory, policy, *, momentum, conv_algos, checkpoints, block_byt
 
     fused = net if not fuse_relu else fuse.fuse_relus(
         net, batch_norms=fuse_bn_relu, adds=fuse_add_relu, residuals=fuse_bn_add)
-    grouping = group_updates and not data_parallel and liveness.groups_updates(fused)
+    grouping = group_updates and not data_parallel and \
+        liveness.groups_updates(fused, fuse_updates)
     search = searching(fused, grouped=grouping)
     moves_nothing = policy in ("baseline", "liveness")      # they fuse the adds everywhere
     if not (grouping or (fuse.fuses_adds(fused) and not moves_nothing)):

@@ -194,7 +194,11 @@ def kernel_seconds(plan, launch: Launch, model: DeviceModel) -> float:
         seconds = layer_seconds(layer, phase, model)
     momentum = 2 if program.momentum else 0
     params = sum(program.tensors[t].nbytes for t in _updated_params(plan, launch))
-    return seconds + params * (3 + momentum) / model.bytes_per_s  # read w, dw (m); write w (m)
+    fused = sum(program.tensors[program.param[n]].nbytes for n in program.fused_updates
+                if phase == "backward" and n.startswith(f"{layer.name}."))
+    # an SGD launch reads w, dw (m) and writes w (m); a step fused into the weight-gradient
+    # GEMM reads and writes w (m) where the GEMM, as costed, wrote dw
+    return seconds + (params * (3 + momentum) + fused * (1 + momentum)) / model.bytes_per_s
 
 
 def kernel_launches(plan, launch: Launch) -> int:
@@ -205,8 +209,9 @@ def kernel_launches(plan, launch: Launch) -> int:
     own = spec(layer).launches(layer, phase, launch.algos)
     if phase != "backward":
         return own
-    return own + sum(cdiv(sum(len(l.params) for l in bucket), sgd_k.PER_LAUNCH)
-                     for bucket in plan.program.updates.get(launch.key, []))
+    p = plan.program
+    return own + sum(cdiv(sum(len(p.sgd_params(l)) for l in bucket), sgd_k.PER_LAUNCH)
+                     for bucket in p.updates.get(launch.key, []))
 
 
 def _updated_params(plan, launch: Launch) -> list:
@@ -216,7 +221,7 @@ def _updated_params(plan, launch: Launch) -> list:
         return []
     p = plan.program
     return [p.param[f"{layer.name}.{s}"] for bucket in p.updates.get(launch.key, [])
-            for layer in bucket for s in layer.params]
+            for layer in bucket for s in p.sgd_params(layer)]
 
 
 def _layer_phase(plan, launch: Launch) -> tuple:

@@ -160,6 +160,8 @@ def _colsum_kernel(dy_ptr, db_ptr, N, O, BLOCK_O: tl.constexpr, ROWS: tl.constex
         ptrs = dy_ptr + (i0 + rows)[:, None] * O + offs_o[None, :]
         acc += tl.load(ptrs, mask=((i0 + rows) < N)[:, None] & o_ok[None, :], other=0.0)
     tl.store(db_ptr + offs_o, tl.sum(acc, axis=0), mask=o_ok)
+
+
 _NO_UPDATE = dict(UPDATE=False, HAS_WD=False, HAS_MOMENTUM=False, GATED=False,
                   LR_IN_MEMORY=False)
 
@@ -256,8 +258,8 @@ def backward(x, w, dy: torch.Tensor, dx, dw, db, *, accumulate: bool = False,
     if dx is not None:      # dx[N, F] = dy[N, O] @ w[O, F]
         _launch(dy, w, dx, None, None, n, f, o, o, 1, f, 1, _DX, accumulate, prec)
     if dw is not None or fused is not None:   # dw[O, F] = dy.T[O, N] @ x[N, F] (+ db)
-        _launch(dy, x, w if fused else dw, None, db, o, f, n, 1, o, f, 1, _DW, False, prec,
-                fused)
+        _launch(dy, x, dw if fused is None else w, None, db, o, f, n, 1, o, f, 1, _DW, False,
+                prec, fused)
     elif db is not None:
         block_o = min(next_power_of_2(o), 256)
         run(_colsum_kernel, (cdiv(o, block_o),), dy, db, n, o, BLOCK_O=block_o, ROWS=8,

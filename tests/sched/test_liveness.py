@@ -101,22 +101,33 @@ def _below(net, peak):
     raise AssertionError("nothing fits below the roomy plan's peak")
 
 
-def test_grouped_updates_train_bitwise_as_ungrouped():
-    """Two steps with momentum and weight decay, then a prediction: the same losses,
-    parameters and output, bit for bit, and peak == plan either way."""
+def _runs_with(option, steps):
+    """block_net trained `steps` steps with momentum and weight decay, with `option` off
+    and on: per run, its losses and its Runtime (peak == plan checked), and the batch."""
     torch.manual_seed(0)
     images, labels = torch.randn(2, 3, 8, 8), torch.tensor([1, 3])
     runs = []
-    for group in (False, True):
+    for value in (False, True):
         rt = sn.Runtime(block_net(p=0.0), memory="64MiB", policy="all", device="cpu",
-                        momentum=0.9, weight_decay=1e-3, group_updates=group)
-        assert rt.plan.program.group_updates == group
-        losses = [rt.step(images, labels) for _ in range(2)]
+                        momentum=0.9, weight_decay=1e-3, **{option: value})
+        losses = [rt.step(images, labels) for _ in range(steps)]
         assert rt.stats.peak_bytes == rt.plan.peak_bytes
-        runs.append((losses, rt.params(), rt.predict(images)))
-    (l0, p0, y0), (l1, p1, y1) = runs
-    assert l0 == l1 and torch.equal(y0, y1)
-    assert p0.keys() == p1.keys() and all(torch.equal(p0[k], p1[k]) for k in p0)
+        runs.append((losses, rt))
+    return runs, images
+
+
+def _same_params(a, b) -> bool:
+    pa, pb = a.params(), b.params()
+    return pa.keys() == pb.keys() and all(torch.equal(pa[k], pb[k]) for k in pa)
+
+
+def test_grouped_updates_train_bitwise_as_ungrouped():
+    """Two steps with momentum and weight decay, then a prediction: the same losses,
+    parameters and output, bit for bit, and peak == plan either way."""
+    ((l0, r0), (l1, r1)), images = _runs_with("group_updates", 2)
+    assert (r0.plan.program.group_updates, r1.plan.program.group_updates) == (False, True)
+    assert l0 == l1 and torch.equal(r0.predict(images), r1.predict(images))
+    assert _same_params(r0, r1)
 
 
 def test_group_updates_must_be_a_bool():
@@ -165,19 +176,12 @@ def test_fc_weights_step_in_their_gradient_kernel_and_store_no_gradient():
 
 
 def test_fused_fc_updates_train_bitwise_as_the_sgd_kernel():
-    """Three steps with momentum and weight decay: the same losses and parameters, bit for
-    bit (one GEMM config under the interpreter), and peak == plan either way."""
-    torch.manual_seed(0)
-    images, labels = torch.randn(2, 3, 8, 8), torch.tensor([1, 3])
-    runs = []
-    for fuse in (False, True):
-        rt = sn.Runtime(block_net(p=0.0), memory="64MiB", policy="all", device="cpu",
-                        momentum=0.9, weight_decay=1e-3, fuse_updates=fuse)
-        assert bool(rt.plan.program.fused_updates) == fuse
-        losses = [rt.step(images, labels) for _ in range(3)]
-        assert rt.stats.peak_bytes == rt.plan.peak_bytes
-        runs.append((losses, rt.params(), rt.state_dict()))
-    (l0, p0, s0), (l1, p1, s1) = runs
-    assert l0 == l1
-    assert p0.keys() == p1.keys() and all(torch.equal(p0[k], p1[k]) for k in p0)
+    """Three steps with momentum and weight decay: the same losses, parameters and
+    momentum buffers, bit for bit (one GEMM config under the interpreter), and peak == plan
+    either way."""
+    ((l0, r0), (l1, r1)), _ = _runs_with("fuse_updates", 3)
+    assert (bool(r0.plan.program.fused_updates), bool(r1.plan.program.fused_updates)) == \
+        (False, True)
+    assert l0 == l1 and _same_params(r0, r1)
+    s0, s1 = r0.state_dict(), r1.state_dict()
     assert all(torch.equal(v, s1[k]) for k, v in s0.items() if isinstance(v, torch.Tensor))

@@ -145,10 +145,11 @@ def cases(batch: int) -> dict:
             torch.empty(2, 2048), ws(bn.workspace_bytes((n, 2048, 7, 7), "forward"))),
         "bn rebuild 2048@7": lambda: bn.rebuild(
             t(n, 2048, 7, 7), t(2048), t(2048), torch.empty(n, 2048, 7, 7), t(2, 2048)),
-        "sgd 3 tensors": lambda: sgd.update_many(   # a conv's weight and a batch norm's
+        # a conv's weight and a batch norm's, the rate in memory as the Runtime passes it
+        "sgd 3 tensors": lambda: sgd.update_many(
             [(t(589824), t(589824), t(589824)), (t(256), t(256), t(256)),
-             (t(256), t(256), t(256))], lr=0.01, momentum=0.9, weight_decay=5e-4,
-            skip=torch.zeros(1)),
+             (t(256), t(256), t(256))], lr=torch.full((1,), 0.01), momentum=0.9,
+            weight_decay=5e-4, skip=torch.zeros(1)),
         "fc6 fwd": lambda: linear.forward(t(n, 25088), t(4096, 25088), t(4096),
                                           torch.empty(n, 4096)),
         "fc6 wgrad": lambda: linear.backward(t(n, 25088), None, t(n, 4096), None,

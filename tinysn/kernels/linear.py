@@ -137,16 +137,20 @@ def _update_tile(p_ptrs, buf_ptrs, mask, grad, lr, momentum, weight_decay, skip_
                  HAS_WD: tl.constexpr, HAS_MOMENTUM: tl.constexpr, GATED: tl.constexpr,
                  LR_IN_MEMORY: tl.constexpr):
     """One SGD step of a parameter tile from its gradient `grad` (in registers), as the SGD
-    kernel takes it: nothing written where GATED and skip_ptr's float is not zero."""
-    if GATED:           # the flag read per element (one address), as kernels/bn.py does
-        mask = mask & (tl.load(skip_ptr + tl.zeros(grad.shape, tl.int32)) == 0.0)
+    kernel takes it: where GATED and skip_ptr's float is not zero, the tile is written back
+    as it was (the same bits: a store masked by the flag compiles to 4-byte stores where
+    these are 16 bytes wide, bench/sass.py)."""
     rate = tl.load(lr) if LR_IN_MEMORY else lr
     p = tl.load(p_ptrs, mask=mask, other=0.0)
     b = tl.load(buf_ptrs, mask=mask, other=0.0) if HAS_MOMENTUM else grad
-    p, b = sgd_step(p, grad, b, rate, momentum, weight_decay, HAS_WD, HAS_MOMENTUM)
+    new_p, new_b = sgd_step(p, grad, b, rate, momentum, weight_decay, HAS_WD, HAS_MOMENTUM)
+    if GATED:
+        keep = tl.load(skip_ptr) == 0.0
+        new_p = tl.where(keep, new_p, p)
+        new_b = tl.where(keep, new_b, b)
     if HAS_MOMENTUM:
-        tl.store(buf_ptrs, b, mask=mask)
-    tl.store(p_ptrs, p, mask=mask)
+        tl.store(buf_ptrs, new_b, mask=mask)
+    tl.store(p_ptrs, new_p, mask=mask)
 
 
 @triton.jit

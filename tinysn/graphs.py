@@ -11,11 +11,11 @@ their planned offsets, or, staged, into the plan's staging span, which the captu
 copies from first (the graph reads fixed addresses inside the pool); the events after that
 copy and after the loss are external, so each replay records them for the host and the
 staging stream. The learning rate is read from the pool by the updates (kernels/sgd.py;
-the Runtime writes it there before a step whose rate changed), so a schedule replays the same
-graph; changing momentum or weight_decay (or the seed, which load_state_dict may set)
-triggers a new capture (they are launch arguments). Dropout replays too: its kernels read the iteration
-from a counter in the pool, and the kernel that advances it at the end of the step is part
-of the graph, so each replay draws the masks an eager step would.
+the Runtime writes it there before a step whose rate changed), so a schedule replays the
+same graph; changing momentum or weight_decay (or the seed, which load_state_dict may set)
+triggers a new capture (they are launch arguments). Dropout replays too: its kernels read
+the iteration from a counter in the pool, and the kernel that advances it at the end of
+the step is part of the graph, so each replay draws the masks an eager step would.
 """
 from __future__ import annotations
 

@@ -194,8 +194,9 @@ def kernel_seconds(plan, launch: Launch, model: DeviceModel) -> float:
         seconds = layer_seconds(layer, phase, model)
     momentum = 2 if program.momentum else 0
     params = sum(program.tensors[t].nbytes for t in _updated_params(plan, launch))
-    fused = sum(program.tensors[program.param[n]].nbytes for n in program.fused_updates
-                if phase == "backward" and n.startswith(f"{layer.name}."))
+    weight = f"{layer.name}.weight"
+    fused = program.tensors[program.param[weight]].nbytes \
+        if phase == "backward" and weight in program.fused_updates else 0
     # an SGD launch reads w, dw (m) and writes w (m); a step fused into the weight-gradient
     # GEMM reads and writes w (m) where the GEMM, as costed, wrote dw
     return seconds + (params * (3 + momentum) + fused * (1 + momentum)) / model.bytes_per_s

@@ -28,10 +28,12 @@ for stage in "$@"; do
     # every gpu-marked test but the conv's every-config check (stage conv-check: each of its
     # 16 cases compiles every conv kernel, 96-208 s, and together they cut this stage off at
     # 370 s); each autotuned kernel's configs are all checked by the *_every_config tests, so
-    # the rest run untuned (one compile per shape); gpu_tests.py writes one row per test,
-    # also when timeout's SIGTERM cuts the run short; the tests that assert on measured
+    # the rest run untuned (one compile per shape); idle workers take queued tests from
+    # busy ones (--dist worksteal): in the last run its finished tests added up to 4,054 s,
+    # 290 s over 14 workers, yet the run was cut off at 424 s; gpu_tests.py writes one row
+    # per test, also when timeout's SIGTERM cuts the run short; the tests that assert on measured
     # times (marker "timing") run after, alone: beside 13 other workers their host is loaded
-    tests)    TINYSN_COMPILE_PROCESSES=0 TINYSN_AUTOTUNE=0 timeout -k 30 ${TESTS_S:-420} python3 bench/gpu_tests.py --out "$OUT/gpu-tests-$GPU.json" -- -q -rfE --durations=10 -p no:benchmark -m "gpu and not timing" -n ${TEST_WORKERS:-14} -p no:cacheprovider -k "not test_conv_gpu_every_config" tests 2>&1 | tail -30
+    tests)    TINYSN_COMPILE_PROCESSES=0 TINYSN_AUTOTUNE=0 timeout -k 30 ${TESTS_S:-420} python3 bench/gpu_tests.py --out "$OUT/gpu-tests-$GPU.json" -- -q -rfE --durations=10 -p no:benchmark -m "gpu and not timing" -n ${TEST_WORKERS:-14} --dist worksteal -p no:cacheprovider -k "not test_conv_gpu_every_config" tests 2>&1 | tail -30
               TINYSN_AUTOTUNE=0 timeout -k 30 ${TIMING_S:-200} python3 bench/gpu_tests.py --out "$OUT/gpu-tests-timing-$GPU.json" -- -q -rfE -p no:benchmark -m "gpu and timing" -p no:cacheprovider tests 2>&1 | tail -8 ;;
     # the runtime's gpu tests alone (graph mode, streams, tensor moves): quick, after runtime changes
     runtime)  TINYSN_AUTOTUNE=0 timeout ${RUNTIME_S:-240} python3 -m pytest -q -rfE -p no:benchmark -m gpu -p no:cacheprovider tests/test_runtime.py tests/sched tests/test_tensor.py 2>&1 | tail -40 ;;

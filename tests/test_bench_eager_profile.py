@@ -66,7 +66,8 @@ def test_own_only_counts_every_launch_of_a_resnet_step_by_kernel(tmp_path, capsy
     # `_update_groups`): 54 launches for 161 tensors
     assert by["_sgd_kernel"] == 1 + bns == 54
     assert by["_bn_stats_kernel"] == by["_bn_norm_kernel"] == by["_bn_dx_kernel"] == bns == 53
-    assert by["_bn_bwd_partial_kernel"] == bns and not any("finalize" in k for k in by)
+    assert by["_bn_finalize_kernel"] == by["_bn_bwd_partial_kernel"] == bns
+    assert by["_bn_bwd_finalize_kernel"] == bns
     assert sum(by.values()) == r["stubbed_launches_per_step"] > r["plan_launches_per_step"]
     assert "step_ms" not in r and "_sgd_kernel" in capsys.readouterr().out
     fused = eager_profile.main(["--model", "resnet50", "--batch", "1", "--steps", "1",

@@ -39,12 +39,14 @@ def test_every_config_compiles_for_the_h200_without_spills(tmp_path):
     sgd = [r for r in rows if r["case"] == "sgd 1M"]
     assert [r["kernel"] for r in sgd] == ["_sgd_kernel"]
     assert {"LDG.E.128", "STG.E.128"} <= set(sgd[0]["opcodes"])
-    # a batch norm is two kernels each way (its merges inside the elementwise pass), the
-    # merge pass alone only without dx; a conv's and a batch norm's updates one launch
+    # a batch norm is three kernels each way (partials, their merge, the elementwise pass),
+    # the last left out without dx; a conv's and a batch norm's updates one launch
     kernels = {case: [r["kernel"] for r in rows if r["case"] == case]
                for case in {r["case"] for r in rows}}
-    assert kernels["bn fwd residual 256@56"] == ["_bn_stats_kernel", "_bn_norm_kernel"]
-    assert kernels["bn bwd residual 256@56"] == ["_bn_bwd_partial_kernel", "_bn_dx_kernel"]
+    assert kernels["bn fwd residual 256@56"] == ["_bn_stats_kernel", "_bn_finalize_kernel",
+                                                 "_bn_norm_kernel"]
+    assert kernels["bn bwd residual 256@56"] == ["_bn_bwd_partial_kernel",
+                                                 "_bn_bwd_finalize_kernel", "_bn_dx_kernel"]
     assert kernels["bn bwd params 2048@7"] == ["_bn_bwd_partial_kernel",
                                                "_bn_bwd_finalize_kernel"]
     assert kernels["sgd 3 tensors"] == ["_sgd_kernel"]

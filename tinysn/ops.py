@@ -388,12 +388,12 @@ def _bn_cost(layer, phase) -> tuple:
 
 
 def _bn_launches(layer, phase, algos) -> int:
-    """Two kernels each way (a rebuild: the normalisation alone), and in a backward pass
+    """Three kernels each way (a rebuild: the normalisation alone), and in a backward pass
     a fused ReLU's backward where this pass masks dy (a fused residual add's mask goes in
     the first kernel where its residual's gradient is a first write: ResNet's every one)."""
     if phase == "recompute":
         return 1
-    return 2 + (phase == "backward" and _masks_dy(layer) and not _residual(layer))
+    return 3 + (phase == "backward" and _masks_dy(layer) and not _residual(layer))
 
 
 def _relu_forward(program, layer, update_running):

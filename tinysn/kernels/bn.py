@@ -39,31 +39,26 @@ API
         no statistics written, any batch (even one value per channel); relu and residual
         as in forward.
 
-Reductions (two launches per phase, no atomics, bitwise deterministic):
+Reductions (three launches per phase, no atomics, bitwise deterministic):
   1. partials: channel c's N x HW values are cut into chunks (row ranges x column ranges of
      the [N, HW] view, picked from the shape alone, about 2048 programs over all channels);
      one program per (channel, chunk) reads its chunk as [ROWS, COLS] tiles of contiguous HW
      rows. Forward: shifted sums, the shift being the mean of the chunk's first tile, give
      the chunk's (count, mean, M2) without the cancellation of E[x^2] - E[x]^2. Backward:
      sum dy and sum dy * (x - mean).
-  2. an elementwise pass over [N*C, HW] tiles: y = (x - mean) * (inv_std gamma) + beta
+  2. finalize: one lane row per channel merges its chunks in a fixed order (Chan et al.:
+     mean = sum n_i mean_i / n, M2 = sum M2_i + sum n_i (mean_i - mean)^2) and writes saved,
+     the running statistics (forward) or dgamma, dbeta (backward).
+  3. an elementwise pass over [N*C, HW] tiles: y = (x - mean) * (inv_std gamma) + beta
      (+ residual, then the ReLU, where asked), or
-     dx = gamma inv_std (dy - dbeta / n - (x - mean) inv_std dgamma / n). Each of its
-     programs first merges its channels' chunks in a fixed order (Chan et al.:
-     mean = sum n_i mean_i / n, M2 = sum M2_i + sum n_i (mean_i - mean)^2; backward: plain
-     sums): a few hundred bytes from cache per tile of several KB, where a merge pass of
-     its own cost a launch (about 2 us of GPU time on the H200, and the host's launch in an
-     eager step). The programs holding image 0's first columns, one per channel, write
-     saved and the running statistics (forward) or dgamma, dbeta (backward); every program
-     computes a channel's figures with the same code on the same partials, so the same bits.
-     A backward pass without dx merges in a small pass of its own.
+     dx = gamma inv_std (dy - dbeta / n - (x - mean) inv_std dgamma / n).
 Block shapes come from the tensor shape (no autotuning), so the summation order, and hence
 every bit of the result, does not depend on timing. x is read twice in the forward (stats,
 normalise) and x, dy twice in the backward.
 
 The workspace (uint8 or float32, 1-D, at least workspace_bytes) holds per-(channel, chunk)
-partials ([C, chunks, 3] floats forward, [C, chunks, 2] backward); its contents on entry do
-not matter.
+partials ([C, chunks, 3] floats forward, [C, chunks, 2] + [2, C] backward); its contents on
+entry do not matter.
 """
 import functools
 import triton
@@ -117,7 +112,7 @@ def workspace_bytes(shape, phase) -> int:
     if phase == "forward":
         return 4 * c * nr * nh * 3
     if phase == "backward":
-        return 4 * c * nr * nh * 2
+        return 4 * (c * nr * nh * 2 + 2 * c)
     raise ValueError(f"phase must be 'forward' or 'backward', got {phase!r}")
 
 
@@ -176,9 +171,13 @@ def _bn_stats_kernel(x, ws, N, C, HW, RPC, CPC, NCH, NHC,
 
 
 @triton.jit
-def _merged_stats(ws, c, cm, NCH, total, eps, NCHP: tl.constexpr):
-    """(mean, biased variance, inv_std) of each channel `c` (where cm) from its chunk
-    partials, merged in a fixed order (Chan et al.; the module docstring's step 2)."""
+def _bn_finalize_kernel(ws, saved, rmean, rvar, C, NCH, total, unbias, eps, momentum,
+                        skip_ptr, UPDATE: tl.constexpr, GATED: tl.constexpr,
+                        CB: tl.constexpr, NCHP: tl.constexpr):
+    """Merge each channel's chunk partials; write saved (mean, inv_std) and running stats
+    (GATED: not where skip_ptr's float is non-zero, a bad batch's count)."""
+    c = tl.program_id(0) * CB + tl.arange(0, CB)
+    cm = c < C
     k = tl.arange(0, NCHP)
     m = cm[:, None] & (k < NCH)[None, :]
     p = ws + (c[:, None] * NCH + k[None, :]) * 3
@@ -188,44 +187,31 @@ def _merged_stats(ws, c, cm, NCH, total, eps, NCHP: tl.constexpr):
     mean = tl.sum(cnt * mu, axis=1) / total
     d = tl.where(m, mu - mean[:, None], 0.0)
     var = (tl.sum(m2, axis=1) + tl.sum(cnt * d * d, axis=1)) / total
-    return mean, var, 1.0 / tl.sqrt(var + eps)
+    inv_std = 1.0 / tl.sqrt(var + eps)
+    tl.store(saved + c, mean, mask=cm)
+    tl.store(saved + C + c, inv_std, mask=cm)
+    if UPDATE:
+        if GATED:
+            cm = cm & (tl.load(skip_ptr + c * 0) == 0.0)      # the flag, per channel
+        rm = tl.load(rmean + c, mask=cm, other=0.0)
+        rv = tl.load(rvar + c, mask=cm, other=0.0)
+        tl.store(rmean + c, (1.0 - momentum) * rm + momentum * mean, mask=cm)
+        tl.store(rvar + c, (1.0 - momentum) * rv + momentum * (var * unbias), mask=cm)
 
 
 @triton.jit
-def _bn_norm_kernel(x, y, saved, gamma, beta, res, ws, rmean, rvar, skip_ptr, NC, C, HW, NCH,
-                    total, unbias, eps, momentum, R: tl.constexpr, COLS: tl.constexpr,
-                    RELU: tl.constexpr = False, RESIDUAL: tl.constexpr = False,
-                    MERGE: tl.constexpr = False, UPDATE: tl.constexpr = False,
-                    GATED: tl.constexpr = False, NCHP: tl.constexpr = 2):
+def _bn_norm_kernel(x, y, saved, gamma, beta, res, NC, C, HW,
+                    R: tl.constexpr, COLS: tl.constexpr, RELU: tl.constexpr = False,
+                    RESIDUAL: tl.constexpr = False):
     """y = (x - mean) * (inv_std * gamma) + beta over [R rows of N*C, COLS of HW] tiles;
     RESIDUAL: + res (a residual add fused into the batch norm), RELU: then max(y, 0)
-    stored instead (a ReLU fused into it, sched/fuse.py).
-    MERGE (the forward pass): each program merges its channels' chunk partials from ws
-    itself (no merge pass of its own), and the programs holding image 0's first
-    columns write saved and (UPDATE) the running statistics, GATED: not where skip_ptr's
-    float is non-zero (a bad batch's count). Else (a rebuild) mean, inv_std come from saved.
-    """
+    stored instead (a ReLU fused into it, sched/fuse.py)."""
     rows = tl.program_id(0).to(tl.int64) * R + tl.arange(0, R)
     cols = tl.program_id(1) * COLS + tl.arange(0, COLS)
     rm = rows < NC
     c = (rows % C).to(tl.int32)
-    if MERGE:
-        mean, var, inv = _merged_stats(ws, c, rm, NCH, total, eps, NCHP)
-        if tl.program_id(1) == 0:
-            first = rm & (rows < C)                           # one lane per channel
-            tl.store(saved + c, mean, mask=first)
-            tl.store(saved + C + c, inv, mask=first)
-            if UPDATE:
-                if GATED:
-                    first = first & (tl.load(skip_ptr + c * 0) == 0.0)   # the flag
-                r_mean = tl.load(rmean + c, mask=first, other=0.0)
-                r_var = tl.load(rvar + c, mask=first, other=0.0)
-                tl.store(rmean + c, (1.0 - momentum) * r_mean + momentum * mean, mask=first)
-                tl.store(rvar + c, (1.0 - momentum) * r_var + momentum * (var * unbias),
-                         mask=first)
-    else:
-        mean = tl.load(saved + c, mask=rm, other=0.0)
-        inv = tl.load(saved + C + c, mask=rm, other=0.0)
+    mean = tl.load(saved + c, mask=rm, other=0.0)
+    inv = tl.load(saved + C + c, mask=rm, other=0.0)
     scale = inv * tl.load(gamma + c, mask=rm, other=0.0)
     b = tl.load(beta + c, mask=rm, other=0.0)
     m = rm[:, None] & (cols < HW)[None, :]
@@ -300,24 +286,19 @@ def _bn_bwd_partial_kernel(x, dy, saved, ws, y, dyo, N, C, HW, RPC, CPC, NCH, NH
 
 
 @triton.jit
-def _merged_sums(ws, saved, c, cm, C, NCH, NCHP: tl.constexpr):
-    """(dbeta, dgamma) of each channel `c` (where cm): its chunk partials summed in a fixed
-    order, sum dy and inv_std * sum dy (x - mean)."""
+def _bn_bwd_finalize_kernel(ws, sums, saved, dgamma, dbeta, C, NCH,
+                            HAS_DG: tl.constexpr, HAS_DB: tl.constexpr,
+                            CB: tl.constexpr, NCHP: tl.constexpr):
+    """sums[0, c] = dbeta = sum dy, sums[1, c] = dgamma = inv_std * sum dy (x - mean)."""
+    c = tl.program_id(0) * CB + tl.arange(0, CB)
+    cm = c < C
     k = tl.arange(0, NCHP)
     m = cm[:, None] & (k < NCH)[None, :]
     p = ws + (c[:, None] * NCH + k[None, :]) * 2
     db = tl.sum(tl.load(p, mask=m, other=0.0), axis=1)
     dg = tl.sum(tl.load(p + 1, mask=m, other=0.0), axis=1) * tl.load(saved + C + c, mask=cm)
-    return db, dg
-
-
-@triton.jit
-def _bn_bwd_finalize_kernel(ws, saved, dgamma, dbeta, C, NCH, HAS_DG: tl.constexpr,
-                            HAS_DB: tl.constexpr, CB: tl.constexpr, NCHP: tl.constexpr):
-    """dbeta, dgamma alone (a backward pass without dx: no pass over dx to merge them in)."""
-    c = tl.program_id(0) * CB + tl.arange(0, CB)
-    cm = c < C
-    db, dg = _merged_sums(ws, saved, c, cm, C, NCH, NCHP)
+    tl.store(sums + c, db, mask=cm)
+    tl.store(sums + C + c, dg, mask=cm)
     if HAS_DB:
         tl.store(dbeta + c, db, mask=cm)
     if HAS_DG:
@@ -325,28 +306,18 @@ def _bn_bwd_finalize_kernel(ws, saved, dgamma, dbeta, C, NCH, HAS_DG: tl.constex
 
 
 @triton.jit
-def _bn_dx_kernel(x, dy, dx, saved, gamma, ws, dgamma, dbeta, NC, C, HW, NCH, inv_n,
-                  ACC: tl.constexpr, R: tl.constexpr, COLS: tl.constexpr,
-                  NCHP: tl.constexpr, HAS_DG: tl.constexpr, HAS_DB: tl.constexpr):
-    """dx (+)= gamma inv_std (dy - dbeta/n - (x - mean) inv_std dgamma/n); each program
-    merges its channels' partials from ws itself, and those holding image 0's first
-    columns store dgamma, dbeta."""
+def _bn_dx_kernel(x, dy, dx, saved, gamma, sums, NC, C, HW, inv_n,
+                  ACC: tl.constexpr, R: tl.constexpr, COLS: tl.constexpr):
+    """dx (+)= gamma inv_std (dy - dbeta/n - (x - mean) inv_std dgamma/n)."""
     rows = tl.program_id(0).to(tl.int64) * R + tl.arange(0, R)
     cols = tl.program_id(1) * COLS + tl.arange(0, COLS)
     rm = rows < NC
     c = (rows % C).to(tl.int32)
-    db, dg = _merged_sums(ws, saved, c, rm, C, NCH, NCHP)
-    if tl.program_id(1) == 0:
-        first = rm & (rows < C)                               # one lane per channel
-        if HAS_DB:
-            tl.store(dbeta + c, db, mask=first)
-        if HAS_DG:
-            tl.store(dgamma + c, dg, mask=first)
     mean = tl.load(saved + c, mask=rm, other=0.0)
     inv = tl.load(saved + C + c, mask=rm, other=0.0)
     a = inv * tl.load(gamma + c, mask=rm, other=0.0)
-    mb = db * inv_n
-    kg = dg * inv * inv_n
+    mb = tl.load(sums + c, mask=rm, other=0.0) * inv_n
+    kg = tl.load(sums + C + c, mask=rm, other=0.0) * inv * inv_n
     m = rm[:, None] & (cols < HW)[None, :]
     offs = (rows * HW)[:, None] + cols[None, :]
     g = tl.load(dy + offs, mask=m, other=0.0)
@@ -394,14 +365,10 @@ def _check_x_with_saved(x, name, t, saved):
     return n, c, h, w
 
 
-def _padded(nch):
-    """A channel's chunk count rounded up to the power of two its merge's tile spans."""
-    return max(2, next_power_of_2(nch))
-
-
-def _channel_block(c, nch):
-    """Channels per program of the backward's merge alone (no dx): a tile of about _TILE."""
-    return max(2, min(next_power_of_2(c), _TILE // _padded(nch)))
+def _finalize_shape(c, nch):
+    nchp = max(2, next_power_of_2(nch))
+    cb = max(2, min(next_power_of_2(c), _TILE // nchp))
+    return cb, nchp
 
 
 def _elementwise_grid(n, c, hw):
@@ -461,19 +428,21 @@ def forward(x, gamma, beta, y, running_mean, running_var, saved, workspace, *,
     rows, cols = _tile_shape(rpc, min(cpc, hw))
     run(_bn_stats_kernel, (c * nch,), x, ws, n, c, hw, rpc, cpc, nch, nh,
         ROWS=rows, COLS=cols, num_warps=_WARPS)
+    total = n * hw
+    cb, nchp = _finalize_shape(c, nch)
     rm = running_mean if update_running else saved
     rv = running_var if update_running else saved
+    run(_bn_finalize_kernel, (cdiv(c, cb),), ws, saved, rm, rv, c, nch, float(total),
+        total / (total - 1), float(eps), float(momentum), skip_ptr,
+        UPDATE=update_running, GATED=gated, CB=cb, NCHP=nchp)
     grid, r, cols = _elementwise_grid(n, c, hw)
-    total = n * hw
-    run(_bn_norm_kernel, grid, x, y, saved, gamma, beta, res, ws, rm, rv, skip_ptr, n * c, c,
-        hw, nch, float(total), total / (total - 1), float(eps), float(momentum), R=r,
-        COLS=cols, RELU=relu, RESIDUAL=residual is not None, MERGE=True,
-        UPDATE=update_running, GATED=gated, NCHP=_padded(nch), num_warps=_WARPS)
+    run(_bn_norm_kernel, grid, x, y, saved, gamma, beta, res, n * c, c, hw, R=r, COLS=cols,
+        RELU=relu, RESIDUAL=residual is not None, num_warps=_WARPS)
 
 
 def rebuild(x, gamma, beta, y, saved, *, relu=False, residual=None):
     """y again from the mean and inverse deviation the forward pass saved: its third
-    kernel alone (x read once, not twice; one launch, not two), on the same inputs and
+    kernel alone (x read once, not twice; one launch, not three), on the same inputs and
     statistics, so the same bits (`relu` and `residual` as in forward)."""
     n, c, h, w = _check_x_with_saved(x, "y", y, saved)
     _check_relu(relu)
@@ -485,9 +454,8 @@ def rebuild(x, gamma, beta, y, saved, *, relu=False, residual=None):
                      [("x", x), ("gamma", gamma), ("beta", beta), ("saved", saved),
                       ("residual", residual)])
     grid, r, cols = _elementwise_grid(n, c, h * w)
-    run(_bn_norm_kernel, grid, x, y, saved, gamma, beta, res, saved, saved, saved, saved,
-        n * c, c, h * w, 1, 1.0, 1.0, 1.0, 0.0, R=r, COLS=cols, RELU=relu,
-        RESIDUAL=residual is not None, num_warps=_WARPS)
+    run(_bn_norm_kernel, grid, x, y, saved, gamma, beta, res, n * c, c, h * w, R=r,
+        COLS=cols, RELU=relu, RESIDUAL=residual is not None, num_warps=_WARPS)
 
 
 def forward_eval(x, gamma, beta, y, running_mean, running_var, *, eps=1e-5, relu=False,
@@ -573,15 +541,14 @@ def backward(x, gamma, dy, saved, dx, dgamma, dbeta, workspace, *, accumulate=Fa
         WRITE=dy_out is not None, num_warps=_WARPS)
     if dy_out is not None:
         dy = dy_out
+    sums = ws[c * nch * 2: c * nch * 2 + 2 * c]
+    cb, nchp = _finalize_shape(c, nch)
+    run(_bn_bwd_finalize_kernel, (cdiv(c, cb),),
+        ws, sums, saved, dgamma if dgamma is not None else sums,
+        dbeta if dbeta is not None else sums, c, nch,
+        HAS_DG=dgamma is not None, HAS_DB=dbeta is not None, CB=cb, NCHP=nchp)
     if dx is None:
-        cb = _channel_block(c, nch)
-        run(_bn_bwd_finalize_kernel, (cdiv(c, cb),), ws, saved,
-            dgamma if dgamma is not None else ws, dbeta if dbeta is not None else ws, c, nch,
-            HAS_DG=dgamma is not None, HAS_DB=dbeta is not None, CB=cb, NCHP=_padded(nch))
         return
     grid, r, cols = _elementwise_grid(n, c, hw)
-    run(_bn_dx_kernel, grid, x, dy, dx, saved, gamma, ws,
-        dgamma if dgamma is not None else ws, dbeta if dbeta is not None else ws,
-        n * c, c, hw, nch, 1.0 / (n * hw), ACC=accumulate, R=r, COLS=cols,
-        NCHP=_padded(nch), HAS_DG=dgamma is not None, HAS_DB=dbeta is not None,
-        num_warps=_WARPS)
+    run(_bn_dx_kernel, grid, x, dy, dx, saved, gamma, sums, n * c, c, hw, 1.0 / (n * hw),
+        ACC=accumulate, R=r, COLS=cols, num_warps=_WARPS)

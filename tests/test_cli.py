@@ -94,6 +94,20 @@ def test_no_gpu_refuses_device_cuda(capsys):
     assert status == 2 and "--device cpu" in err and len(err.splitlines()) == 1
 
 
+@pytest.mark.parametrize("flags, graphed", [
+    ([], True), (["--no-cuda-graph"], False), (["--cuda-graph"], True),
+    (["--trace", "{tmp}/t.json"], False), (["--device", "cpu"], False)])
+def test_cuda_graph_is_the_default_on_a_gpu_unless_traced(flags, graphed, tmp_path,
+                                                          monkeypatch):
+    """On a GPU the train command replays its steps as a CUDA graph unless told not to or
+    asked for a trace (which records eager steps); on the CPU it never does."""
+    monkeypatch.setattr(cli, "_default_device", lambda: "cuda")
+    monkeypatch.setattr(cli, "_check_room", lambda *a: None)
+    args = cli._parser().parse_args(["train"] + [f.format(tmp=tmp_path) for f in flags])
+    cli._check_args(args)
+    assert args.cuda_graph is graphed
+
+
 @pytest.mark.parametrize("command", [["plan"], ["trace", "t.json"]])
 def test_missing_matplotlib_is_one_line(command, monkeypatch, tmp_path, capsys):
     monkeypatch.setitem(sys.modules, "matplotlib", None)     # import matplotlib fails
@@ -267,19 +281,21 @@ def test_gpu_train_notice_rate_and_trace(tmp_path, monkeypatch, capsys):
 
 @pytest.mark.gpu
 def test_gpu_train_cuda_graph_under_the_linear_schedule_is_the_eager_run(tmp_path, capsys):
-    """--cuda-graph under the default schedule (a new rate every step, read from the pool:
-    one capture serves them all) ends bitwise where the eager run does, AlexNet's dropout
-    masks included; the two checkpoints hold the same state."""
+    """The train command's default on a GPU, a CUDA graph, under the default schedule (a
+    new rate every step, read from the pool: one capture serves them all) ends bitwise where
+    the --no-cuda-graph run does, AlexNet's dropout masks included; the two checkpoints hold
+    the same state."""
     from tinysn import checkpoint
     saved = {}
     for mode in ("eager", "graph"):
         saved[mode] = tmp_path / f"{mode}.safetensors"
-        status, _, err = run_main(["train", "--model", "alexnet", "--data", "synthetic",
-                                   "--batch", "4", "--steps", "6", "--memory", "2GiB",
-                                   "--policy", "all", "--device", "cuda",
-                                   "--save", str(saved[mode])]
-                                  + (["--cuda-graph"] if mode == "graph" else []), capsys)
+        status, out, err = run_main(["train", "--model", "alexnet", "--data", "synthetic",
+                                     "--batch", "4", "--steps", "6", "--memory", "2GiB",
+                                     "--policy", "all", "--device", "cuda",
+                                     "--save", str(saved[mode])]
+                                    + (["--no-cuda-graph"] if mode == "eager" else []), capsys)
         assert status == 0, err
+        assert ("replayed as a CUDA graph" in out) == (mode == "graph")
     eager, graph = (checkpoint.read(saved[mode])[0] for mode in ("eager", "graph"))
     assert eager.keys() == graph.keys()
     for name, value in eager.items():

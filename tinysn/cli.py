@@ -5,7 +5,8 @@
          held-out accuracy and loss (eval mode), the zoo models on a fixed synthetic
          ImageNet-shaped batch, any model on a directory of images (--data
          imagefolder:PATH); --save/--save-every write checkpoints, --resume continues one
-         exactly.
+         exactly. On a GPU each step after the first few is replayed as a captured CUDA
+         graph (--no-cuda-graph: every step launched from Python).
   plan   dry-runs the scheduler for every policy (or one) and prints the peak, the bytes moved
          and the recomputed steps; for a policy that does not fit, the smallest --memory and
          the largest --batch that would; --plot draws the memory timeline (the paper's Fig. 10).
@@ -163,9 +164,10 @@ def _train_parser(p):
     p.add_argument("--trace", default=None,
                    help="write the last step's kernels and copies as a Chrome trace (.json; "
                         "open it in Perfetto or chrome://tracing)")
-    p.add_argument("--cuda-graph", action="store_true",
-                   help="replay each step as a CUDA graph (GPU only; any --schedule: the "
-                        "updates read the rate from the pool)")
+    p.add_argument("--cuda-graph", action=argparse.BooleanOptionalAction, default=None,
+                   help="replay each step after the first few as one captured CUDA graph "
+                        "(the default on a GPU unless --trace; any --schedule: the updates "
+                        "read the rate from the pool)")
     p.add_argument("--bucket-bytes", type=_checked(parse_bucket_bytes, "--bucket-bytes 25MiB"),
                    default=BUCKET_BYTES, help="under torchrun: gradient bytes per all-reduce "
                                               "bucket (layers in backward order)")
@@ -252,6 +254,8 @@ def _check_args(args) -> None:
     if args.cuda_graph and args.device != "cuda":
         raise UsageError("--cuda-graph replays steps captured on a GPU: drop it on the CPU "
                          "(--device cpu)")
+    if args.cuda_graph is None:         # replayed wherever it can be: the fast way by default
+        args.cuda_graph = args.device == "cuda" and not args.trace
     _check_room("--memory", args.memory, args.device)
     if args.host_memory is not None:
         _check_room("--host-memory", args.host_memory, "cpu")
@@ -450,7 +454,9 @@ def _train(args) -> int:
         raise UsageError(str(err)) from None
     ranks = f" x {world} ranks" if world > 1 else ""
     print(f"{args.model} batch {args.batch}{ranks} on {rt.device}, policy {args.policy}, cap "
-          f"{format_bytes(rt.plan.capacity)}: planned peak {format_bytes(rt.plan.peak_bytes)}")
+          f"{format_bytes(rt.plan.capacity)}: planned peak {format_bytes(rt.plan.peak_bytes)}"
+          + (f"; steps after the first {GRAPH_WARMUP} replayed as a CUDA graph "
+             "(--no-cuda-graph: eager)" if args.cuda_graph else ""))
     if args.trace:
         from .trace import Recorder
         rt.recorder = Recorder()

@@ -2,7 +2,7 @@
 
     PYTHONPATH=. python bench/train.py --model resnet50 [--batch 32] [--out PATH]
     PYTHONPATH=. python bench/train.py --table bench/results/train-*.json   # bench/README rows
-    PYTHONPATH=. python bench/train.py --summary bench/results/train-*.json  # README's table
+    PYTHONPATH=. python bench/train.py --summary FILE...  # README's table: a row per model
 
 Every configuration runs in this one process and is timed the same way: `--warmup` steps,
 then `--rounds` rounds of `--steps` back-to-back training steps, each round between two
@@ -366,7 +366,7 @@ def main(argv=None) -> dict:
     if argv is None and sys.argv[1:2] == ["--table"]:
         return print_tables(sys.argv[2:])
     if argv is None and sys.argv[1:2] == ["--summary"]:
-        return print("\n".join(summary_row(common.read(path)) for path in sys.argv[2:]))
+        return print("\n".join(summary_rows([common.read(path) for path in sys.argv[2:]])))
     args = parse_args(argv)
     cuda = torch.cuda.is_available()
     device = torch.device("cuda" if cuda else "cpu")
@@ -404,22 +404,54 @@ MODEL_NAMES = {"resnet50": "ResNet-50", "vgg16": "VGG16", "alexnet": "AlexNet",
                "inception_v4": "Inception-v4"}
 
 
-def summary_row(result: dict) -> str:
-    """README.md's speed-table row for one result: the best PyTorch configuration's
-    images/s, then tinysn's first policy replayed as a CUDA graph and eager, each with its
-    ratio to that best (a refused or failed configuration says so)."""
-    best = max((r for r in result["pytorch"] if "images_per_s" in r),
-               key=lambda r: r["images_per_s"])
-    cells = [MODEL_NAMES.get(result["model"], result["model"]),
-             f"{best['images_per_s']:,.0f} ({best['config']})"]
-    policy = result["tinysn"][0]["policy"]
+PLANNER_OPTIONS = ("fuse_bn_relu", "fuse_add_relu", "fuse_bn_add", "group_updates",
+                   "fuse_updates")
+
+
+def summary_rows(results: list) -> list:
+    """README.md's speed-table rows, one per model (in MODEL_NAMES' order, then the rest),
+    each from all of that model's result files."""
+    models = {}
+    for result in results:
+        models.setdefault(result["model"], []).append(result)
+    order = list(MODEL_NAMES)
+    ranked = sorted(models, key=lambda m: (order.index(m) if m in order else len(order), m))
+    return [summary_row(models[m]) for m in ranked]
+
+
+def summary_row(runs: list) -> str:
+    """README.md's speed-table row for one model from its result files on one card: the
+    fastest PyTorch configuration over all of them (each file is one process; the fastest
+    over several only raises the bar), then tinysn's first policy as the planner plans it
+    by default (rows with an option turned off are A/B runs, left out), replayed as a CUDA
+    graph and eager, each its fastest over the files with its ratio to that PyTorch best
+    (a configuration refused, failed or not reached in any file says so)."""
+    done = [r for run in runs for r in run["pytorch"] if "images_per_s" in r]
+    best = max(done, key=lambda r: r["images_per_s"])
+    untimed = [c for c in PYTORCH_CONFIGS if all(r["config"] != c for r in done)]
+    cells = [MODEL_NAMES.get(runs[0]["model"], runs[0]["model"]),
+             f"{best['images_per_s']:,.0f} ({best['config']}"
+             + "".join(f"; {c} not timed" for c in untimed) + ")"]
+    rows = [r for run in runs for r in run["tinysn"] if _default_options(r)]
+    policy = rows[0]["policy"]
     for graphed in (True, False):
-        row = next(r for r in result["tinysn"]
-                   if r["policy"] == policy and r["cuda_graph"] == graphed)
-        ratio = row.get("ratio_to_best")
-        cells.append("refused" if "refused" in row else "failed" if ratio is None else
-                     f"{row['images_per_s']:,.0f} ({ratio:.2f}x)")
+        mine = [r for r in rows if r["policy"] == policy and r["cuda_graph"] == graphed]
+        timed = [r for r in mine if "images_per_s" in r]
+        if timed:
+            fastest = max(timed, key=lambda r: r["images_per_s"])["images_per_s"]
+            cells.append(f"{fastest:,.0f} ({fastest / best['images_per_s']:.2f}x)")
+        else:
+            cells.append("not reached" if not mine else
+                         "refused" if any("refused" in r for r in mine) else "failed")
     return "| " + " | ".join(cells) + " |"
+
+
+def _default_options(row: dict) -> bool:
+    """Whether a tinysn row is its build's default, not an A/B run: every planner option
+    it records is at today's default (a row from before an option existed records none,
+    and ran as its build did by default)."""
+    defaults = sn.plan.__kwdefaults__
+    return all(row.get(name, defaults[name]) == defaults[name] for name in PLANNER_OPTIONS)
 
 
 def print_tables(paths) -> None:

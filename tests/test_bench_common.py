@@ -121,6 +121,29 @@ def test_train_bench_plans_batch_norm_relus_apart_when_asked(tmp_path):
         '| lenet, tinysn "all", CUDA graph, batch norms\' ReLUs apart | refused |')
 
 
+def test_summary_takes_the_fastest_pytorch_over_runs_and_leaves_a_b_rows_out():
+    """train.py --summary: one row per model over its files; the PyTorch reference is the
+    fastest configuration in any of them, tinysn's cells its default-option rows only (an
+    A/B run's turned-off option is not the default build), and an untimed torch.compile or
+    an unreached tinysn row is named."""
+    from bench import train
+
+    def run(pytorch, tinysn, model="resnet50"):
+        return {"model": model, "pytorch": [{"config": c, "images_per_s": v}
+                                            for c, v in pytorch.items()],
+                "tinysn": [{"policy": "all", "cuda_graph": g, "images_per_s": v, **flags}
+                           for g, v, flags in tinysn]}
+    runs = [run({"eager NCHW": 100, "eager channels-last": 200, "torch.compile": 150},
+                [(False, 50, {})]),
+            run({"eager NCHW": 120}, [(False, 40, {}), (True, 190, {})]),
+            run({"eager channels-last": 300}, [(True, 400, {"fuse_bn_add": False})]),
+            run({"eager NCHW": 10}, [(False, 5, {})], model="vgg16")]
+    assert train.summary_rows(runs) == [
+        "| ResNet-50 | 300 (eager channels-last) | 190 (0.63x) | 50 (0.17x) |",
+        "| VGG16 | 10 (eager NCHW; eager channels-last not timed; torch.compile not timed) "
+        "| not reached | 5 (0.50x) |"]
+
+
 def test_timed_steps_run_with_older_objects_frozen_and_count_collections():
     """train.timed freezes what was alive before the timed steps (a full collection then
     does not walk torch.compile's heap) and reports the seconds collections took."""

@@ -120,6 +120,20 @@ def test_readme_speed_table_quotes_the_json():
         assert "  " + row in text.splitlines(), row
 
 
+def test_readme_cpu_demo_figures_are_the_first_run_json():
+    """README.md's CPU demo figures (accuracy, steps, seconds on empty caches) are
+    bench/first_run.py's record of the README's first command, run with today's defaults."""
+    from tinysn import cli
+    run = load("first-run-lenet-digits-cpu.json")
+    assert run["command"] == ["tinysn", "train", "--model", "lenet", "--data", "digits"]
+    accuracy = next(x for x in run["cold"]["last_lines"] if "held-out accuracy" in x)
+    percent = accuracy.split("accuracy ")[1].split("%")[0]
+    steps = cli.DIGITS_STEPS
+    text = " ".join((ROOT / "README.md").read_text().split())
+    assert (f"prints {percent}% after {steps} steps and exits {run['cold']['total_s']:.1f} s "
+            f"after it starts, on empty caches") in text
+
+
 def test_every_script_result_has_the_one_envelope():
     """Every results JSON a bench script wrote carries common.write's envelope (the plan
     JSON and the step's trace are written by `python -m tinysn plan` and `train --trace`,

@@ -78,6 +78,12 @@ class _Formatter(argparse.ArgumentDefaultsHelpFormatter, argparse.RawDescription
         return super()._get_help_string(action)
 
 
+# The digits demo's default length: enough steps for LeNet to pass 95% held out, few enough
+# for the README's first command to finish within a minute on two CPU cores (README.md quotes
+# bench/results/first-run-lenet-digits-cpu.json).
+DIGITS_STEPS = 150
+
+
 def _checked(read, example):
     """An argparse type: `read(text)` or a one-line error that ends with a valid example."""
     def convert(text):
@@ -148,7 +154,7 @@ def _train_parser(p):
                         "imagefolder:PATH (one sub-directory of images per class; each "
                         "epoch's last partial batch is dropped)")
     p.add_argument("--steps", type=_checked(_count(1), "--steps 20"), default=None,
-                   help="iterations (default: 200 for digits, 20 otherwise)")
+                   help=f"iterations (default: {DIGITS_STEPS} for digits, 20 otherwise)")
     p.add_argument("--device", choices=["cpu", "cuda"], default=None,
                    help="default: cuda when a GPU is present")
     p.add_argument("--lr", type=_checked(_rate, "--lr 0.05"), default=None,
@@ -418,7 +424,7 @@ def _train(args) -> int:
     from . import cache, distributed
     from .runtime import GRAPH_WARMUP, Runtime
 
-    steps = args.steps or (200 if _dataset(args) == "digits" else 20)
+    steps = args.steps or (DIGITS_STEPS if _dataset(args) == "digits" else 20)
     lr = args.lr if args.lr is not None else (0.05 if _dataset(args) == "digits" else 0.01)
     group, rank, world = distributed.from_env(args.device)   # torchrun: one rank per process
     if rank:

@@ -1,0 +1,41 @@
+"""bench/bn_configs.py on the CPU: the shapes it sweeps, its constants put back, its checks."""
+import torch
+
+from bench import bn_configs
+from tinysn.kernels import bn
+
+
+def test_resnet50_batch_norm_shapes_and_counts():
+    shapes = dict(bn_configs.bn_shapes("resnet50", 32))
+    assert sum(shapes.values()) == 53                  # every batch norm of a step, once
+    assert next(iter(shapes)) == (32, 64, 112, 112)    # the largest first
+    assert shapes[(32, 256, 56, 56)] == 4              # layer1's three outputs and its shortcut
+
+
+def test_a_combination_changes_the_geometry_and_is_put_back():
+    """Each combination plans its chunks from its own constants (the memo cleared), is
+    checked against torch, and leaves kernels/bn.py's constants as they were."""
+    today = {name: getattr(bn, name) for name in bn_configs.CONSTANTS}
+    shape = (2, 4, 12, 12)
+    planned_today = bn.workspace_bytes(shape, "forward")
+    small = dict(today, _TARGET_PROGRAMS=4, _MIN_CHUNK=16)
+    large = dict(today, _TARGET_PROGRAMS=64, _MIN_CHUNK=16)
+    sizes = []
+    for combo in (small, large):
+        before = bn_configs.set_constants(combo)
+        sizes.append(bn.workspace_bytes(shape, "forward"))
+        bn_configs.set_constants(before)
+    assert sizes[0] < sizes[1]                          # more chunks, more partials
+    row = bn_configs.measure(large, [(shape, 3)], torch.device("cpu"))
+    assert row["correct"] and row["shapes"][0]["rel_err"] < 1e-5
+    timed = row["shapes"][0]
+    assert row["step_ms"] == 3 * (timed["forward_ms"] + timed["backward_ms"])
+    assert {name: getattr(bn, name) for name in bn_configs.CONSTANTS} == today
+    assert bn.workspace_bytes(shape, "forward") == planned_today
+
+
+def test_wrong_figures_are_never_the_pick(monkeypatch):
+    """A combination whose outputs are off is marked and its step time is infinite."""
+    monkeypatch.setattr(bn_configs.Case, "rel_err", lambda self: 1.0)
+    row = bn_configs.measure({}, [((2, 4, 6, 6), 1)], torch.device("cpu"))
+    assert not row["correct"] and row["step_ms"] == float("inf")

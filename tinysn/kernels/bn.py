@@ -368,6 +368,8 @@ def _check_x_with_saved(x, name, t, saved):
 
 
 def _finalize_shape(c, nch):
+    """(channels per program, padded chunk count) of a merge pass: one lane row per channel
+    over its chunks rounded up to a power of two, a tile of about _TILE."""
     nchp = max(2, next_power_of_2(nch))
     cb = max(2, min(next_power_of_2(c), _TILE // nchp))
     return cb, nchp

@@ -159,6 +159,7 @@ def main(argv=None) -> dict:
         result["rows"].append(row)
         print(f"{combo}: {row['step_ms']:.3f} ms a step" + ("" if row["correct"] else
                                                               " (wrong figures)"), flush=True)
+        common.write(args.out, result)      # so far: a run cut short keeps what it measured
     best = min(result["rows"], key=lambda r: r["step_ms"])
     mine = next((r for r in result["rows"] if r["constants"] == today), None)
     result["pick"] = best["constants"]

@@ -59,7 +59,7 @@ for stage in "$@"; do
     linear-configs) timeout ${LINEAR_S:-240} python3 bench/linear_configs.py --out "$OUT/linear-configs-$GPU.json" 2>&1 | tail -14 ;;
     # kernels/bn.py's block-shape constants swept on ResNet-50's batch-norm shapes (BN_ARGS:
     # e.g. --tiles 2048 --warps 8 to narrow it; 36 combinations by default)
-    bn-configs) timeout ${BN_S:-420} python3 bench/bn_configs.py ${BN_ARGS:-} --out "$OUT/bn-configs${BN_NAME:+-$BN_NAME}-$GPU.json" 2>&1 | tail -6 ;;
+    bn-configs) timeout ${BN_S:-420} python3 bench/bn_configs.py ${BN_ARGS:-} --out "$OUT/bn-configs${BN_NAME:+-$BN_NAME}-$GPU.json" 2>&1 | tail -42 ;;
     # device time per kernel of an eager step at batch 32 (PROFILE_MODELS picks models;
     # PROFILE_ARGS=--pytorch also profiles the torch.compile step, in the same file)
     profile)  for model in ${PROFILE_MODELS:-alexnet vgg16 resnet50}; do

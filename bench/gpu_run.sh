@@ -2,14 +2,14 @@
 # Every GPU figure in few calls on the device machine; each stage has its own time limit and
 # writes its results straight into $OUT (never into the tracked bench/results/).
 #   PYTHONPATH=. OUT=/some/dir bash bench/gpu_run.sh STAGE...
-# stages: first-run streams tests runtime conv-check conv-gap cap kernels conv-configs linear-configs bn-configs profile eager-profile pool train host-probe memory-a memory-b deep-graph trace oversub ddp-b32 ddp-largest
+# stages: first-run streams tests runtime conv-check conv-gap cap kernels conv-configs linear-configs bn-configs timer-queue profile eager-profile pool train host-probe memory-a memory-b deep-graph trace oversub ddp-b32 ddp-largest
 # (the ddp stages need two GPUs: bench/ddp.py, one file with both stages' configurations)
 # Copy a result into bench/results/ by hand once it is checked, one file per configuration.
 set -u
 export PYTHONPATH=${PYTHONPATH:-.}
 export PYTHONUNBUFFERED=1
 OUT=${OUT:-/tmp/tinysn-gpu}
-STAGES="first-run streams tests runtime conv-check conv-gap cap kernels conv-configs linear-configs bn-configs profile eager-profile pool train host-probe memory-a memory-b deep-graph trace oversub ddp-b32 ddp-largest"
+STAGES="first-run streams tests runtime conv-check conv-gap cap kernels conv-configs linear-configs bn-configs timer-queue profile eager-profile pool train host-probe memory-a memory-b deep-graph trace oversub ddp-b32 ddp-largest"
 for stage in "$@"; do
   case " $STAGES " in *" $stage "*) ;; *) echo "unknown stage '$stage' (stages: $STAGES)"; exit 2 ;; esac
 done
@@ -60,6 +60,8 @@ for stage in "$@"; do
     # kernels/bn.py's block-shape constants swept on ResNet-50's batch-norm shapes (BN_ARGS:
     # e.g. --tiles 2048 --warps 8 to narrow it; 36 combinations by default)
     bn-configs) timeout ${BN_S:-420} python3 bench/bn_configs.py ${BN_ARGS:-} --out "$OUT/bn-configs${BN_NAME:+-$BN_NAME}-$GPU.json" 2>&1 | tail -42 ;;
+    # the GPU's launch queue against bench_ms's held batches (the timer of every ranking)
+    timer-queue) timeout ${QUEUE_S:-150} python3 bench/timer_queue.py --out "$OUT/timer-queue-$GPU.json" 2>&1 | tail -20 ;;
     # device time per kernel of an eager step at batch 32 (PROFILE_MODELS picks models;
     # PROFILE_ARGS=--pytorch also profiles the torch.compile step, in the same file)
     profile)  for model in ${PROFILE_MODELS:-alexnet vgg16 resnet50}; do

@@ -128,14 +128,22 @@ class _FakeGPU:
     events read the GPU's clock. `issue_s(pass)` is the host's time per call in each timed
     pass after the first three calls."""
 
-    def __init__(self, kernel_s, issue_s):
+    def __init__(self, kernel_s, issue_s, queue=None):
         self.kernel_s, self.issue_s, self.host, self.gpu = kernel_s, issue_s, 0.0, 0.0
-        self.calls, self.holds = 0, []
+        self.calls, self.holds, self.starts, self.queue = 0, [], [], queue
 
     def call(self):
+        """Issue one call; with a launch queue of `queue` calls, the host waits at a full one
+        until the GPU has started the call `queue` places back."""
         self.calls += 1
         self.host += self.issue_s(len(self.holds)) if self.calls > 3 else self.issue_s(0)
-        self.gpu = max(self.gpu, self.host) + self.kernel_s
+        if self.queue and len(self.starts) >= self.queue:
+            self.host = max(self.host, self.starts[-self.queue])
+        self.starts.append(max(self.gpu, self.host))
+        self.gpu = self.starts[-1] + self.kernel_s
+
+    def synchronize(self):
+        self.host = max(self.host, self.gpu)
 
     def hold(self, seconds):
         self.holds.append(seconds)
@@ -169,6 +177,22 @@ def test_bench_ms_holds_longer_when_a_loaded_host_issued_slower_than_the_hold(mo
     ms = _common.bench_ms(gpu.call, rep_ms=2)
     assert len(gpu.holds) == 2 and gpu.holds[1] > 2 * gpu.holds[0]
     assert ms == pytest.approx(0.01)
+
+
+def test_bench_ms_keeps_each_held_batch_inside_the_launch_queue(monkeypatch):
+    """A kernel of 10 us that the host issues every 100 us, on a GPU whose launch queue holds
+    200 calls (an H100 blocks the host after about a thousand launches; bench/timer_queue.py):
+    100 ms of calls are 1000 calls, and queued behind one wait all calls past the 200th
+    would bracket the host's 100 us. bench_ms queues `_QUEUED_CALLS` behind each wait, and
+    reports the kernel's 10 us."""
+    gpu = _FakeGPU(kernel_s=1e-5, issue_s=lambda held: 1e-4, queue=200)
+    monkeypatch.setattr(_common.torch.cuda, "Event", gpu.event)
+    monkeypatch.setattr(_common.torch.cuda, "synchronize", gpu.synchronize)
+    monkeypatch.setattr(_common, "_hold_queue", gpu.hold)
+    monkeypatch.setattr(_common.time, "perf_counter", lambda: gpu.host)
+    ms = _common.bench_ms(gpu.call, rep_ms=100)
+    assert ms == pytest.approx(0.01)
+    assert len(gpu.holds) == 1000 // _common._QUEUED_CALLS + 1     # one wait per batch
 
 
 @pytest.mark.gpu

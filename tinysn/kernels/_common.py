@@ -198,7 +198,9 @@ def bench_ms(fn, quantiles=None, warmup_ms: float = 5, rep_ms: float = 20):
     Where the first calls show the host pacing the GPU, the timed calls are queued behind a
     GPU-side wait (`_hold_queue`) long enough for the host to enqueue all of them, so each
     pair of events brackets kernels back to back; where the GPU is the slower side, the
-    queue stays full by itself and nothing waits. A loaded host (other processes) can issue
+    queue stays full by itself and nothing waits. The calls go in batches of
+    `_QUEUED_CALLS`, each behind its own wait, as the GPU's launch queue holds about a
+    thousand launches and blocks the host past that. A loaded host (other processes) can issue
     slower than its first calls promised: when issuing outlasted the wait, the calls are
     timed again behind a wait twice that long (`_HOLD_TRIES` passes at most)."""
     fn()
@@ -214,24 +216,41 @@ def bench_ms(fn, quantiles=None, warmup_ms: float = 5, rep_ms: float = 20):
     estimate = max(start.elapsed_time(end) / 3, 1e-3)
     for _ in range(max(1, int(warmup_ms / estimate))):
         fn()
-    events = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
-              for _ in range(min(1000, max(1, int(rep_ms / estimate))))]
+    count = min(1000, max(1, int(rep_ms / estimate)))
     held = estimate < 1.5 * host * 1e3    # the host, not the GPU, paced those calls
-    hold_s = min(1.5 * (host + 1e-5) * len(events), _HOLD_MAX_S)
-    for _ in range(_HOLD_TRIES):
-        issue_s = _timed_calls(fn, events, hold_s if held else 0.0)
-        if not held or issue_s <= hold_s or hold_s == _HOLD_MAX_S:
-            break
-        hold_s = min(2 * issue_s, _HOLD_MAX_S)   # the host issued slower than the hold
-    times = sorted(a.elapsed_time(b) for a, b in events)
+    times = []
+    for first in range(0, count, _QUEUED_CALLS):
+        events = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
+                  for _ in range(min(_QUEUED_CALLS, count - first))]
+        _time_calls(fn, events, host if held else None)
+        times += [a.elapsed_time(b) for a, b in events]
+    times.sort()
     pick = lambda q: times[min(len(times) - 1, round(q * (len(times) - 1)))]  # noqa: E731
     return pick(0.5) if quantiles is None else [pick(q) for q in quantiles]
 
 
+def _time_calls(fn, events, host_s=None) -> None:
+    """Record `events` around calls of `fn`: queued behind a GPU-side wait where the host
+    paces the GPU (`host_s`: its seconds per call), else straight after one another. A wait
+    the host's issuing outlasted (a loaded host) is made twice that issuing and the calls
+    timed again, `_HOLD_TRIES` passes at most."""
+    if host_s is None:
+        _timed_calls(fn, events, 0.0)
+        return
+    hold_s = min(1.5 * (host_s + 1e-5) * len(events), _HOLD_MAX_S)
+    for _ in range(_HOLD_TRIES):
+        issue_s = _timed_calls(fn, events, hold_s)
+        if issue_s <= hold_s or hold_s == _HOLD_MAX_S:
+            return
+        hold_s = min(2 * issue_s, _HOLD_MAX_S)   # the host issued slower than the hold
+
+
 # Cached measurements of an older timer are not reused (kernels' tuning picks, conv rankings
-# and their times): version 2 times the GPU alone; version 1 timed the host's launch cost
-# wherever it exceeded the kernels' (small convs, small batches).
-TIMER_VERSION = 2
+# and their times): version 3 queues at most `_QUEUED_CALLS` calls behind each wait. Version 2
+# queued up to 1000, past the GPU's launch queue, and a small kernel's median was then the
+# host's pace (bench/timer_queue.py); version 1 timed the host's launch cost wherever it
+# exceeded the kernels' (small convs, small batches).
+TIMER_VERSION = 3
 
 # GPU clock cycles per second assumed by `_hold_queue` (the H200's boost clock is 1.98 GHz; a
 # slower clock only makes the wait longer, which is harmless)
@@ -240,6 +259,10 @@ _SPIN_HZ = 2.0e9
 
 _HOLD_TRIES = 3   # timed passes at most, each held twice as long as the last one's issuing
 _HOLD_MAX_S = 0.5   # the longest GPU-side wait `_hold_queue` makes
+# Calls timed behind one wait. The GPU's launch queue is finite: once it is full the host
+# blocks at each launch until the GPU has taken one, and every call after that times the
+# host's pace again. 64 calls of a few launches and two events each stay well inside it.
+_QUEUED_CALLS = 64
 
 
 def _timed_calls(fn, events, hold_s: float) -> float:

@@ -222,14 +222,14 @@ def bench_ms(fn, quantiles=None, warmup_ms: float = 5, rep_ms: float = 20):
     for first in range(0, count, _QUEUED_CALLS):
         events = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
                   for _ in range(min(_QUEUED_CALLS, count - first))]
-        _time_calls(fn, events, host if held else None)
+        _time_batch(fn, events, host if held else None)
         times += [a.elapsed_time(b) for a, b in events]
     times.sort()
     pick = lambda q: times[min(len(times) - 1, round(q * (len(times) - 1)))]  # noqa: E731
     return pick(0.5) if quantiles is None else [pick(q) for q in quantiles]
 
 
-def _time_calls(fn, events, host_s=None) -> None:
+def _time_batch(fn, events, host_s=None) -> None:
     """Record `events` around calls of `fn`: queued behind a GPU-side wait where the host
     paces the GPU (`host_s`: its seconds per call), else straight after one another. A wait
     the host's issuing outlasted (a loaded host) is made twice that issuing and the calls

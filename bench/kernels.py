@@ -45,11 +45,13 @@ def complete(rows) -> bool:
     return groups == set(GROUPS) and not any("error" in r and "shape" not in r for r in rows)
 
 
-def main():
+def main(argv=None):
     ap = argparse.ArgumentParser()
     ap.add_argument("--only", default=",".join(GROUPS),
                     help="comma-separated groups to run: " + ", ".join(GROUPS))
-    only = ap.parse_args().only.split(",")
+    ap.add_argument("--out", help="results JSON (none written without it)")
+    args = ap.parse_args(argv)
+    only = args.only.split(",")
     if not set(only) <= set(GROUPS):
         print(f"--only: unknown group in {only}; groups are {list(GROUPS)}")
         return 2

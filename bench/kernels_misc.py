@@ -142,12 +142,14 @@ def _bench_dropout(r, device, batch):
         y, dx = torch.empty_like(x), torch.empty_like(x)
         _, mask = torch.native_dropout(x, 0.5, True)
         n = x.numel()
+        step = torch.zeros(1, dtype=torch.int64, device=device)   # the runtime's step counter
+        mask_of = dict(p=0.5, seed=1234, iteration=step, layer=3, offset=5 * n)
         r.run("dropout.forward", "p=0.5", _shape(shape),
-              lambda: dropout.forward(x, y, p=0.5, seed=1234, offset=5 * n),
+              lambda: dropout.forward(x, y, **mask_of),
               lambda: torch.native_dropout(x, 0.5, True), nbytes=8 * n)
         r.rows[-1]["keep_fraction"] = (y != 0).double().mean().item()
         r.run("dropout.backward", "p=0.5", _shape(shape),
-              lambda: dropout.backward(dy, dx, p=0.5, seed=1234, offset=5 * n),
+              lambda: dropout.backward(dy, dx, **mask_of),
               lambda: torch.ops.aten.native_dropout_backward(dy, mask, 2.0), nbytes=8 * n)
 
 

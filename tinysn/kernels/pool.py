@@ -43,8 +43,10 @@ stay alive (y is not read by the max backward; the parameter is kept for a unifo
 Given a workspace of one byte per window (argmax_workspace_bytes; the planner grants it
 where the pool has room at that step, ops.SPARE), the backward finds every window's argmax
 once, into it (the forward kernel with STORE_ARG: 9 loads per window, about 2.25 per pixel
-for 3x3/2), and the gather reads one byte per candidate window instead of scanning it: two
-launches, the same bits. Windows that do not overlap (kernel <= stride) take none: a cell's
+for 3x3/2), and a second gather reads one byte per candidate window instead of scanning it:
+two launches, the same bits. That gather needs no cells (no scan to share between a cell's
+pixels): one lane per pixel, a program's lanes along whole input rows, so dx is stored 16
+bytes at a time where the cells' lanes store 4. Windows that do not overlap (kernel <= stride) take none: a cell's
 one window is the cell, so the gather's scan reads x once, as the argmax pass would again.
 
 Determinism: every output (and every dx) element is produced by one lane in a fixed order
@@ -78,6 +80,15 @@ _BWD_GPU = [
     triton.Config({"LANES": 2048}, num_warps=8),
 ]
 _BWD_INTERP = triton.Config({"LANES": INTERP_TILE}, num_warps=4)
+
+# the argmax backward's tiles: LANES pixels, BC columns of each of LANES // BC input rows
+_ROWS_GPU = [
+    triton.Config({"LANES": 1024}, num_warps=4),
+    triton.Config({"LANES": 2048}, num_warps=4),
+    triton.Config({"LANES": 2048}, num_warps=8),
+    triton.Config({"LANES": 4096}, num_warps=8),
+]
+_ROWS_INTERP = triton.Config({"LANES": INTERP_TILE}, num_warps=4)
 
 # global pooling sums across lanes (tl.sum), so its tile is fixed, not autotuned: the
 # summation order, hence every bit of the result, must not depend on a timing race
@@ -229,16 +240,14 @@ def _pool_global_fwd_kernel(x, y, planes, HW, IS_MAX: tl.constexpr, INDEX64: tl.
                  key=["total", "H", "W", "KH", "KW", "SH", "SW"], restore=["dx"])
 @triton.heuristics({"BLOCK": lambda a: max(2, a["LANES"] // a["CELLP"])})
 @triton.jit
-def _pool_bwd_kernel(x, argmax, dy, dx, total, H, W, OH, OW, NBH, NBW, OBH, OBW,
+def _pool_bwd_kernel(x, dy, dx, total, H, W, OH, OW, NBH, NBW, OBH, OBW,
                      KH: tl.constexpr, KW: tl.constexpr, SH: tl.constexpr, SW: tl.constexpr,
                      PH: tl.constexpr, PW: tl.constexpr, NH: tl.constexpr, NW: tl.constexpr,
-                     CELLP: tl.constexpr, IS_MAX: tl.constexpr, FROM_ARGMAX: tl.constexpr,
-                     ACC: tl.constexpr, INDEX64: tl.constexpr, LANES: tl.constexpr,
+                     CELLP: tl.constexpr, IS_MAX: tl.constexpr, ACC: tl.constexpr, INDEX64: tl.constexpr, LANES: tl.constexpr,
                      BLOCK: tl.constexpr, MASK: tl.constexpr = False):
-    """Gather: one lane per cell of SH x SW input pixels (cell = pixels sharing windows).
-    FROM_ARGMAX (max): each window's argmax is read from `argmax` (uint8 taps, as
-    _pool_fwd_kernel's STORE_ARG writes them) instead of found again from x. MASK: x is a
-    ReLU's output, and dx goes on through that ReLU's backward (0 where x <= 0).
+    """Gather: one lane per cell of SH x SW input pixels (cell = pixels sharing windows);
+    max: each candidate window's argmax is found again from x. MASK: x is a ReLU's output,
+    and dx goes on through that ReLU's backward (0 where x <= 0).
 
     Cell (orow, ocol) holds rows orow*SH - PH + r (r < SH) and cols ocol*SW - PW + q; its
     candidate windows are (orow - i, ocol - j), i < NH = ceil(KH/SH), j < NW. Pixel (r, q)
@@ -275,13 +284,9 @@ def _pool_bwd_kernel(x, argmax, dy, dx, total, H, W, OH, OW, NBH, NBW, OBH, OBW,
             wv = rv & (wc >= 0) & (wc < OW)
             inwin = ((r + i * SH) < KH) & ((q + j * SW) < KW) & emask
             g = tl.load(gp + wr * OW + wc, mask=wv, other=0.0)
-            if IS_MAX:
-                if FROM_ARGMAX:
-                    arg = tl.load(argmax + plane * OH * OW + wr * OW + wc, mask=wv,
-                                  other=0).to(tl.int32)
-                else:     # window (wr, wc) scanned as in the forward (first max wins)
-                    _, arg = _window_scan(xp, wr * SH - PH, wc * SW - PW, wv, H, W, KH, KW,
-                                          True, BLOCK)
+            if IS_MAX:    # window (wr, wc) scanned as in the forward (first max wins)
+                _, arg = _window_scan(xp, wr * SH - PH, wc * SW - PW, wv, H, W, KH, KW,
+                                      True, BLOCK)
                 rel = (r + i * SH) * KW + (q + j * SW)
                 hit = inwin[None, :] & (arg[:, None] == rel[None, :]) & wv[:, None]
                 acc += tl.where(hit, g[:, None], 0.0)
@@ -347,6 +352,59 @@ def _pool_tiles_bwd_kernel(x, dy, dx, ROWS, W, OW, KH: tl.constexpr, KW: tl.cons
     if MASK:            # as kernels/act.py's backward: where(y <= 0, 0, g)
         out = tl.where(v <= 0.0, 0.0, out)
     tl.store(dx + offs, out, mask=ok)
+
+
+@autotune(_ROWS_GPU, _ROWS_INTERP, key=["ROWS", "H", "W", "KH", "KW", "SH", "SW"],
+          restore=["dx"])
+@triton.heuristics({"BR": lambda a: max(1, a["LANES"] // a["BC"])})
+@triton.jit
+def _pool_argmax_bwd_kernel(x, argmax, dy, dx, ROWS, H: tl.constexpr, W: tl.constexpr,
+                            OH: tl.constexpr, OW: tl.constexpr, KH: tl.constexpr,
+                            KW: tl.constexpr, SH: tl.constexpr, SW: tl.constexpr,
+                            PH: tl.constexpr, PW: tl.constexpr, NH: tl.constexpr,
+                            NW: tl.constexpr, ACC: tl.constexpr, INDEX64: tl.constexpr,
+                            MASK: tl.constexpr, BC: tl.constexpr, LANES: tl.constexpr,
+                            BR: tl.constexpr):
+    """The max backward from stored argmaxes (`argmax`: one uint8 tap per window, as
+    _pool_fwd_kernel's STORE_ARG writes them), one lane per input pixel: a program takes
+    BR input rows (of all planes, flattened) and BC columns of each, so dx is stored (and x
+    read, for MASK) along whole rows, 16 bytes at a time. Pixel (ih, iw) lies in windows
+    (oh - i, ow - j), i < NH, j < NW, with oh = (ih + PH) // SH, ow = (iw + PW) // SW, at
+    tap (ih + PH - (oh - i) * SH) * KW + (iw + PW - (ow - j) * SW); each window whose argmax
+    is that tap adds its dy, in _pool_bwd_kernel's order (i, then j, from 0.0), so the two
+    kernels give the same bits. MASK and ACC as _pool_bwd_kernel."""
+    if INDEX64:
+        rows = tl.program_id(0).to(tl.int64) * BR + tl.arange(0, BR)
+    else:
+        rows = tl.program_id(0) * BR + tl.arange(0, BR)
+    cols = tl.program_id(1) * BC + tl.arange(0, BC)
+    plane = rows // H
+    ih = rows % H
+    ok = (rows < ROWS)[:, None] & (cols < W)[None, :]
+    oh = (ih + PH) // SH
+    ow = (cols + PW) // SW
+    acc = tl.zeros([BR, BC], tl.float32)
+    for i in tl.static_range(NH):
+        wr = oh - i
+        dr = ih + PH - wr * SH                                  # the tap's row in window wr
+        rv = (rows < ROWS) & (wr >= 0) & (wr < OH) & (dr < KH)
+        for j in tl.static_range(NW):
+            wc = ow - j
+            dc = cols + PW - wc * SW
+            cv = (cols < W) & (wc >= 0) & (wc < OW) & (dc < KW)
+            wv = rv[:, None] & cv[None, :]
+            at = (plane * (OH * OW) + wr * OW)[:, None] + wc[None, :]
+            g = tl.load(dy + at, mask=wv, other=0.0)
+            arg = tl.load(argmax + at, mask=wv, other=0).to(tl.int32)
+            hit = wv & (arg == (dr * KW)[:, None] + dc[None, :])
+            acc += tl.where(hit, g, 0.0)
+    offs = rows[:, None] * W + cols[None, :]
+    if ACC:
+        acc += tl.load(dx + offs, mask=ok, other=0.0)
+    if MASK:            # as kernels/act.py's backward: where(y <= 0, 0, g)
+        xv = tl.load(x + offs, mask=ok, other=0.0)
+        acc = tl.where(xv <= 0.0, 0.0, acc)
+    tl.store(dx + offs, acc, mask=ok)
 
 
 # ----------------------------------------------------------------------------- launchers
@@ -418,30 +476,54 @@ def backward(x, y, dy, dx, *, mode, kernel, stride, padding, accumulate=False,
     if dx is None or ref.numel() == 0:
         return
     x = x if x is not None else dx      # average pooling never reads x
-    n, c, oh, ow = shape
-    h, w = x.shape[2], x.shape[3]
+    params = (kh, kw, sh, sw, ph, pw)
     argmax = _argmax_buffer(workspace, shape, kernel, is_max, x, dx)
-    if argmax is None and _tiles_input(h, w, kh, kw, sh, sw, ph, pw):
+    if argmax is not None:
+        _launch_argmax_bwd(x, argmax, dy, dx, params, accumulate, x_is_relu_output)
+    elif _tiles_input(x.shape[2], x.shape[3], *params):
         _launch_tiles_bwd(x, dy, dx, kh, kw, is_max, accumulate, x_is_relu_output)
-        return
+    else:
+        _launch_cells_bwd(x, dy, dx, params, is_max, accumulate, x_is_relu_output)
+
+
+def _launch_cells_bwd(x, dy, dx, params, is_max, accumulate, relu_mask):
+    """dx by the gather over cells of SH x SW input pixels (_pool_bwd_kernel), each max
+    window's argmax found again from x."""
+    kh, kw, sh, sw, ph, pw = params
+    n, c, h, w = dx.shape
+    oh, ow = dy.shape[2], dy.shape[3]
     obh, obw = ph // sh, pw // sw                    # first cell's owner window row / col
     nbh = (h - 1 + ph) // sh - obh + 1
     nbw = (w - 1 + pw) // sw - obw + 1
     total = n * c * nbh * nbw
-    nh = -(-kh // sh)
-    nw = -(-kw // sw)
     cellp = max(2, next_power_of_2(sh * sw))
-    index64 = x.numel() > _INT32_LIMIT
-    if argmax is not None:
-        launch(_pool_fwd_kernel, lambda meta: (cdiv(argmax.numel(), meta["BLOCK"]),),
-               (x, argmax, argmax.numel(), h, w, oh, ow),
-               dict(KH=kh, KW=kw, SH=sh, SW=sw, PH=ph, PW=pw, IS_MAX=True,
-                    INDEX64=index64, STORE_ARG=True))
     launch(_pool_bwd_kernel, lambda meta: (cdiv(total, max(2, meta["LANES"] // cellp)),),
-           (x, x if argmax is None else argmax, dy, dx, total, h, w, oh, ow, nbh, nbw, obh, obw),
-           dict(KH=kh, KW=kw, SH=sh, SW=sw, PH=ph, PW=pw, NH=nh, NW=nw, CELLP=cellp,
-                IS_MAX=is_max, FROM_ARGMAX=argmax is not None, ACC=accumulate,
-                INDEX64=index64, MASK=x_is_relu_output))
+           (x, dy, dx, total, h, w, oh, ow, nbh, nbw, obh, obw),
+           dict(KH=kh, KW=kw, SH=sh, SW=sw, PH=ph, PW=pw, NH=-(-kh // sh), NW=-(-kw // sw),
+                CELLP=cellp, IS_MAX=is_max, ACC=accumulate,
+                INDEX64=x.numel() > _INT32_LIMIT, MASK=relu_mask))
+
+
+def _launch_argmax_bwd(x, argmax, dy, dx, params, accumulate, relu_mask):
+    """dx of max pooling in two launches: every window's argmax found once, into `argmax`
+    (_pool_fwd_kernel's STORE_ARG), then the gather over whole input rows, BC columns at a
+    time (up to 128 pixels of a row), that reads it (_pool_argmax_bwd_kernel)."""
+    kh, kw, sh, sw, ph, pw = params
+    n, c, h, w = dx.shape
+    oh, ow = dy.shape[2], dy.shape[3]
+    launch(_pool_fwd_kernel, lambda meta: (cdiv(argmax.numel(), meta["BLOCK"]),),
+           (x, argmax, argmax.numel(), h, w, oh, ow),
+           dict(KH=kh, KW=kw, SH=sh, SW=sw, PH=ph, PW=pw, IS_MAX=True,
+                INDEX64=x.numel() > _INT32_LIMIT, STORE_ARG=True))
+    rows = n * c * h
+    bc = min(next_power_of_2(w), 128)
+
+    def grid(meta):
+        return (cdiv(rows, max(1, meta["LANES"] // bc)), cdiv(w, bc))
+    launch(_pool_argmax_bwd_kernel, grid, (x, argmax, dy, dx, rows),
+           dict(H=h, W=w, OH=oh, OW=ow, KH=kh, KW=kw, SH=sh, SW=sw, PH=ph, PW=pw,
+                NH=-(-kh // sh), NW=-(-kw // sw), ACC=accumulate,
+                INDEX64=dx.numel() > _INT32_LIMIT, MASK=relu_mask, BC=bc))
 
 
 def _tiles_input(h, w, kh, kw, sh, sw, ph, pw):

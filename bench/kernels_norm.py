@@ -185,6 +185,20 @@ def _bench_pool(r, device, batch):
                   lambda: pool.backward(x, y, dy, dx, workspace=ws, **kw), t_bwd,
                   nbytes=sx + sy + sx, check=lambda: _rel(dx, tdx),
                   torch_op="max_pool2d_with_indices_backward")
+            params = (k, k, st, st, p, p)
+            r.run("pool.backward", "max, its argmax pass alone", name,
+                  lambda: pool._find_argmaxes(x, ws, oshape[2], oshape[3], params), t_fwd,
+                  nbytes=sx + room, torch_op="max_pool2d_with_indices (its forward)")
+            relu_x = x.clamp(min=0)
+
+            def t_bwd_relu():
+                t_bwd()
+                torch.ops.aten.threshold_backward.grad_input(tdx, relu_x, 0.0, grad_input=tdx)
+
+            r.run("pool.backward", "max from the workspace, through the ReLU before it", name,
+                  lambda: pool.backward(relu_x, y, dy, dx, workspace=ws, x_is_relu_output=True,
+                                        **kw), t_bwd_relu, nbytes=sx + sy + sx + sx,
+                  torch_op="max_pool2d_with_indices_backward, threshold_backward")
         else:
             def t_fwd():
                 torch.ops.aten.avg_pool2d.out(x, [k, k], [st, st], [p, p], False, True, None,

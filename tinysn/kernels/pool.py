@@ -511,10 +511,7 @@ def _launch_argmax_bwd(x, argmax, dy, dx, params, accumulate, relu_mask):
     kh, kw, sh, sw, ph, pw = params
     n, c, h, w = dx.shape
     oh, ow = dy.shape[2], dy.shape[3]
-    launch(_pool_fwd_kernel, lambda meta: (cdiv(argmax.numel(), meta["BLOCK"]),),
-           (x, argmax, argmax.numel(), h, w, oh, ow),
-           dict(KH=kh, KW=kw, SH=sh, SW=sw, PH=ph, PW=pw, IS_MAX=True,
-                INDEX64=x.numel() > _INT32_LIMIT, STORE_ARG=True))
+    _find_argmaxes(x, argmax, oh, ow, params)
     rows = n * c * h
     bc = min(next_power_of_2(w), 128)
 
@@ -524,6 +521,17 @@ def _launch_argmax_bwd(x, argmax, dy, dx, params, accumulate, relu_mask):
            dict(H=h, W=w, OH=oh, OW=ow, KH=kh, KW=kw, SH=sh, SW=sw, PH=ph, PW=pw,
                 NH=-(-kh // sh), NW=-(-kw // sw), ACC=accumulate,
                 INDEX64=dx.numel() > _INT32_LIMIT, MASK=relu_mask, BC=bc))
+
+
+def _find_argmaxes(x, argmax, oh, ow, params):
+    """The first launch of the max backward with a workspace (bench/kernels_norm.py times
+    it alone): each window's argmax tap into `argmax`, one uint8 per window of the OH x OW
+    output (_pool_fwd_kernel with STORE_ARG)."""
+    kh, kw, sh, sw, ph, pw = params
+    launch(_pool_fwd_kernel, lambda meta: (cdiv(argmax.numel(), meta["BLOCK"]),),
+           (x, argmax, argmax.numel(), x.shape[2], x.shape[3], oh, ow),
+           dict(KH=kh, KW=kw, SH=sh, SW=sw, PH=ph, PW=pw, IS_MAX=True,
+                INDEX64=x.numel() > _INT32_LIMIT, STORE_ARG=True))
 
 
 def _tiles_input(h, w, kh, kw, sh, sw, ph, pw):

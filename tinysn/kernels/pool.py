@@ -46,8 +46,9 @@ once, into it (the forward kernel with STORE_ARG: 9 loads per window, about 2.25
 for 3x3/2), and a second gather reads one byte per candidate window instead of scanning it:
 two launches, the same bits. That gather needs no cells (no scan to share between a cell's
 pixels): one lane per pixel, a program's lanes along whole input rows, so dx is stored 16
-bytes at a time where the cells' lanes store 4. Windows that do not overlap (kernel <= stride) take none: a cell's
-one window is the cell, so the gather's scan reads x once, as the argmax pass would again.
+bytes at a time where the cells' lanes store 4. Windows that do not overlap (kernel <=
+stride) take no workspace: a cell's one window is the cell, so the gather's scan reads x
+once, as the argmax pass would again.
 
 Determinism: every output (and every dx) element is produced by one lane in a fixed order
 (window scan; candidate windows i, j ascending), so the autotuned block sizes do not change
@@ -243,8 +244,9 @@ def _pool_global_fwd_kernel(x, y, planes, HW, IS_MAX: tl.constexpr, INDEX64: tl.
 def _pool_bwd_kernel(x, dy, dx, total, H, W, OH, OW, NBH, NBW, OBH, OBW,
                      KH: tl.constexpr, KW: tl.constexpr, SH: tl.constexpr, SW: tl.constexpr,
                      PH: tl.constexpr, PW: tl.constexpr, NH: tl.constexpr, NW: tl.constexpr,
-                     CELLP: tl.constexpr, IS_MAX: tl.constexpr, ACC: tl.constexpr, INDEX64: tl.constexpr, LANES: tl.constexpr,
-                     BLOCK: tl.constexpr, MASK: tl.constexpr = False):
+                     CELLP: tl.constexpr, IS_MAX: tl.constexpr, ACC: tl.constexpr,
+                     INDEX64: tl.constexpr, LANES: tl.constexpr, BLOCK: tl.constexpr,
+                     MASK: tl.constexpr = False):
     """Gather: one lane per cell of SH x SW input pixels (cell = pixels sharing windows);
     max: each candidate window's argmax is found again from x. MASK: x is a ReLU's output,
     and dx goes on through that ReLU's backward (0 where x <= 0).

@@ -385,20 +385,22 @@ def _pool_argmax_bwd_kernel(x, argmax, dy, dx, ROWS, H: tl.constexpr, W: tl.cons
     ok = (rows < ROWS)[:, None] & (cols < W)[None, :]
     oh = (ih + PH) // SH
     ow = (cols + PW) // SW
+    dr = ih + PH - oh * SH                  # the pixel's place in window (oh, ow): row
+    dc = cols + PW - ow * SW                # and column
+    # window (oh - i, ow - j) is i * OW + j elements before (oh, ow), and the pixel's tap in
+    # it i * SH * KW + j * SW after: constants, so each load is one immediate offset away
+    at = (plane * (OH * OW) + oh * OW)[:, None] + ow[None, :]
+    dy_at, arg_at = dy + at, argmax + at
+    tap = (dr * KW)[:, None] + dc[None, :]
     acc = tl.zeros([BR, BC], tl.float32)
     for i in tl.static_range(NH):
-        wr = oh - i
-        dr = ih + PH - wr * SH                                  # the tap's row in window wr
-        rv = (rows < ROWS) & (wr >= 0) & (wr < OH) & (dr < KH)
+        rv = (rows < ROWS) & (oh >= i) & (oh - i < OH) & (dr + i * SH < KH)
         for j in tl.static_range(NW):
-            wc = ow - j
-            dc = cols + PW - wc * SW
-            cv = (cols < W) & (wc >= 0) & (wc < OW) & (dc < KW)
+            cv = (cols < W) & (ow >= j) & (ow - j < OW) & (dc + j * SW < KW)
             wv = rv[:, None] & cv[None, :]
-            at = (plane * (OH * OW) + wr * OW)[:, None] + wc[None, :]
-            g = tl.load(dy + at, mask=wv, other=0.0)
-            arg = tl.load(argmax + at, mask=wv, other=0).to(tl.int32)
-            hit = wv & (arg == (dr * KW)[:, None] + dc[None, :])
+            g = tl.load(dy_at - (i * OW + j), mask=wv, other=0.0)
+            arg = tl.load(arg_at - (i * OW + j), mask=wv, other=0).to(tl.int32)
+            hit = wv & (arg == tap + (i * SH * KW + j * SW))
             acc += tl.where(hit, g, 0.0)
     offs = rows[:, None] * W + cols[None, :]
     if ACC:

@@ -41,6 +41,8 @@ BIN = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin"
 # the instruction kinds the report lists (SASS opcodes, modifiers kept: LDG.E.128 is a
 # 16-byte load per thread, LDG.E a 4-byte one)
 _OPCODES = ("LDG", "STG", "UTMALDG", "UTMASTG", "HGMMA", "HMMA", "LDGSTS", "RED", "ATOM")
+# a line of cuobjdump's SASS listing that holds an instruction: "        /*0a40*/   IMAD ..."
+_INSTRUCTION = re.compile(r"\s+/\*[0-9a-f]{4,}\*/\s+\S")
 
 
 def cases(batch: int) -> dict:
@@ -238,7 +240,9 @@ def resources(compiled) -> dict:
     fields = dict(re.findall(r"(REG|LOCAL|STACK):(\d+)", usage))
     ops = sorted({word for line in sass.splitlines() for word in line.split()
                   if word.startswith(_OPCODES)})
+    instructions = sum(1 for line in sass.splitlines() if _INSTRUCTION.match(line))
     return {"registers": int(fields.get("REG", 0)), "local_bytes": int(fields.get("LOCAL", 0)),
+            "instructions": instructions,
             "stack_bytes": int(fields.get("STACK", 0)),
             "shared_bytes": int(compiled.metadata.shared), "opcodes": ops,
             "wgmma_a": wgmma_a_source(sass)}
@@ -272,6 +276,7 @@ def report(names, batch: int) -> list:
                 source = f"wgmma A {row['wgmma_a']} " if row["wgmma_a"] else ""
                 print(f"{name:32s} {fn.__name__:32s} w{row['num_warps']} "
                       f"reg {row['registers']:3d} local {row['local_bytes']:4d} "
+                      f"instr {row['instructions']:5d} "
                       f"smem {row['shared_bytes']:6d} {source}{' '.join(row['opcodes'])}  "
                       f"{config}",
                       flush=True)

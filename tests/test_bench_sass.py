@@ -6,6 +6,7 @@ breaks one of these fails here, before any GPU time); the SGD update's loads and
 compiled once per GPU config."""
 import json
 import os
+import re
 import subprocess
 import sys
 
@@ -54,6 +55,13 @@ def test_every_config_compiles_for_the_h200_without_spills(tmp_path):
     assert set(kernels["conv fwd splitk 512@7"]) == {"_conv_fwd_kernel", "_splitk_reduce_kernel"}
     assert set(kernels["conv dgrad flipped_splitk+ 512@7"]) == {
         "_weight_flip_kernel", "_conv_fwd_kernel", "_splitk_reduce_kernel"}
+    # max pooling's gather from stored argmaxes stores whole rows 16 bytes at a time, and
+    # each candidate window's loads are an immediate offset away (100 instructions per
+    # pixel when each computed its own addresses)
+    for r in (r for r in rows if r["kernel"] == "_pool_argmax_bwd_kernel"):
+        lanes = int(re.search(r"LANES: (\d+)", r["config"]).group(1))
+        assert "STG.E.128" in r["opcodes"], r["config"]
+        assert r["instructions"] * r["num_warps"] * 32 / lanes < 70, r
     gemm = [r for r in rows if r["case"] == "fc6 fwd"]
     assert len(gemm) == len({r["config"] for r in gemm}) == len(linear._gemm_kernel.all_configs)
     # every autotuned kernel of tinysn is among the cases, each with its whole GPU list

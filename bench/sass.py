@@ -102,6 +102,9 @@ def cases(batch: int) -> dict:
         "pool 2x2/2 bwd": lambda: pool.backward(
             t(n, 64, 224, 224), t(n, 64, 112, 112), t(n, 64, 112, 112),
             torch.empty(n, 64, 224, 224), mode="max", kernel=2, stride=2, padding=0),
+        "pool 3x3/2 bwd": lambda: pool.backward(      # each cell finds its windows' argmax
+            t(n, 64, 112, 112), None, t(n, 64, 56, 56), torch.empty(n, 64, 112, 112),
+            mode="max", kernel=3, stride=2, padding=1),
         "pool 3x3/2 bwd argmax": lambda: pool.backward(
             t(n, 64, 112, 112), t(n, 64, 56, 56), t(n, 64, 56, 56), torch.empty(n, 64, 112, 112),
             mode="max", kernel=3, stride=2, padding=1, workspace=ws(pool.argmax_workspace_bytes(

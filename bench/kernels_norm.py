@@ -185,7 +185,7 @@ def _bench_pool(r, device, batch):
                   lambda: pool.backward(x, y, dy, dx, workspace=ws, **kw), t_bwd,
                   nbytes=sx + sy + sx, check=lambda: _rel(dx, tdx),
                   torch_op="max_pool2d_with_indices_backward")
-            params = (k, k, st, st, p, p)
+            params = pool._params(k, st, p)
             r.run("pool.backward", "max, its argmax pass alone", name,
                   lambda: pool._find_argmaxes(x, ws, oshape[2], oshape[3], params), t_fwd,
                   nbytes=sx + room, torch_op="max_pool2d_with_indices (its forward)")

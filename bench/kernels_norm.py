@@ -148,6 +148,29 @@ def _bench_bn_residual(r, shape, x, gamma, beta, rm, rv, saved, ws, res, y, out)
           check=lambda: _rel(out, ref()))
 
 
+def _bench_stored_argmax(r, name, x, relu_x, y, dy, dx, tdx, kw, t_fwd, t_bwd, t_bwd_relu):
+    """The max pool as a plan that fits unmoved runs it: the forward stores each window's
+    argmax byte, the backward reads those instead of x (through the ReLU before the pool
+    too: the bytes' sign bit). Bytes counted: what each kernel reads and writes."""
+    arg = torch.empty(y.shape, dtype=torch.uint8, device=x.device)
+    sx, sy, sa = x.numel() * 4, y.numel() * 4, arg.numel()
+    r.run("pool.forward", "max, storing its argmax bytes", name,
+          lambda: pool.forward(x, y, argmax=arg, **kw), t_fwd, nbytes=sx + sy + sa,
+          check=lambda: _rel(y, F.max_pool2d(x, kw["kernel"], kw["stride"], kw["padding"])),
+          torch_op="max_pool2d_with_indices (also writes int64 indices)")
+    r.run("pool.backward", "max from the argmax bytes its forward stored", name,
+          lambda: pool.backward(None, None, dy, dx, argmax=arg, **kw), t_bwd,
+          nbytes=sy + sa + sx, check=lambda: _rel(dx, tdx),
+          torch_op="max_pool2d_with_indices_backward")
+    relu_arg = torch.empty_like(arg)
+    pool.forward(relu_x, torch.empty_like(y), argmax=relu_arg, **kw)
+    r.run("pool.backward", "max from the stored argmax bytes, through the ReLU before it",
+          name, lambda: pool.backward(None, None, dy, dx, argmax=relu_arg,
+                                      x_is_relu_output=True, **kw),
+          t_bwd_relu, nbytes=sy + sa + sx,
+          torch_op="max_pool2d_with_indices_backward, threshold_backward")
+
+
 def _bench_pool(r, device, batch):
     cases = [("max", (batch, 64, 112, 112), 3, 2, 1), ("max", (batch, 64, 224, 224), 2, 2, 0),
              ("avg", (batch, 2048, 7, 7), 7, 7, 0)]
@@ -178,6 +201,14 @@ def _bench_pool(r, device, batch):
                   "max (windows tile the input)", name,
                   lambda: pool.backward(x, y, dy, dx, **kw), t_bwd, nbytes=sx + sy + sx,
                   check=lambda: _rel(dx, tdx), torch_op="max_pool2d_with_indices_backward")
+            relu_x = x.clamp(min=0)
+
+            def t_bwd_relu():
+                t_bwd()
+                torch.ops.aten.threshold_backward.grad_input(tdx, relu_x, 0.0, grad_input=tdx)
+
+            _bench_stored_argmax(r, name, x, relu_x, y, dy, dx, tdx, kw, t_fwd, t_bwd,
+                                 t_bwd_relu)
             if not room:        # no argmax workspace for windows that do not overlap
                 continue
             ws = torch.empty(room, dtype=torch.uint8, device=device)
@@ -189,12 +220,6 @@ def _bench_pool(r, device, batch):
             r.run("pool.backward", "max, its argmax pass alone", name,
                   lambda: pool._find_argmaxes(x, ws, oshape[2], oshape[3], params), t_fwd,
                   nbytes=sx + room, torch_op="max_pool2d_with_indices (its forward)")
-            relu_x = x.clamp(min=0)
-
-            def t_bwd_relu():
-                t_bwd()
-                torch.ops.aten.threshold_backward.grad_input(tdx, relu_x, 0.0, grad_input=tdx)
-
             r.run("pool.backward", "max from the workspace, through the ReLU before it", name,
                   lambda: pool.backward(relu_x, y, dy, dx, workspace=ws, x_is_relu_output=True,
                                         **kw), t_bwd_relu, nbytes=sx + sy + sx + sx,

@@ -189,7 +189,7 @@ def tinysn_row(net, policy, cuda_graph, device, args, host_memory=None) -> dict:
                         cuda_graph=cuda_graph, host_memory=host_memory,
                         fuse_bn_relu=args.fuse_bn_relu, fuse_add_relu=args.fuse_add_relu,
                         fuse_bn_add=args.fuse_bn_add, group_updates=args.group_updates,
-                        fuse_updates=args.fuse_updates)
+                        fuse_updates=args.fuse_updates, store_argmaxes=args.store_argmaxes)
     except ValueError as err:
         raise Refused(str(err)) from None
     setup_s = time.perf_counter() - t0
@@ -216,7 +216,8 @@ def tinysn_row(net, policy, cuda_graph, device, args, host_memory=None) -> dict:
                fuse_relu=sn.plan.__kwdefaults__["fuse_relu"],
                fuse_bn_relu=args.fuse_bn_relu, fuse_add_relu=args.fuse_add_relu,
                fuse_bn_add=args.fuse_bn_add, group_updates=args.group_updates,
-               fuse_updates=args.fuse_updates, batch_staged=rt.batch_staged,
+               fuse_updates=args.fuse_updates, store_argmaxes=args.store_argmaxes,
+               batch_staged=rt.batch_staged,
                channels_last=sn.plan.__kwdefaults__["channels_last"],
                channels_last_outputs=sorted(rt.plan.channels_last),
                rebuilt_joins=rt.plan.rebuilt_joins,
@@ -268,6 +269,8 @@ def label(row: dict, model: str = "") -> str:
         name += ", batch norms apart from adds" if row.get("fuse_bn_add") is False else ""
         name += ", each layer's SGD update apart" if row.get("group_updates") is False else ""
         name += ", fc weights stepped apart" if row.get("fuse_updates") is False else ""
+        name += ", max pools' argmaxes found again" if row.get("store_argmaxes") is False \
+            else ""
         # a measured row without the field ran before sched/staging.py
         name += ", batch copied at the step's start" if "ms_per_step" in row \
             and "batch_staged" not in row else ""
@@ -346,6 +349,11 @@ def parse_args(argv=None):
                     help="tinysn steps each fc weight in its weight-gradient GEMM, its "
                          "gradient never stored (default: the planner's, on); "
                          "--no-fuse-updates stores it for the SGD kernel")
+    ap.add_argument("--store-argmaxes", action=argparse.BooleanOptionalAction,
+                    default=sn.plan.__kwdefaults__["store_argmaxes"],
+                    help="tinysn's max pools store their argmaxes in the forward pass where "
+                         "the net fits unmoved (default: the planner's, on); "
+                         "--no-store-argmaxes finds them again in the backward")
     common.add_out_argument(ap)
     args = ap.parse_args(argv)
     args.memory = args.memory or ("40GiB" if torch.cuda.is_available() else "1GiB")
@@ -388,7 +396,8 @@ def main(argv=None) -> dict:
     runs += [("tinysn", lambda p=p, g=g: tinysn_row(net, p, g, device, args),
               {"policy": p, "cuda_graph": g, "fuse_bn_relu": args.fuse_bn_relu,
                "fuse_add_relu": args.fuse_add_relu, "fuse_bn_add": args.fuse_bn_add,
-               "group_updates": args.group_updates, "fuse_updates": args.fuse_updates})
+               "group_updates": args.group_updates, "fuse_updates": args.fuse_updates,
+               "store_argmaxes": args.store_argmaxes})
              for p in args.policies.split(",") for g in (False, True)]
     for side, run, labels in runs:
         result[side].append(guarded(run, **labels))
@@ -405,7 +414,7 @@ MODEL_NAMES = {"resnet50": "ResNet-50", "vgg16": "VGG16", "alexnet": "AlexNet",
 
 
 PLANNER_OPTIONS = ("fuse_bn_relu", "fuse_add_relu", "fuse_bn_add", "group_updates",
-                   "fuse_updates")
+                   "fuse_updates", "store_argmaxes")
 
 
 def summary_rows(results: list) -> list:

@@ -35,10 +35,11 @@ def pick_device(device) -> torch.device:
 
 def check_options(policy, lr, momentum, weight_decay, seed, precision,
                   fuse_relu=True, fuse_bn_relu=True, fuse_add_relu=True,
-                  fuse_bn_add=True, group_updates=True, fuse_updates=True) -> None:
+                  fuse_bn_add=True, group_updates=True, fuse_updates=True,
+                  store_argmaxes=True) -> None:
     """A known policy, non-negative numbers for the optimizer, a non-negative int seed, a
     precision of None, "tf32" or "ieee" and bools fuse_relu, fuse_bn_relu, fuse_add_relu,
-    fuse_bn_add, group_updates and fuse_updates."""
+    fuse_bn_add, group_updates, fuse_updates and store_argmaxes."""
     if policy not in POLICIES:
         raise ValueError(f"unknown policy {policy!r}; choose one of {POLICIES}")
     check_rates(lr, momentum, weight_decay)
@@ -48,7 +49,8 @@ def check_options(policy, lr, momentum, weight_decay, seed, precision,
         raise ValueError(f"precision must be None, 'tf32' or 'ieee', got {precision!r}")
     for name, flag in (("fuse_relu", fuse_relu), ("fuse_bn_relu", fuse_bn_relu),
                        ("fuse_add_relu", fuse_add_relu), ("fuse_bn_add", fuse_bn_add),
-                       ("group_updates", group_updates), ("fuse_updates", fuse_updates)):
+                       ("group_updates", group_updates), ("fuse_updates", fuse_updates),
+                       ("store_argmaxes", store_argmaxes)):
         if not isinstance(flag, bool):
             raise ValueError(f"{name} must be a bool, got {flag!r}")
 

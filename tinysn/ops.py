@@ -23,6 +23,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Callable
 
+import torch
+
 from .kernels import act as act_k
 from .kernels import bn as bn_k
 from .kernels import conv as conv_k
@@ -40,6 +42,10 @@ SPARE = "spare_workspace"      # Launch.algos value of a pass given its spare wo
 
 def _no_workspace(layer, phase) -> int:
     return 0
+
+
+def _saves_nothing(layer):
+    return None
 
 
 def _streamed(layer, phase) -> tuple:
@@ -66,7 +72,12 @@ class OpSpec:
                            model says moving it costs more (conv, add, concat)
     is_loss                the network's loss: its output lives across iterations, it reads
                            the labels, and no gradient flows into it
-    saves_statistics       writes a saved-statistics tensor and running buffers (batch norm)
+    saves                  layer -> (shape, dtype) of the tensor its forward pass writes for
+                           its backward pass alone, or None: batch norm's statistics, max
+                           pooling's argmax bytes (liveness.Program.saved; the tensor lives
+                           from the forward pass to the backward pass, counted in the plan)
+    saves_statistics       writes running buffers (batch norm); a rebuild (update_running
+                           False) reads its saved statistics instead
     counts_batches         its torch twin keeps a "num_batches_tracked" counter (batch norm),
                            which tinysn does not use and load_params skips
     is_data                the data layer: its output is the batch, it comes first in a net
@@ -98,8 +109,9 @@ class OpSpec:
     spare_workspace        (layer, "forward" | "backward") -> bytes of scratch that make the
                            pass faster where the plan has room for them (0: none): policy
                            "all" allocates them when the largest free run holds them and
-                           marks the step's algos {phase: SPARE} (max pooling's backward:
-                           every window's argmax found once, not once per cell)
+                           marks the step's algos {phase: SPARE} (the backward of a max
+                           pool that saves no argmax: every window's argmax found once, not
+                           once per cell)
     forward, backward      launcher factories (module docstring); backward None: no backward
     """
     forward: Callable
@@ -109,6 +121,7 @@ class OpSpec:
     recomputable: bool = False
     rebuildable: bool = False
     is_loss: bool = False
+    saves: Callable = _saves_nothing
     saves_statistics: bool = False
     counts_batches: bool = False
     is_data: bool = False
@@ -265,7 +278,7 @@ def _residual(layer) -> bool:
 
 def _bn_forward(program, layer, update_running):
     x, y, saved = _act(program, layer.inputs[0]), _act(program, layer), \
-        _optional(program.saved[layer])
+        _optional(program.saved.get(layer))
     res = _act(program, layer.inputs[1]) if _residual(layer) else _optional(None)
     w, b = _param(program, layer, "weight"), _param(program, layer, "bias")
     mean, var = _buffer(program, layer, "running_mean"), _buffer(program, layer, "running_var")
@@ -289,7 +302,7 @@ def _bn_backward(program, lp):
     a residual add fused in, see `_bn_residual_backward`."""
     layer, g = lp.layer, _grads(program, lp)
     x, w = _act(program, layer.inputs[0]), _param(program, layer, "weight")
-    saved = _optional(program.saved[layer])
+    saved = _optional(program.saved.get(layer))
     dw, db = _param_grad(program, layer, "weight"), _param_grad(program, layer, "bias")
     if _residual(layer):
         return _bn_residual_backward(program, layer, g, x, w, saved, dw, db)
@@ -355,6 +368,11 @@ def _conv_cost(layer, phase) -> tuple:
     return 2 * macs * gradients, 2 * (x + w + y) + relu
 
 
+def _bn_saves(layer):
+    """Batch norm's saved statistics: [0] the batch mean, [1] 1 / sqrt(var + eps)."""
+    return (2, layer.shape[1]), torch.float32
+
+
 def _bn_workspace(layer, phase) -> int:
     if phase == "recompute":        # bn_k.rebuild: the normalisation alone
         return 0
@@ -408,24 +426,39 @@ def _relu_backward(program, lp):
 
 
 def _pool_forward(program, layer, update_running):
+    # a max pool that saves its argmax stores it in its training forward (a rebuild keeps
+    # the bytes its forward pass stored; eval mode has no backward)
     x, y, a = _act(program, layer.inputs[0]), _act(program, layer), layer.attrs
-    return lambda rt, algos, ws: pool_k.forward(x(rt), y(rt), mode=a["mode"], kernel=a["kernel"],
-                                                stride=a["stride"], padding=a["padding"])
+    argmax = _optional(program.saved.get(layer))
+
+    def launch(rt, algos, ws):
+        store = update_running and not rt.predicting
+        pool_k.forward(x(rt), y(rt), mode=a["mode"], kernel=a["kernel"], stride=a["stride"],
+                       padding=a["padding"], argmax=argmax(rt) if store else None)
+    return launch
 
 
 def _pool_backward(program, lp):
-    # max pooling recomputes its argmax from x (into the spare workspace, when the plan
-    # gives it one); average pooling reads neither x nor y, so it runs after both were freed
+    # max pooling reads the argmax bytes its forward saved, or finds the argmax in x again
+    # (into the spare workspace, when the plan gives it one); average pooling reads neither
+    # x nor y (but for the mask of a ReLU before it), so it may run after both were freed
     layer, a, g = lp.layer, lp.layer.attrs, _grads(program, lp)
     x = _act(program, layer.inputs[0]) if _pool_reads_input(layer) else _optional(None)
+    argmax = _optional(program.saved.get(layer))
     return lambda rt, algos, ws: pool_k.backward(
         x(rt), None, g.dy(rt), g.dx[0](rt), mode=a["mode"], kernel=a["kernel"],
         stride=a["stride"], padding=a["padding"], accumulate=g.accumulate[0], workspace=ws,
-        x_is_relu_output=a.get("x_is_relu_output", False))
+        argmax=argmax(rt), x_is_relu_output=a.get("x_is_relu_output", False))
+
+
+def _pool_saves(layer):
+    """The argmax bytes of a max pool the planner lets save them (`saves_argmax`,
+    sched/fuse.py), one per window of its output (kernels/pool.py)."""
+    return (tuple(layer.shape), torch.uint8) if layer.attrs.get("saves_argmax") else None
 
 
 def _pool_spare_workspace(layer, phase) -> int:
-    if phase != "backward":
+    if phase != "backward" or layer.attrs.get("saves_argmax"):
         return 0
     a = layer.attrs
     return pool_k.argmax_workspace_bytes(tuple(layer.inputs[0].shape), mode=a["mode"],
@@ -438,9 +471,12 @@ def _pool_launches(layer, phase, algos) -> int:
 
 
 def _pool_reads_input(layer) -> bool:
-    """Max pooling finds the argmax in x; a pool whose dx goes through the ReLU before it
-    (sched/fuse.py) reads x's mask."""
-    return layer.attrs["mode"] == "max" or layer.attrs.get("x_is_relu_output", False)
+    """Max pooling without saved argmax bytes finds the argmax in x; a pool whose dx goes
+    through the ReLU before it (sched/fuse.py: the pool is that ReLU's one reader, so its
+    dx does not accumulate) reads x's mask, unless argmax bytes give it."""
+    a = layer.attrs
+    return pool_k.reads_input(a["mode"], bool(a.get("saves_argmax")),
+                              a.get("x_is_relu_output", False))
 
 
 def _lrn_forward(program, layer, update_running):
@@ -586,13 +622,14 @@ SPECS = {
     # statistics, their finalisation, the normalisation (a rebuild: the normalisation
     # alone, from the saved statistics); backward: partial sums, their finalisation, dx
     "bn": OpSpec(_bn_forward, _bn_backward, backward_reads_input=True, recomputable=True,
-                 backward_reads_output=_masks_dy, saves_statistics=True, counts_batches=True,
+                 backward_reads_output=_masks_dy, saves=_bn_saves, saves_statistics=True,
+                 counts_batches=True,
                  workspace=_bn_workspace, backward_in_place=True, launches=_bn_launches,
                  cost=_bn_cost, stores_relu=True),
     "relu": OpSpec(_relu_forward, _relu_backward, backward_reads_output=True, recomputable=True,
                    in_place_in_caffe=True, backward_in_place=True, is_relu=True),
     "pool": OpSpec(_pool_forward, _pool_backward, backward_reads_input=_pool_reads_input,
-                   recomputable=True, spare_workspace=_pool_spare_workspace,
+                   recomputable=True, saves=_pool_saves, spare_workspace=_pool_spare_workspace,
                    launches=_pool_launches, masks_through_relu=True),
     "lrn": OpSpec(_lrn_forward, _lrn_backward, backward_reads_input=True, recomputable=True),
     "fc": OpSpec(_fc_forward, _fc_backward, backward_reads_input=True, workspace=_fc_workspace,

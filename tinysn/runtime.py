@@ -108,12 +108,12 @@ class Runtime:
                  bucket_bytes=liveness.BUCKET_BYTES, fuse_relu: bool = True,
                  fuse_bn_relu: bool = True, fuse_add_relu: bool = True,
                  fuse_bn_add: bool = True, group_updates: bool = True,
-                 fuse_updates: bool = True):
+                 fuse_updates: bool = True, store_argmaxes: bool = True):
         device = inputs.pick_device(device)
         inputs.check_graph_request(cuda_graph, device)
         inputs.check_options(policy, lr, momentum, weight_decay, seed, precision, fuse_relu,
                              fuse_bn_relu, fuse_add_relu, fuse_bn_add, group_updates,
-                             fuse_updates)
+                             fuse_updates, store_argmaxes)
         inputs.check_trainable(net)
         inputs.check_machine(memory, host_memory, device)
         bucket_bytes = liveness.parse_bucket_bytes(bucket_bytes)
@@ -126,7 +126,7 @@ class Runtime:
             host_memory=host_memory, data_parallel=process_group is not None,
             bucket_bytes=bucket_bytes, fuse_relu=fuse_relu, fuse_bn_relu=fuse_bn_relu,
             fuse_add_relu=fuse_add_relu, fuse_bn_add=fuse_bn_add, group_updates=group_updates,
-            fuse_updates=fuse_updates))
+            fuse_updates=fuse_updates, store_argmaxes=store_argmaxes))
         self.lr, self.momentum, self.weight_decay, self.seed = lr, momentum, weight_decay, seed
         self.precision = precision
         self.program = self.plan.program

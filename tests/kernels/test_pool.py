@@ -61,6 +61,38 @@ def _check(shape, mode, kernel, stride, padding, seed=0, accumulate=False, devic
                       padding=padding, accumulate=accumulate, x_is_relu_output=True,
                       workspace=ws)
         assert torch.equal(masked, torch.where(x <= 0, 0.0, dx))
+    if pool.argmax_bytes(shape, mode=mode, kernel=kernel, stride=stride, padding=padding):
+        _check_stored_argmax(x, y, dy, dx, before, kernel, stride, padding, accumulate)
+
+
+def _check_stored_argmax(x, y, dy, dx, before, kernel, stride, padding, accumulate):
+    """The forward's argmax bytes (into a poisoned buffer) are torch's indices and the
+    maximum's sign; the backward from them reads no x (None), but for a ReLU mask under
+    accumulate, and gives the bits of the backward that finds them in x."""
+    kw_ = dict(mode="max", kernel=kernel, stride=stride, padding=padding)
+    arg = torch.full(y.shape, 0xAB, dtype=torch.uint8, device=x.device)
+    y2 = torch.full_like(y, NAN)
+    pool.forward(x, y2, argmax=arg, **kw_)
+    assert torch.equal(y2.view(torch.int32), y.view(torch.int32))      # NaNs too
+    _, index = F.max_pool2d(x.cpu(), kernel, stride, padding, return_indices=True)
+    assert torch.equal(_input_index(arg.cpu() % 128, x.shape, kernel, stride, padding), index)
+    assert torch.equal(arg.cpu() >= 128, y.cpu() <= 0)
+    got = before.clone()
+    pool.backward(None, None, dy, got, accumulate=accumulate, argmax=arg, **kw_)
+    assert torch.equal(got, dx)
+    masked = before.clone()
+    pool.backward(x if accumulate else None, None, dy, masked, accumulate=accumulate,
+                  argmax=arg, x_is_relu_output=True, **kw_)
+    assert torch.equal(masked, torch.where(x <= 0, 0.0, dx))
+
+
+def _input_index(tap, x_shape, kernel, stride, padding):
+    """torch's max-pool index (h * W + w in the input plane) of each window's tap."""
+    kh, kw, sh, sw, ph, pw = pool._params(kernel, stride, padding)
+    oh = torch.arange(tap.shape[2])[:, None]
+    ow = torch.arange(tap.shape[3])[None, :]
+    t = tap.long()
+    return (oh * sh - ph + t // kw) * x_shape[3] + ow * sw - pw + t % kw
 
 
 @st.composite
@@ -140,6 +172,10 @@ def test_max_pool_ties_and_nan_match_torch(kernel, stride, padding, size):
     dx = torch.full_like(x, NAN)
     pool.backward(x, y, dy, dx, mode="max", kernel=kernel, stride=stride, padding=padding)
     torch.testing.assert_close(dx, xr.grad, rtol=1e-6, atol=1e-6)
+    # the argmax bytes pick torch's pixels, and flag the windows whose maximum is <= 0
+    # (zeros, -inf; NaN not), here where ties and NaNs are common
+    _check_stored_argmax(x, y, dy, dx, torch.full_like(x, NAN), kernel, stride, padding,
+                         False)
 
 
 @pytest.mark.parametrize("mode", ["max", "avg"])
@@ -188,6 +224,8 @@ def test_pool_deterministic_and_workspace():
     assert pool.argmax_workspace_bytes((2, 3, 11, 11), mode="avg", **kw) == 0
     assert pool.argmax_workspace_bytes((1, 1, 17, 17), mode="max", kernel=17, stride=1,
                                        padding=0) == 0                  # 289 taps
+    assert pool.argmax_workspace_bytes((1, 1, 12, 12), mode="max", kernel=(12, 11),
+                                       stride=1, padding=0) == 0        # 132: over 128
     # windows that do not overlap: the gather's own scan reads x once; no argmax pass
     assert pool.argmax_workspace_bytes((2, 3, 12, 12), mode="max", kernel=2, stride=2,
                                        padding=0) == 0
@@ -244,6 +282,38 @@ def test_pool_bad_input():
         pool.backward(None, y, torch.empty_like(y), dx, mode="avg", kernel=2, stride=2,
                       padding=0, x_is_relu_output=True)
     assert (dx == 7.0).all()
+
+
+def test_pool_argmax_bad_input():
+    """A wrong argmax tensor, or x missing where it is still read, is refused before any
+    launch: y, the argmax and dx keep their bytes."""
+    x, dy = _rand((2, 3, 7, 7), 0), _rand((2, 3, 3, 3), 1)
+    kw = dict(kernel=3, stride=2, padding=0)
+    arg = torch.full((2, 3, 3, 3), 5, dtype=torch.uint8)
+    y, dx = torch.full((2, 3, 3, 3), 7.0), torch.full_like(x, 7.0)
+    for mode, bad, match in (
+            ("max", arg.view(-1), "shape"), ("max", arg.to(torch.int32), "uint8"),
+            ("max", arg.transpose(2, 3), "contiguous"), ("avg", arg, "average")):
+        with pytest.raises(ValueError, match=match):
+            pool.forward(x, y, mode=mode, argmax=bad, **kw)
+        with pytest.raises(ValueError, match=match):
+            pool.backward(None, None, dy, dx, mode=mode, argmax=bad, **kw)
+    with pytest.raises(ValueError, match="more than an argmax byte"):
+        pool.forward(torch.zeros(1, 1, 12, 12), torch.zeros(1, 1, 1, 1), mode="max",
+                     kernel=12, stride=1, padding=0, argmax=torch.zeros(1, 1, 1, 1,
+                                                                          dtype=torch.uint8))
+    with pytest.raises(ValueError, match="pass no workspace"):
+        pool.backward(x, None, dy, dx, mode="max", argmax=arg,
+                      workspace=torch.empty(54, dtype=torch.uint8), **kw)
+    with pytest.raises(ValueError, match="where dx accumulates"):
+        pool.backward(None, None, dy, dx, mode="max", argmax=arg, accumulate=True,
+                      x_is_relu_output=True, **kw)
+    with pytest.raises(ValueError, match="finds each window's argmax"):
+        pool.backward(None, None, dy, dx, mode="max", **kw)
+    assert (y == 7.0).all() and (dx == 7.0).all() and (arg == 5).all()
+    assert pool.argmax_bytes((2, 3, 7, 7), mode="max", **kw) == 54
+    assert pool.argmax_bytes((2, 3, 7, 7), mode="avg", **kw) == 0
+    assert pool.argmax_bytes((1, 1, 12, 12), mode="max", kernel=12, stride=1, padding=0) == 0
 
 
 # ----------------------------------------------------------------------------- GPU

@@ -89,6 +89,11 @@ def test_plans_group_updates_only_where_the_net_fits_unmoved():
     assert tight.bytes_to_host or tight.recomputed_steps
     assert not tight.program.group_updates
     assert all(len(b[0]) == 1 for b in tight.program.updates.values())
+    # the max pool's argmaxes (fuse.store_argmaxes): the same condition
+    pools = [(plan, plan.net.layers[-4]) for plan in (roomy, tight)]
+    assert all(layer.op == "pool" for _, layer in pools)
+    assert [layer.attrs.get("saves_argmax", False) for _, layer in pools] == [True, False]
+    assert [layer in plan.program.saved for plan, layer in pools] == [True, False]
 
 
 def _below(net, peak):
@@ -154,7 +159,7 @@ def test_fc_weights_step_in_their_gradient_kernel_and_store_no_gradient():
     """With fuse_updates every fc weight has no stored gradient and no SGD launch (its
     backward pass steps it), its bias keeps both; data parallel (an all-reduce needs the
     gradient) and fuse_updates=False store it as before. VGG16 at batch 32: three gradients
-    fewer, a lower peak (3.47 -> 3.08 GB: fc6's 411 MB gradient sat at it) and a shorter
+    fewer, a lower peak (2.74 -> 2.39 GB: fc6's 411 MB gradient sat at it) and a shorter
     predicted step."""
     net = block_net(p=0.0)
     for kwargs, fused in (({"fuse_updates": True}, True), ({}, False),
@@ -171,7 +176,7 @@ def test_fc_weights_step_in_their_gradient_kernel_and_store_no_gradient():
     plans = {f: sn.plan(sn.models.vgg16(batch=32), "40GiB", "all", momentum=0.9,
                         fuse_updates=f) for f in (False, True)}
     assert len(plans[False].program.pgrad) - len(plans[True].program.pgrad) == 3
-    assert plans[True].peak_bytes < plans[False].peak_bytes - 350_000_000
+    assert plans[True].peak_bytes < plans[False].peak_bytes - 300_000_000
     assert plans[True].predicted_step_s < plans[False].predicted_step_s
 
 

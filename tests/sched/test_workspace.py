@@ -78,13 +78,14 @@ def pool_net():
 
 @pytest.mark.parametrize("policy", ["baseline", "liveness", "offload", "recompute", "all"])
 def test_max_pool_backward_gets_its_spare_workspace_under_all_only(policy):
-    """Policy "all" gives the max pool's backward its argmax workspace (one byte per window)
-    where the pool has room; the other policies plan fixed workspaces only."""
+    """Without argmaxes stored by the forward, policy "all" gives the max pool's backward
+    its argmax workspace (one byte per window) where the pool has room; the other policies
+    plan fixed workspaces only."""
     from tinysn.kernels import pool
     from tinysn.ops import SPARE
     from tinysn.sched.plan import Launch
     net = pool_net()
-    p = sn.plan(net, "64MiB", policy)
+    p = sn.plan(net, "64MiB", policy, store_argmaxes=False)
     step = next(s for s in p.steps if s.layer == "mp" and s.phase == "backward")
     launch = next(op for op in step.ops if isinstance(op, Launch))
     if policy != "all":
@@ -94,6 +95,33 @@ def test_max_pool_backward_gets_its_spare_workspace_under_all_only(policy):
     need = pool.argmax_workspace_bytes((2, 8, 12, 12), mode="max", kernel=3, stride=2,
                                        padding=1)
     assert need == 2 * 8 * 6 * 6 and p.tensors[launch.workspace].nbytes == need
+
+
+@pytest.mark.parametrize("policy", ["baseline", "all"])
+def test_max_pool_stores_its_argmaxes_where_the_net_fits_unmoved(policy):
+    """Where the net fits its cap unmoved the max pool's forward writes one byte per window
+    that its backward reads in place of x and of a workspace: x (the ReLU's output) then
+    dies after the pool's forward pass, and the peak is lower (but under "baseline", which
+    frees nothing)."""
+    from tinysn.sched.plan import Free, Launch
+    net = pool_net()
+    p = sn.plan(net, "64MiB", policy)
+    mp = p.net["mp"]
+    assert mp.attrs["saves_argmax"]
+    saved = p.tensors[p.program.saved[mp]]
+    assert saved.dtype == torch.uint8 and saved.nbytes == 2 * 8 * 6 * 6
+    x = p.program.act[mp.inputs[0]]
+    backward = next(lp for lp in p.program.passes if lp.layer is mp and lp.phase == "backward")
+    assert saved.id in backward.reads and x not in backward.reads
+    forward = next(s for s in p.steps if s.layer == "mp" and s.phase == "forward")
+    assert (Free(x) in forward.ops) == (policy != "baseline")     # baseline frees nothing
+    step = next(s for s in p.steps if s.layer == "mp" and s.phase == "backward")
+    launch = next(op for op in step.ops if isinstance(op, Launch))
+    assert launch.algos is None and launch.workspace is None
+    apart = sn.plan(net, "64MiB", policy, store_argmaxes=False)
+    assert not apart.net["mp"].attrs.get("saves_argmax") and not apart.program.saved
+    if policy != "baseline":
+        assert p.peak_bytes < apart.peak_bytes
 
 
 def test_a_process_keeps_the_rankings_it_planned_with(tmp_path, monkeypatch):

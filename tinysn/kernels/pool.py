@@ -2,9 +2,11 @@
 
 API
     out_shape(x_shape, kernel, stride, padding) -> (N, C, OH, OW)
-    forward(x, y, *, mode, kernel, stride, padding)             mode "max" | "avg"
+    forward(x, y, *, mode, kernel, stride, padding, argmax=None)   mode "max" | "avg"
     backward(x, y, dy, dx, *, mode, kernel, stride, padding, accumulate=False,
-             workspace=None, x_is_relu_output=False)
+             workspace=None, argmax=None, x_is_relu_output=False)
+    argmax_bytes(x_shape, *, mode, kernel, stride, padding) -> bytes of `argmax` (0: none)
+    reads_input(mode, saves_argmax, x_is_relu_output) -> whether backward reads x
     workspace_bytes(*args) -> 0
 kernel, stride and padding are ints or (h, w) pairs. As torch requires: padding <= kernel // 2
 and kernel <= the padded input, else ValueError. Average pooling counts the padding
@@ -29,26 +31,29 @@ row o covers KH whole input rows, so a program loads [rows, KH, columns] tiles o
 stores dx 16 bytes at a time (the gather's lanes read and write 4 bytes at a time), with
 the same scan rule and the same bits.
 
-Max pooling stores no argmax indices. The backward recomputes each candidate window's
-argmax from x, with the forward's scan and tie rule, so the gradient goes to the same pixel
-torch picks (first maximum in scan order; with ties the input is not differentiable and
-torch's choice is reproduced exactly). Cost: the backward reads x again, each candidate
-window's kh*kw cells per cell of the grid -- for 3x3 stride 2 that is 4 windows x 9 loads
-per 2x2 cell (9 cached loads per pixel, x itself read once from DRAM when the caches hold
-the neighbourhood); for stride 1 windows overlap more (3x3/1: 81 cached loads per pixel),
-which makes the backward compute-bound rather than bandwidth-bound. Saves: the int64 index
-tensor the size of y (2x y's bytes) that torch keeps from forward to backward; only x must
-stay alive (y is not read by the max backward; the parameter is kept for a uniform API).
-
-Given a workspace of one byte per window (argmax_workspace_bytes; the planner grants it
-where the pool has room at that step, ops.SPARE), the backward finds every window's argmax
-once, into it (the forward kernel with STORE_ARG: 9 loads per window, about 2.25 per pixel
-for 3x3/2), and a second gather reads one byte per candidate window instead of scanning it:
-two launches, the same bits. That gather needs no cells (no scan to share between a cell's
-pixels): one lane per pixel, a program's lanes along whole input rows, so dx is stored 16
-bytes at a time where the cells' lanes store 4. Windows that do not overlap (kernel <=
-stride) take no workspace: a cell's one window is the cell, so the gather's scan reads x
-once, as the argmax pass would again.
+Max pooling's argmax, three ways, the same bits each way (the gradient goes to the pixel
+torch picks: the first maximum in scan order, or the last NaN; with ties the input is not
+differentiable and torch's choice is reproduced exactly):
+- Stored by the forward (`argmax`: one byte per window, its tap, so windows of at most 128
+  taps; the runtime keeps it from forward to backward, ops.py, counted in the plan). The
+  backward then reads dy, the argmax bytes and writes dx: not x, which the scheduler may
+  free after the forward. The byte's top bit (NONPOSITIVE) says the window's maximum is
+  <= 0, which is all a ReLU mask on x would say about the pixels the window sends its
+  gradient to, so the backward through the ReLU before the pool does not read x either
+  (but where dx accumulates: then pixels no window picks need the mask too). 1 byte per
+  window against the int64 index tensor torch keeps (8 bytes). The gather for overlapping
+  windows has one lane per input pixel, a program's lanes along whole input rows, so dx is
+  stored 16 bytes at a time; tiling windows take the tiles kernel, reading the bytes where
+  it would read x.
+- Found again from x, by the forward's scan and tie rule, in the cells' gather: each
+  candidate window's kh*kw cells per cell of the grid -- for 3x3 stride 2, 4 windows x 9
+  loads per 2x2 cell (9 cached loads per pixel); for stride 1 windows overlap more (3x3/1:
+  81 cached loads per pixel), which makes it compute-bound rather than bandwidth-bound.
+- Given a workspace of one byte per window (argmax_workspace_bytes), found once, into it
+  (the forward kernel with STORE_ARG alone), then gathered as the stored ones: two
+  launches, x read twice. Windows that do not overlap (kernel <= stride) take no
+  workspace: a cell's one window is the cell, so the gather's scan reads x once, as the
+  argmax pass would again.
 
 Determinism: every output (and every dx) element is produced by one lane in a fixed order
 (window scan; candidate windows i, j ascending), so the autotuned block sizes do not change
@@ -96,6 +101,9 @@ _ROWS_INTERP = triton.Config({"LANES": INTERP_TILE}, num_warps=4)
 _GLOBAL_LANES = 2048
 
 _INT32_LIMIT = 2**31 - 1
+# an argmax byte (_argmax_byte): the tap in its low 7 bits, NONPOSITIVE where the maximum <= 0
+NONPOSITIVE = tl.constexpr(128)
+MAX_ARGMAX_TAPS = 128
 
 
 def workspace_bytes(*args, **kwargs) -> int:
@@ -178,12 +186,14 @@ def _window_scan(xp, h0, w0, lanes, H, W, KH: tl.constexpr, KW: tl.constexpr,
 @autotune(_FWD_GPU, _FWD_INTERP,
                  key=["total", "H", "W", "KH", "KW", "SH", "SW"])
 @triton.jit
-def _pool_fwd_kernel(x, y, total, H, W, OH, OW,
+def _pool_fwd_kernel(x, y, arg_out, total, H, W, OH, OW,
                      KH: tl.constexpr, KW: tl.constexpr, SH: tl.constexpr, SW: tl.constexpr,
                      PH: tl.constexpr, PW: tl.constexpr, IS_MAX: tl.constexpr,
-                     INDEX64: tl.constexpr, STORE_ARG: tl.constexpr, BLOCK: tl.constexpr):
-    """One lane per output element, flattened over N*C*OH*OW. STORE_ARG (max): y is a uint8
-    buffer and gets each window's argmax, its tap kh * KW + kw, instead of the maximum."""
+                     INDEX64: tl.constexpr, STORE_Y: tl.constexpr, STORE_ARG: tl.constexpr,
+                     BLOCK: tl.constexpr):
+    """One lane per output element, flattened over N*C*OH*OW. STORE_Y: y gets the maximum
+    (the mean). STORE_ARG (max): the uint8 `arg_out` gets each window's argmax byte, its tap
+    kh * KW + kw, plus NONPOSITIVE where the maximum is <= 0 (_argmax_byte)."""
     if INDEX64:
         offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
     else:
@@ -198,11 +208,21 @@ def _pool_fwd_kernel(x, y, total, H, W, OH, OW,
     w0 = ow * SW - PW
     out, arg = _window_scan(xp, h0, w0, mask, H, W, KH, KW, IS_MAX, BLOCK)
     if STORE_ARG:
-        tl.store(y + offs, arg.to(tl.uint8), mask=mask)
-    elif IS_MAX:
-        tl.store(y + offs, out, mask=mask)
-    else:
-        tl.store(y + offs, out / (KH * KW), mask=mask)
+        tl.store(arg_out + offs, _argmax_byte(arg, out), mask=mask)
+    if STORE_Y:
+        if IS_MAX:
+            tl.store(y + offs, out, mask=mask)
+        else:
+            tl.store(y + offs, out / (KH * KW), mask=mask)
+
+
+@triton.jit
+def _argmax_byte(tap, top):
+    """A window's argmax as one byte: its tap (< 128), plus 128 where the window's maximum
+    `top` is <= 0. The max backward through the ReLU before the pool zeroes that window's
+    gradient instead of reading x: the pixels a window sends its gradient to hold its
+    maximum, so x <= 0 there exactly when it is <= 0 (NaN: neither)."""
+    return (tap + tl.where(top <= 0.0, NONPOSITIVE, 0)).to(tl.uint8)
 
 
 @triton.jit
@@ -307,9 +327,10 @@ def _pool_bwd_kernel(x, dy, dx, total, H, W, OH, OW, NBH, NBW, OBH, OBW,
 @autotune(_BWD_GPU, _BWD_INTERP, key=["ROWS", "W", "KH", "KW"], restore=["dx"])
 @triton.heuristics({"BR": lambda a: max(1, a["LANES"] // (a["KH"] * a["BC"]))})
 @triton.jit
-def _pool_tiles_bwd_kernel(x, dy, dx, ROWS, W, OW, KH: tl.constexpr, KW: tl.constexpr,
-                           IS_MAX: tl.constexpr, ACC: tl.constexpr, INDEX64: tl.constexpr,
-                           MASK: tl.constexpr, BC: tl.constexpr, LANES: tl.constexpr,
+def _pool_tiles_bwd_kernel(x, argmax, dy, dx, ROWS, W, OW, KH: tl.constexpr,
+                           KW: tl.constexpr, IS_MAX: tl.constexpr, ACC: tl.constexpr,
+                           INDEX64: tl.constexpr, MASK: tl.constexpr, FROM_ARG: tl.constexpr,
+                           FLAGS: tl.constexpr, BC: tl.constexpr, LANES: tl.constexpr,
                            BR: tl.constexpr):
     """The backward of windows that tile the input (kernel = stride, no padding, H and W
     multiples of the kernel, KH and KW powers of 2; VGG's 2x2/2): window row o of every
@@ -318,7 +339,9 @@ def _pool_tiles_bwd_kernel(x, dy, dx, ROWS, W, OW, KH: tl.constexpr, KW: tl.cons
     tile of contiguous rows (16-byte loads and stores, where the cell-per-lane gather
     reads and writes 4 bytes at a time). Each window's gradient goes to its argmax by the
     forward's scan rule (row-major; the first maximum, or the last NaN, wins); avg: dy /
-    (KH * KW) to every cell. MASK and ACC as _pool_bwd_kernel."""
+    (KH * KW) to every cell. MASK and ACC as _pool_bwd_kernel. FROM_ARG (max): each
+    window's argmax is read from `argmax` (one byte per window, as the forward stored it)
+    instead of x; FLAGS as _pool_argmax_bwd_kernel's."""
     BW: tl.constexpr = BC // KW
     if INDEX64:
         rows = tl.program_id(0).to(tl.int64) * BR + tl.arange(0, BR)
@@ -333,18 +356,23 @@ def _pool_tiles_bwd_kernel(x, dy, dx, ROWS, W, OW, KH: tl.constexpr, KW: tl.cons
     wcols = c0 // KW + tl.arange(0, BW)
     dok = (rows < ROWS)[:, None] & (wcols < OW)[None, :]
     g = tl.load(dy + rows[:, None] * OW + wcols[None, :], mask=dok, other=0.0)   # [BR, BW]
-    if IS_MAX or MASK:
+    if (IS_MAX and not FROM_ARG) or MASK:
         v = tl.load(x + offs, mask=ok, other=0.0)
     if IS_MAX:
-        win = tl.reshape(v, (BR, KH, BW, KW))
         tap = (tl.arange(0, KH)[None, :, None, None] * KW
                + tl.arange(0, KW)[None, None, None, :])
-        top = tl.max(tl.max(win, axis=3), axis=1)                                   # [BR, BW]
-        nan = win != win
-        first = tl.min(tl.min(tl.where(win == top[:, None, :, None], tap, KH * KW), axis=3),
-                       axis=1)
-        last_nan = tl.max(tl.max(tl.where(nan, tap, -1), axis=3), axis=1)
-        arg = tl.where(last_nan >= 0, last_nan, first)
+        if FROM_ARG:
+            a = tl.load(argmax + rows[:, None] * OW + wcols[None, :], mask=dok,
+                        other=0).to(tl.int32)
+            arg = a if FLAGS else a & (NONPOSITIVE - 1)     # flagged: matches no tap
+        else:
+            win = tl.reshape(v, (BR, KH, BW, KW))
+            top = tl.max(tl.max(win, axis=3), axis=1)                               # [BR, BW]
+            nan = win != win
+            first = tl.min(tl.min(tl.where(win == top[:, None, :, None], tap, KH * KW),
+                                  axis=3), axis=1)
+            last_nan = tl.max(tl.max(tl.where(nan, tap, -1), axis=3), axis=1)
+            arg = tl.where(last_nan >= 0, last_nan, first)
         grad = tl.where(tap == arg[:, None, :, None], g[:, None, :, None], 0.0)
     else:
         grad = tl.zeros((BR, KH, BW, KW), tl.float32) + (g / (KH * KW))[:, None, :, None]
@@ -365,8 +393,8 @@ def _pool_argmax_bwd_kernel(x, argmax, dy, dx, ROWS, H: tl.constexpr, W: tl.cons
                             KW: tl.constexpr, SH: tl.constexpr, SW: tl.constexpr,
                             PH: tl.constexpr, PW: tl.constexpr, NH: tl.constexpr,
                             NW: tl.constexpr, ACC: tl.constexpr, INDEX64: tl.constexpr,
-                            MASK: tl.constexpr, BC: tl.constexpr, LANES: tl.constexpr,
-                            BR: tl.constexpr):
+                            MASK: tl.constexpr, FLAGS: tl.constexpr, BC: tl.constexpr,
+                            LANES: tl.constexpr, BR: tl.constexpr):
     """The max backward from stored argmaxes (`argmax`: one uint8 tap per window, as
     _pool_fwd_kernel's STORE_ARG writes them), one lane per input pixel: a program takes
     BR input rows (of all planes, flattened) and BC columns of each, so dx is stored (and x
@@ -374,7 +402,9 @@ def _pool_argmax_bwd_kernel(x, argmax, dy, dx, ROWS, H: tl.constexpr, W: tl.cons
     (oh - i, ow - j), i < NH, j < NW, with oh = (ih + PH) // SH, ow = (iw + PW) // SW, at
     tap (ih + PH - (oh - i) * SH) * KW + (iw + PW - (ow - j) * SW); each window whose argmax
     is that tap adds its dy, in _pool_bwd_kernel's order (i, then j, from 0.0), so the two
-    kernels give the same bits. MASK and ACC as _pool_bwd_kernel."""
+    kernels give the same bits. MASK and ACC as _pool_bwd_kernel. FLAGS: dx goes through
+    the ReLU before the pool by the argmax bytes' NONPOSITIVE bit (a flagged window adds
+    nothing), not reading x: the same bits as MASK where dx does not accumulate."""
     if INDEX64:
         rows = tl.program_id(0).to(tl.int64) * BR + tl.arange(0, BR)
     else:
@@ -400,6 +430,8 @@ def _pool_argmax_bwd_kernel(x, argmax, dy, dx, ROWS, H: tl.constexpr, W: tl.cons
             wv = rv[:, None] & cv[None, :]
             g = tl.load(dy_at - (i * OW + j), mask=wv, other=0.0)
             arg = tl.load(arg_at - (i * OW + j), mask=wv, other=0).to(tl.int32)
+            if not FLAGS:       # a flagged byte (>= 128) matches no tap: the window adds 0
+                arg = arg & (NONPOSITIVE - 1)
             hit = wv & (arg == tap + (i * SH * KW + j * SW))
             acc += tl.where(hit, g, 0.0)
     offs = rows[:, None] * W + cols[None, :]
@@ -417,18 +449,24 @@ def _is_global(h, w, kh, kw, ph, pw):
     return ph == 0 and pw == 0 and kh == h and kw == w
 
 
-def forward(x, y, *, mode, kernel, stride, padding):
-    """y = maxpool2d / avgpool2d(x) (count_include_pad=True), floor mode."""
+def forward(x, y, *, mode, kernel, stride, padding, argmax=None):
+    """y = maxpool2d / avgpool2d(x) (count_include_pad=True), floor mode. `argmax` (max
+    pooling, optional; uint8 of y's shape, windows of at most 128 taps): also gets each
+    window's argmax byte, which backward's `argmax` reads instead of x."""
     is_max = _mode(mode)
     kh, kw, sh, sw, ph, pw = _params(kernel, stride, padding)
     n, c, oh, ow = _check_io(x, y, kernel, stride, padding)
     check_device("pool", x, y=y)
+    if argmax is not None:
+        _check_argmax("pool.forward", argmax, y.shape, is_max, kh * kw)
+        check_device("pool", x, argmax=argmax)
+        check_no_overlap("pool.forward", [("argmax", argmax)], [("x", x), ("y", y)])
     h, w = x.shape[2], x.shape[3]
     total = y.numel()
     if total == 0:
         return
     index64 = x.numel() > _INT32_LIMIT
-    if _is_global(h, w, kh, kw, ph, pw):
+    if argmax is None and _is_global(h, w, kh, kw, ph, pw):
         planes = n * c
         hw = h * w
         cols = min(next_power_of_2(hw), 1024)
@@ -438,32 +476,37 @@ def forward(x, y, *, mode, kernel, stride, padding):
             num_warps=4)
         return
     launch(_pool_fwd_kernel, lambda meta: (cdiv(total, meta["BLOCK"]),),
-           (x, y, total, h, w, oh, ow),
+           (x, y, y if argmax is None else argmax, total, h, w, oh, ow),
            dict(KH=kh, KW=kw, SH=sh, SW=sw, PH=ph, PW=pw, IS_MAX=is_max, INDEX64=index64,
-                STORE_ARG=False))
+                STORE_Y=True, STORE_ARG=argmax is not None))
 
 
 def backward(x, y, dy, dx, *, mode, kernel, stride, padding, accumulate=False,
-             workspace=None, x_is_relu_output=False):
+             workspace=None, argmax=None, x_is_relu_output=False):
     """dx (+)= d pool / dx . dy, a gather over input pixels (deterministic, no atomics).
 
-    Max pooling recomputes the argmax from x; y is accepted for a uniform API but not read
-    and may be None; average pooling reads neither, so x may be None too (the scheduler
-    frees both before an average pool's backward). dx may be None (nothing to do).
-    `workspace` (max pooling, optional; uint8, at least argmax_workspace_bytes): each
-    window's argmax is found once, into it, and the gather reads it, instead of every cell
-    finding its candidate windows' argmax again; same bits either way.
+    Max pooling finds each window's argmax in x again, or reads it from `argmax` (what the
+    forward stored there): then it does not read x, but for a ReLU mask under `accumulate`.
+    y is accepted for a uniform API but not read and may be None; average pooling reads
+    neither, so x may be None too (the scheduler frees both before an average pool's
+    backward). dx may be None (nothing to do).
+    `workspace` (max pooling without `argmax`, optional; uint8, at least
+    argmax_workspace_bytes): each window's argmax is found once, into it, and the gather
+    reads it, instead of every cell finding its candidate windows' argmax again. Same bits
+    every way.
     `x_is_relu_output`: x is a ReLU's output, and dx goes on through that ReLU's backward in
-    the store (0 where x <= 0, after any accumulation; sched/fuse.py), which reads x.
+    the store (0 where x <= 0, after any accumulation; sched/fuse.py): from x, or, with
+    argmaxes and no accumulation, from their NONPOSITIVE bits.
     """
     is_max = _mode(mode)
     kh, kw, sh, sw, ph, pw = _params(kernel, stride, padding)
     if not isinstance(x_is_relu_output, bool):
         raise ValueError(f"x_is_relu_output must be a bool, got {x_is_relu_output!r}")
-    if x is None and (is_max or dx is None or x_is_relu_output):
-        raise ValueError("max pooling's backward needs x (it recomputes the argmax), so does "
-                         "one through a ReLU (x_is_relu_output), and average pooling's needs "
-                         "dx to know the input shape")
+    if not isinstance(accumulate, bool):
+        raise ValueError(f"accumulate must be a bool, got {accumulate!r}")
+    reads_x = _reads_x(is_max, argmax is not None, x_is_relu_output, accumulate)
+    if x is None and (reads_x or dx is None):
+        raise ValueError(_why_x(is_max, argmax is not None, x_is_relu_output))
     ref = x if x is not None else dx
     check_tensor("x" if x is not None else "dx", ref)
     if ref.dim() != 4:
@@ -472,22 +515,55 @@ def backward(x, y, dy, dx, *, mode, kernel, stride, padding, accumulate=False,
     if y is not None:
         check_tensor("y", y, shape)
     check_tensor("dy", dy, shape)
-    if not isinstance(accumulate, bool):
-        raise ValueError(f"accumulate must be a bool, got {accumulate!r}")
     if dx is not None:
         check_tensor("dx", dx, ref.shape)
     check_device("pool", dy, x=x, y=y, dx=dx)
+    if argmax is not None:
+        if workspace is not None:
+            raise ValueError("pool.backward: given the forward's argmax, pass no workspace")
+        _check_argmax("pool.backward", argmax, shape, is_max, kh * kw)
+        check_device("pool", dy, argmax=argmax)
     if dx is None or ref.numel() == 0:
         return
-    x = x if x is not None else dx      # average pooling never reads x
     params = (kh, kw, sh, sw, ph, pw)
-    argmax = _argmax_buffer(workspace, shape, kernel, is_max, x, dx)
-    if argmax is not None:
-        _launch_argmax_bwd(x, argmax, dy, dx, params, accumulate, x_is_relu_output)
-    elif _tiles_input(x.shape[2], x.shape[3], *params):
-        _launch_tiles_bwd(x, dy, dx, kh, kw, is_max, accumulate, x_is_relu_output)
+    if not reads_x:
+        x = dx                                  # a placeholder pointer, never read
+    if argmax is None and workspace is not None:
+        argmax = _argmax_buffer(workspace, shape, kernel, is_max, x, dx)
+        _find_argmaxes(x, argmax, dy.shape[2], dy.shape[3], params)
+    mask = x_is_relu_output and reads_x
+    flags = x_is_relu_output and not reads_x
+    if _tiles_input(dx.shape[2], dx.shape[3], *params):
+        _launch_tiles_bwd(x, argmax, dy, dx, kh, kw, is_max, accumulate, mask, flags)
+    elif argmax is not None:
+        _launch_argmax_bwd(x, argmax, dy, dx, params, accumulate, mask, flags)
     else:
         _launch_cells_bwd(x, dy, dx, params, is_max, accumulate, x_is_relu_output)
+
+
+def _why_x(is_max, has_argmax, x_is_relu_output) -> str:
+    """The one line that says why a backward without x cannot run."""
+    if is_max and not has_argmax:
+        return ("pool.backward needs x: max pooling finds each window's argmax in it (or "
+                "pass the argmax bytes its forward stored)")
+    if x_is_relu_output:
+        return ("pool.backward needs x: dx goes through a ReLU mask (x_is_relu_output), read "
+                "from x" + (" where dx accumulates" if has_argmax else ""))
+    return "pool.backward needs x or dx: average pooling takes the input shape from them"
+
+
+def _reads_x(is_max, has_argmax, x_is_relu_output, accumulate) -> bool:
+    """Whether a backward reads x: to find argmaxes, or for a ReLU mask that the argmax
+    bytes cannot give (dx accumulates, or there are none: average pooling)."""
+    if is_max and not has_argmax:
+        return True
+    return x_is_relu_output and (accumulate or not has_argmax)
+
+
+def reads_input(mode, saves_argmax, x_is_relu_output) -> bool:
+    """Whether the backward of a pool whose dx does not accumulate reads x (the scheduler
+    keeps x alive for it): `saves_argmax`, the forward stored argmax bytes for it."""
+    return _reads_x(_mode(mode), saves_argmax, x_is_relu_output, False)
 
 
 def _launch_cells_bwd(x, dy, dx, params, is_max, accumulate, relu_mask):
@@ -508,14 +584,13 @@ def _launch_cells_bwd(x, dy, dx, params, is_max, accumulate, relu_mask):
                 INDEX64=x.numel() > _INT32_LIMIT, MASK=relu_mask))
 
 
-def _launch_argmax_bwd(x, argmax, dy, dx, params, accumulate, relu_mask):
-    """dx of max pooling in two launches: every window's argmax found once, into `argmax`
-    (_pool_fwd_kernel's STORE_ARG), then the gather over whole input rows, BC columns at a
-    time (up to 128 pixels of a row), that reads it (_pool_argmax_bwd_kernel)."""
+def _launch_argmax_bwd(x, argmax, dy, dx, params, accumulate, mask, flags):
+    """dx of max pooling from every window's argmax byte: the gather over whole input rows,
+    BC columns at a time (up to 128 pixels of a row), that reads them
+    (_pool_argmax_bwd_kernel)."""
     kh, kw, sh, sw, ph, pw = params
     n, c, h, w = dx.shape
     oh, ow = dy.shape[2], dy.shape[3]
-    _find_argmaxes(x, argmax, oh, ow, params)
     rows = n * c * h
     bc = min(next_power_of_2(w), 128)
 
@@ -524,18 +599,18 @@ def _launch_argmax_bwd(x, argmax, dy, dx, params, accumulate, relu_mask):
     launch(_pool_argmax_bwd_kernel, grid, (x, argmax, dy, dx, rows),
            dict(H=h, W=w, OH=oh, OW=ow, KH=kh, KW=kw, SH=sh, SW=sw, PH=ph, PW=pw,
                 NH=-(-kh // sh), NW=-(-kw // sw), ACC=accumulate,
-                INDEX64=dx.numel() > _INT32_LIMIT, MASK=relu_mask, BC=bc))
+                INDEX64=dx.numel() > _INT32_LIMIT, MASK=mask, FLAGS=flags, BC=bc))
 
 
 def _find_argmaxes(x, argmax, oh, ow, params):
-    """The first launch of the max backward with a workspace (bench/kernels_norm.py times
-    it alone): each window's argmax tap into `argmax`, one uint8 per window of the OH x OW
-    output (_pool_fwd_kernel with STORE_ARG)."""
+    """The max backward's argmax pass, given a workspace (bench/kernels_norm.py times it
+    alone): each window's argmax byte into `argmax`, one per window of the OH x OW output
+    (_pool_fwd_kernel with STORE_ARG, not STORE_Y)."""
     kh, kw, sh, sw, ph, pw = params
     launch(_pool_fwd_kernel, lambda meta: (cdiv(argmax.numel(), meta["BLOCK"]),),
-           (x, argmax, argmax.numel(), x.shape[2], x.shape[3], oh, ow),
+           (x, argmax, argmax, argmax.numel(), x.shape[2], x.shape[3], oh, ow),
            dict(KH=kh, KW=kw, SH=sh, SW=sw, PH=ph, PW=pw, IS_MAX=True,
-                INDEX64=x.numel() > _INT32_LIMIT, STORE_ARG=True))
+                INDEX64=x.numel() > _INT32_LIMIT, STORE_Y=False, STORE_ARG=True))
 
 
 def _tiles_input(h, w, kh, kw, sh, sw, ph, pw):
@@ -544,44 +619,68 @@ def _tiles_input(h, w, kh, kw, sh, sw, ph, pw):
             and kh * kw > 1 and kh & (kh - 1) == 0 and kw & (kw - 1) == 0)
 
 
-def _launch_tiles_bwd(x, dy, dx, kh, kw, is_max, accumulate, relu_mask):
+def _launch_tiles_bwd(x, argmax, dy, dx, kh, kw, is_max, accumulate, mask, flags):
     """dx of kh x kw windows that tile x: [rows, kh, columns] tiles of whole input rows, a
-    row of windows per tile row (columns: up to 256 pixels of a row)."""
+    row of windows per tile row (columns: up to 256 pixels of a row); max pooling's argmaxes
+    found in x, or read from `argmax`."""
     n, c, oh, ow = dy.shape
     rows, w = n * c * oh, dx.shape[3]
     bc = max(kw, min(next_power_of_2(w), 256))
 
     def grid(meta):
         return (cdiv(rows, max(1, meta["LANES"] // (kh * bc))), cdiv(w, bc))
-    launch(_pool_tiles_bwd_kernel, grid, (x, dy, dx, rows, w, ow),
+    launch(_pool_tiles_bwd_kernel, grid,
+           (x, dy if argmax is None else argmax, dy, dx, rows, w, ow),
            dict(KH=kh, KW=kw, IS_MAX=is_max, ACC=accumulate, INDEX64=dx.numel() > _INT32_LIMIT,
-                MASK=relu_mask, BC=bc))
+                MASK=mask, FROM_ARG=argmax is not None, FLAGS=flags, BC=bc))
 
 
 def argmax_workspace_bytes(x_shape, *, mode, kernel, stride, padding) -> int:
-    """Bytes of the optional backward workspace that holds every window's argmax (one uint8
-    tap per output element), or 0 where there is none: average pooling, windows of more
-    than 256 taps, and windows that do not overlap (kernel <= stride on both axes, as
-    VGG16's 2x2/2: each cell then lies in one window, so the gather's own scan reads x once,
-    and the argmax pass would only read it a second time)."""
+    """Bytes of the optional backward workspace that holds every window's argmax (one byte
+    per output element), or 0 where there is none: average pooling, windows of more than
+    128 taps, and windows that do not overlap (kernel <= stride on both axes, as VGG16's
+    2x2/2: each cell then lies in one window, so the gather's own scan reads x once, and
+    the argmax pass would only read it a second time)."""
     kh, kw, sh, sw, _, _ = _params(kernel, stride, padding)
-    if not _mode(mode) or kh * kw > 256 or (kh <= sh and kw <= sw):
+    if kh <= sh and kw <= sw:
+        return 0
+    return argmax_bytes(x_shape, mode=mode, kernel=kernel, stride=stride, padding=padding)
+
+
+def argmax_bytes(x_shape, *, mode, kernel, stride, padding) -> int:
+    """Bytes of the argmax that forward can store for backward (one byte per output
+    element), or 0 for average pooling and windows of more than 128 taps."""
+    kh, kw, _, _, _, _ = _params(kernel, stride, padding)
+    if not _mode(mode) or kh * kw > MAX_ARGMAX_TAPS:
         return 0
     n, c, oh, ow = out_shape(x_shape, kernel, stride, padding)
     return n * c * oh * ow
 
 
+def _check_argmax(where, argmax, shape, is_max, taps):
+    """An argmax tensor: max pooling, windows of at most 128 taps, uint8 of y's shape."""
+    if not is_max:
+        raise ValueError(f"{where}: argmax is for max pooling; average pooling takes none")
+    if taps > MAX_ARGMAX_TAPS:
+        raise ValueError(f"{where}: a window of {taps} taps has more than an argmax byte "
+                         f"holds ({MAX_ARGMAX_TAPS}); pass no argmax")
+    if not isinstance(argmax, torch.Tensor) or argmax.dtype != torch.uint8 \
+            or tuple(argmax.shape) != tuple(shape) or not argmax.is_contiguous():
+        got = (f"{tuple(argmax.shape)} {argmax.dtype}" if isinstance(argmax, torch.Tensor)
+               else type(argmax).__name__)
+        raise ValueError(f"{where}: argmax must be a contiguous uint8 tensor of shape "
+                         f"{tuple(shape)}, got {got}")
+
+
 def _argmax_buffer(workspace, shape, kernel, is_max, x, dx):
-    """The uint8 view of `workspace` that holds the argmaxes (None: no workspace given)."""
-    if workspace is None:
-        return None
+    """The uint8 view of `workspace` that holds the argmaxes."""
     if not is_max:
         raise ValueError("pool.backward: a workspace is for max pooling's argmax; average "
                          "pooling takes none")
     kh, kw = pair(kernel, "pool: kernel", 1)
-    if kh * kw > 256:
-        raise ValueError(f"pool.backward: a {kh}x{kw} window has more taps than a uint8 "
-                         f"argmax holds; pass no workspace")
+    if kh * kw > MAX_ARGMAX_TAPS:
+        raise ValueError(f"pool.backward: a {kh}x{kw} window has more taps than an argmax "
+                         f"byte holds ({MAX_ARGMAX_TAPS}); pass no workspace")
     if not isinstance(workspace, torch.Tensor) or workspace.dim() != 1:
         raise ValueError("pool.backward: workspace must be a 1-D tensor")
     need = shape[0] * shape[1] * shape[2] * shape[3]
@@ -590,6 +689,6 @@ def _argmax_buffer(workspace, shape, kernel, is_max, x, dx):
         raise ValueError(f"pool.backward: workspace holds {flat.numel():,} bytes, the "
                          f"argmax needs {need:,}")
     check_device("pool", x, workspace=workspace)
-    buf = flat[:need]
+    buf = flat[:need].view(shape)
     check_no_overlap("pool.backward", [("workspace", buf)], [("x", x), ("dx", dx)])
     return buf

@@ -43,9 +43,18 @@ The fused layer is a batch norm (the batch norm's name,
 parameters, statistics and attributes, plus `residual=True` and the add's `relu` and
 `relu_masked`) whose second input is the residual, which its backward never reads
 (OpSpec.inputs_read): it dies where the add was. The same bits as apart.
+
+A max pool's backward can read the argmax its forward found instead of finding it in x
+again (`store_argmaxes`: one byte per window, kept from the forward pass to the backward
+pass, kernels/pool.py); that fuses the argmax pass into the forward. Planned where the net
+fits its cap unmoved, as the adds' fusions (plan.py): there the byte a window costs no
+move, and x need not live to the backward pass (its dx through a ReLU before the pool
+takes the mask from the byte too). Beyond, the backward finds the argmaxes in x again,
+into a spare workspace where policy "all" has room (ops.SPARE).
 """
 from __future__ import annotations
 
+from ..kernels import pool as pool_k
 from ..ops import spec
 
 
@@ -169,3 +178,29 @@ def fuses_adds(net) -> bool:
     fused into it: the fusions a plan makes only where the net fits unmoved (plan.py)."""
     return any(layer.attrs.get("residual") or (layer.op == "add" and layer.attrs.get("relu"))
                for layer in net.layers)
+
+
+def saves_argmax(layer) -> bool:
+    """True for a max pool whose windows' argmaxes fit a byte (128 taps at most)."""
+    a = layer.attrs
+    return layer.op == "pool" and pool_k.argmax_bytes(
+        tuple(layer.inputs[0].shape), mode=a["mode"], kernel=a["kernel"], stride=a["stride"],
+        padding=a["padding"]) > 0
+
+
+def store_argmaxes(net):
+    """`net` with every max pool that `saves_argmax` marked `saves_argmax=True` (a new
+    Net; `net` itself where there is none): its forward pass stores each window's argmax
+    for its backward pass (ops.py)."""
+    from ..graph import Net
+
+    if not any(saves_argmax(layer) for layer in net.layers):
+        return net
+    marked = Net(net.input_shape, net.classes, net.batch)
+    copy = {}
+    for layer in net.layers:
+        attrs = dict(layer.attrs, saves_argmax=True) if saves_argmax(layer) else layer.attrs
+        copy[layer] = marked._add_layer(layer.op, layer.name, [copy[x] for x in layer.inputs],
+                                        layer.shape, dict(attrs), layer.params, layer.buffers)
+    marked.loss = copy[net.loss]
+    return marked

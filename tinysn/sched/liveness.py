@@ -228,9 +228,10 @@ class Program:
             persistent = spec(layer).is_loss
             self.act[layer] = self._new(layer.name, layer.shape, "data", layer, "act",
                                         persistent=persistent)
-            if spec(layer).saves_statistics:
-                self.saved[layer] = self._new(layer.name + ".saved", (2, layer.shape[1]),
-                                              "state", layer, "saved")
+            saves = spec(layer).saves(layer)
+            if saves is not None:
+                self.saved[layer] = self._new(layer.name + ".saved", saves[0], "state", layer,
+                                              "saved", dtype=saves[1])
         for layer in self.order:
             if not spec(layer).is_loss and self._needs_grad(layer):
                 self.grad[layer] = self._new(layer.name + ".grad", layer.shape, "grad",
@@ -265,8 +266,9 @@ class Program:
             lp.writes.append(self.act[layer])
             if op.draws_mask:
                 lp.reads.append(self.iteration)
-            if op.saves_statistics:
+            if layer in self.saved:
                 lp.writes.append(self.saved[layer])
+            if op.saves_statistics:
                 lp.writes += [self.buffer[f"{layer.name}.{b}"] for b in layer.buffers]
             self.passes.append(lp)
         written = set()
@@ -284,7 +286,7 @@ class Program:
                 lp.reads.append(self.labels)
             if op.draws_mask:
                 lp.reads.append(self.iteration)
-            if op.saves_statistics:
+            if layer in self.saved:
                 lp.reads.append(self.saved[layer])
             lp.reads += self._layer_params(layer, self.param)
             lp.reads += self._layer_params(layer, self.momentum)

@@ -323,7 +323,8 @@ def plan(net, memory, policy: str = "all", *, momentum: float = 0.0, conv_algos=
          evict_by_next_use: bool = True, rebuild_joins: bool = True,
          fuse_relu: bool = True, fuse_bn_relu: bool = True, fuse_add_relu: bool = True,
          fuse_bn_add: bool = True, group_updates: bool = True,
-         channels_last: bool = True, fuse_updates: bool = True) -> Plan:
+         channels_last: bool = True, fuse_updates: bool = True,
+         store_argmaxes: bool = True) -> Plan:
     """Dry-run one training iteration of `net` under a `memory` cap and `policy`.
 
     Raises OutOfMemory naming the first step that does not fit. `conv_algos` pins conv
@@ -407,6 +408,11 @@ def plan(net, memory, policy: str = "all", *, momentum: float = 0.0, conv_algos=
     stored: no block for it, no pass over it (liveness `fused_update_names`; the SGD
     kernel's bits where the batch is one K-block of the GEMM); False stores it and updates
     it with the SGD kernel, as plans made before that did.
+    `store_argmaxes` (default True): where the net fits the cap without copying anything
+    out (as for the adds' ReLUs), each max pool's forward stores its windows' argmax bytes
+    for its backward (fuse.store_argmaxes: one byte per window, in the plan), which then
+    reads neither x nor a second pass over it (the same bits); False finds them again in
+    the backward everywhere, as plans made before that did.
 
     A plan that fits under a cap fits under every larger cap, for every policy and layout
     (`_Search` says why). The returned plan's `capacity` is the pool it was made for: the
@@ -428,7 +434,7 @@ def plan(net, memory, policy: str = "all", *, momentum: float = 0.0, conv_algos=
                        fuse_relu=fuse_relu, fuse_bn_relu=fuse_bn_relu,
                        fuse_add_relu=fuse_add_relu, fuse_bn_add=fuse_bn_add,
                        group_updates=group_updates, fuse_updates=fuse_updates,
-                       fits_unmoved=unmoved)
+                       store_argmaxes=store_argmaxes, fits_unmoved=unmoved)
     lru = search(False)             # checks every argument before anything is planned
     try:
         candidates = [(lru, _choose(lru, policy))]     # (search, its plan)
@@ -512,7 +518,8 @@ def _search(net, memory, policy, *, momentum, conv_algos, checkpoints, block_byt
             in_place_gradients=True, keep_pools=True,
             evict_by_next_use=True, rebuild_joins=True, fuse_relu=True,
             fuse_bn_relu=True, fuse_add_relu=True, fuse_bn_add=True,
-            group_updates=True, fuse_updates=True, fits_unmoved=None) -> "_Search":
+            group_updates=True, fuse_updates=True, store_argmaxes=True,
+            fits_unmoved=None) -> "_Search":
     """Check `plan`'s arguments (before any state changes) and set up its runs: of `net`,
     or with `fuse_relu` of its fused net (fuse.fuse_relus; its residual adds' ReLUs, and the
     batch norms before them, apart where, fused, the net would not fit unmoved:
@@ -546,7 +553,7 @@ def _search(net, memory, policy, *, momentum, conv_algos, checkpoints, block_byt
                        ("rebuild_joins", rebuild_joins), ("fuse_relu", fuse_relu),
                        ("fuse_bn_relu", fuse_bn_relu), ("fuse_add_relu", fuse_add_relu),
                        ("fuse_bn_add", fuse_bn_add), ("group_updates", group_updates),
-                       ("fuse_updates", fuse_updates)):
+                       ("fuse_updates", fuse_updates), ("store_argmaxes", store_argmaxes)):
         if not isinstance(flag, bool):
             raise ValueError(f"{name} must be a bool, got {flag!r}")
     bucket_bytes = liveness.parse_bucket_bytes(bucket_bytes)
@@ -571,9 +578,10 @@ def _search(net, memory, policy, *, momentum, conv_algos, checkpoints, block_byt
         net, batch_norms=fuse_bn_relu, adds=fuse_add_relu, residuals=fuse_bn_add)
     grouping = group_updates and not data_parallel and \
         liveness.groups_updates(fused, fuse_updates)
-    search = searching(fused, grouped=grouping)
+    storing = fuse.store_argmaxes(fused) if store_argmaxes else fused
+    search = searching(storing, grouped=grouping)
     moves_nothing = policy in ("baseline", "liveness")      # they fuse the adds everywhere
-    if not (grouping or (fuse.fuses_adds(fused) and not moves_nothing)):
+    if not (grouping or storing is not fused or (fuse.fuses_adds(fused) and not moves_nothing)):
         return search
     if fits_unmoved is None:
         fits_unmoved = _fits_unmoved(search)

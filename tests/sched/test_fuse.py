@@ -8,7 +8,7 @@ import tinysn.testing as snt
 from tinysn.ops import spec
 from tinysn.sched import plan as plan_mod
 from tinysn.sched import liveness
-from tinysn.sched.fuse import fuse_relus
+from tinysn.sched.fuse import fuse_relus, fuses_adds
 
 
 def _net(batch=2):
@@ -188,6 +188,30 @@ def test_whether_the_adds_fit_unmoved_is_asked_once_for_both_eviction_orders(mon
     asked.clear()
     assert sn.plan(net, int(smallest * 1.05), "all").bytes_to_host
     assert len(asked) == 1
+
+
+def test_where_only_the_argmax_bytes_tip_it_the_adds_stay_fused(monkeypatch):
+    """The nets planned only where they fit unmoved are asked most fused first: with the
+    max pool's argmaxes stored, then without them (the adds' ReLUs and the grouped updates
+    stay), then apart. Here the first answer, then every answer, is forced to no."""
+    from tinysn.testing import block_net
+    net = block_net(p=0.0)
+    ask = plan_mod._fits_unmoved
+
+    def stores(plan):
+        return any(layer.attrs.get("saves_argmax") for layer in plan.net.layers)
+
+    def fused_adds(plan):
+        return fuses_adds(plan.net)
+    roomy = sn.plan(net, "64MiB", "all")
+    assert stores(roomy) and fused_adds(roomy) and roomy.program.group_updates
+    monkeypatch.setattr(plan_mod, "_fits_unmoved",
+                        lambda search: not stores(search.first(None)) and ask(search))
+    p = sn.plan(net, "64MiB", "all")
+    assert not stores(p) and fused_adds(p) and p.program.group_updates
+    monkeypatch.setattr(plan_mod, "_fits_unmoved", lambda search: False)
+    p = sn.plan(net, "64MiB", "all")
+    assert not stores(p) and not fused_adds(p) and not p.program.group_updates
 
 
 @pytest.mark.gpu

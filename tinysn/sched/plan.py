@@ -145,6 +145,9 @@ class Launch:
 
 
 POLICIES = ("baseline", "liveness", "offload", "recompute", "all")
+# `_Search.fits_unmoved` where the net with its max pools' argmaxes stored fits its cap
+# unmoved (True: the fused net without them does; False: neither)
+STORED = "stored"
 # policy "all": plans the search trading copies for rebuilds may make. More is not
 # always better: the greedy search picks the best plan one step ahead, before `_ahead`;
 # ResNet-50 under 12 GiB at batch 640 ends at 0.584 s predicted with 24 and 0.630 s
@@ -527,8 +530,9 @@ def _search(net, memory, policy, *, momentum, conv_algos, checkpoints, block_byt
     search of the other eviction order found it: the no-drop run that decides evicts
     nothing where it fits unmoved, so the order cannot change the answer), with
     `group_updates` its small SGD updates sharing launches under the same condition
-    (liveness.groups_updates). The search's `fits_unmoved` keeps the answer (None where
-    nothing asked)."""
+    (liveness.groups_updates), and with `store_argmaxes` its max pools storing their
+    argmaxes (fuse.store_argmaxes) where the net so fused fits unmoved too. The search's
+    `fits_unmoved` keeps the answer (STORED, True, False; None where nothing asked)."""
     if layout not in ("auto", "first_fit", "two_ended"):
         raise ValueError(f"layout must be 'auto', 'first_fit' or 'two_ended', got {layout!r}")
     if policy not in POLICIES:
@@ -583,14 +587,22 @@ def _search(net, memory, policy, *, momentum, conv_algos, checkpoints, block_byt
     moves_nothing = policy in ("baseline", "liveness")      # they fuse the adds everywhere
     if not (grouping or storing is not fused or (fuse.fuses_adds(fused) and not moves_nothing)):
         return search
+    # the nets made only where they fit unmoved, most fused first: the max pools' argmaxes
+    # stored (their bytes alone may tip it), then the adds' fusions and grouped updates
     if fits_unmoved is None:
-        fits_unmoved = _fits_unmoved(search)
+        fits_unmoved = STORED if _fits_unmoved(search) else False
+        if not fits_unmoved and storing is not fused:
+            search = searching(fused, grouped=grouping)
+            fits_unmoved = _fits_unmoved(search)
+    elif fits_unmoved is not STORED and storing is not fused:
+        search = searching(fused, grouped=grouping)
     if not fits_unmoved:
         apart = fused if moves_nothing or not fuse.fuses_adds(fused) else fuse.fuse_relus(
             net, batch_norms=fuse_bn_relu, adds=False)
         search = searching(apart)
     search.fits_unmoved = fits_unmoved
     return search
+
 
 
 def _fits_unmoved(search) -> bool:
@@ -966,7 +978,7 @@ class _Search:
         self._written_back = {}   # (id(plan), host cap) -> (plan, write_back_early(plan))
         self.trade_budget, self.lookahead = trade_budget, lookahead
         self.device_model = device_model
-        self.fits_unmoved = None  # the adds' ReLUs' question, where asked (`_search`)
+        self.fits_unmoved = None  # what fits unmoved, where asked (`_search`)
         self.exact = policy != "all" and layout != "two_ended"
         self.layouts = ([0] if policy == "all" and layout != "two_ended" else []) + \
                        ([None] if layout != "first_fit" else [])   # None: small_bytes_for(cap)

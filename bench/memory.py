@@ -80,12 +80,13 @@ def parse_batches(text: str) -> dict:
     return out
 
 
-def checked_largest(model_fn, batch: int, cap: int, host_memory=None) -> int:
+def checked_largest(model_fn, batch: int, cap: int, host_memory=None, **plan_kw) -> int:
     """`batch`, after checking that it is the largest batch policy "all" plans under `cap`
     (it plans, batch + 1 does not): what sn.max_batch would return, at the cost of two of its
-    fit tests."""
+    fit tests (`plan_kw`: the planner's options, as sn.max_batch's)."""
     def fits(k):
-        return plan_mod.fits(model_fn(batch=k), cap, "all", host_memory=host_memory)
+        return plan_mod.fits(model_fn(batch=k), cap, "all", host_memory=host_memory,
+                             **plan_kw)
     if not fits(batch) or fits(batch + 1):
         raise SystemExit(f"--batches: {batch} is not the largest batch that plans under the cap")
     return batch
@@ -245,6 +246,7 @@ def train_for_real(net, memory, host_memory=None, steps=2, cuda_graph=False):
            "fuse_bn_add": sn.plan.__kwdefaults__["fuse_bn_add"],
            "group_updates": sn.plan.__kwdefaults__["group_updates"],
            "fuse_updates": sn.plan.__kwdefaults__["fuse_updates"],
+           "store_argmaxes": sn.plan.__kwdefaults__["store_argmaxes"],
            "batch_staged": rt.batch_staged,
            "rebuilt_joins": rt.plan.rebuilt_joins,
            "device_model": rt.plan.device_model.record(),

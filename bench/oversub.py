@@ -255,7 +255,7 @@ def tinysn_point(net, cap, device, args):
                                fuse_bn_add=sn.plan.__kwdefaults__["fuse_bn_add"],
                                group_updates=sn.plan.__kwdefaults__["group_updates"],
                                fuse_updates=sn.plan.__kwdefaults__["fuse_updates"],
-                               **SGD)
+                               store_argmaxes=args.store_argmaxes, **SGD)
     return train.guarded(lambda: train.tinysn_row(net, "all", False, device, run_args,
                                                   host_memory=args.host_memory))
 
@@ -287,6 +287,7 @@ def curve_row(model, batch, capped, reference, bandwidth) -> dict:
                fuse_add_relu=capped["fuse_add_relu"], fuse_bn_add=capped["fuse_bn_add"],
                group_updates=capped["group_updates"],
                fuse_updates=capped["fuse_updates"],
+               store_argmaxes=capped["store_argmaxes"],
                batch_staged=capped["batch_staged"],
                trade_budget=capped["trade_budget"],
                launch_probe_s=capped["device_model"]["launch_probe_s"],
@@ -304,9 +305,10 @@ def curve_row(model, batch, capped, reference, bandwidth) -> dict:
 def model_largest(name, args, cap) -> int:
     """The model's largest batch under the cap: --batches (checked) or sn.max_batch."""
     fn = MODELS[name]
+    kw = dict(store_argmaxes=args.store_argmaxes)
     if name in args.given:
-        return memory.checked_largest(fn, args.given[name], cap, args.host_memory)
-    return sn.max_batch(fn, cap, "all", host_memory=args.host_memory)
+        return memory.checked_largest(fn, args.given[name], cap, args.host_memory, **kw)
+    return sn.max_batch(fn, cap, "all", host_memory=args.host_memory, **kw)
 
 
 def run_model(name, largest, args, device, bandwidth, result, save) -> None:
@@ -433,6 +435,10 @@ def parse_args(argv=None):
                          "with --merge the model's rows at other batches stay")
     ap.add_argument("--steps", type=int, default=2, help="timed steps per configuration")
     ap.add_argument("--warmup", type=int, default=1, help="untimed steps first")
+    ap.add_argument("--store-argmaxes", action=argparse.BooleanOptionalAction,
+                    default=sn.plan.__kwdefaults__["store_argmaxes"],
+                    help="max pools store their argmaxes where the net fits unmoved (default: "
+                         "the planner's, on); --no-store-argmaxes finds them again")
     ap.add_argument("--parts", default=",".join(PARTS), help="tinysn, pytorch or both")
     ap.add_argument("--pytorch-configs", default=",".join(PYTORCH_CONFIGS))
     ap.add_argument("--merge", action="store_true",

@@ -22,7 +22,8 @@ layer), a missing `fuse_bn_relu` False (no batch norm's ReLU fused) and a missin
 `fuse_add_relu` False (no residual add's ReLU fused), a missing `fuse_bn_add` False (no
 batch norm fused into its residual add), a missing `group_updates` False (each layer's SGD
 update at its own backward pass), a missing `fuse_updates` False (every gradient stored and
-stepped by the SGD kernel). A run without `batch_staged` copied
+stepped by the SGD kernel), a missing `store_argmaxes` False (every max pool's backward
+finds its argmaxes in x). A run without `batch_staged` copied
 each batch at its steps' start (sched/staging.py came later). The prediction itself always
 uses today's model (DeviceModel.h200, with the conv times the run measured and its probe
 of the host, beside its timed steps or else when it planned, where it recorded them), so
@@ -85,6 +86,7 @@ def train_plan_kw(run: dict, row: dict) -> dict:
                 fuse_bn_add=row.get("fuse_bn_add", False),
                 group_updates=row.get("group_updates", False),
                 fuse_updates=row.get("fuse_updates", False),
+                store_argmaxes=row.get("store_argmaxes", False),
                 device_model=planned_with(row))
 
 
@@ -142,6 +144,7 @@ def memory_rows(path: Path) -> list:
                                fuse_bn_add=real.get("fuse_bn_add", False),
                                group_updates=real.get("group_updates", False),
                                fuse_updates=real.get("fuse_updates", False),
+                               store_argmaxes=real.get("store_argmaxes", False),
                                device_model=planned_with(real)), "model": name})
     return rows
 

@@ -20,9 +20,22 @@ def batch_for(net, seed=1):
     return images, labels
 
 
+def stem_net(batch):
+    """ResNet's stem (conv, batch norm, ReLU, max pool 3x3/2) and VGG's conv, ReLU, max pool
+    2x2/2: where the net fits unmoved both pools store their argmaxes and take the ReLU's
+    mask from their bytes."""
+    net = sn.Net(input_shape=(3, 12, 12), classes=4, batch=batch)
+    h = net.relu(net.bn(net.conv(net.data(), 8, kernel=3, padding=1, bias=False)))
+    h = net.pool(h, "max", 3, stride=2, padding=1, name="stem_pool")
+    h = net.pool(net.relu(net.conv(h, 8, kernel=3, padding=1)), "max", 2, name="pool2")
+    net.softmax_loss(net.fc(h, 4))
+    return net
+
+
 @pytest.mark.parametrize("make,policy", [(every_layer_net, "baseline"),
                                          (every_layer_net, "offload"),
-                                         (lambda batch: block_net(batch, p=0.0), "recompute")])
+                                         (lambda batch: block_net(batch, p=0.0), "recompute"),
+                                         (stem_net, "all")])
 def test_three_sgd_steps_match_torch_float64(make, policy):
     net = make(batch=3)
     lr, momentum, wd = 0.05, 0.9, 1e-3
@@ -30,6 +43,9 @@ def test_three_sgd_steps_match_torch_float64(make, policy):
                     weight_decay=wd, seed=3, precision="ieee")
     ref = net.to_torch(params=rt.params()).double()
     opt = torch.optim.SGD(ref.parameters(), lr=lr, momentum=momentum, weight_decay=wd)
+    if make is stem_net:
+        pools = [layer for layer in rt.plan.net.layers if layer.op == "pool"]
+        assert all(p.attrs["saves_argmax"] and p.attrs["x_is_relu_output"] for p in pools)
     for i in range(3):
         images, labels = batch_for(net, seed=10 + i)
         loss = rt.step(images, labels)

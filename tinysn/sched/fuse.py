@@ -199,8 +199,10 @@ def store_argmaxes(net):
     marked = Net(net.input_shape, net.classes, net.batch)
     copy = {}
     for layer in net.layers:
-        attrs = dict(layer.attrs, saves_argmax=True) if saves_argmax(layer) else layer.attrs
+        attrs = _copied_attrs(layer)
+        if saves_argmax(layer):
+            attrs["saves_argmax"] = True
         copy[layer] = marked._add_layer(layer.op, layer.name, [copy[x] for x in layer.inputs],
-                                        layer.shape, dict(attrs), layer.params, layer.buffers)
+                                        layer.shape, attrs, layer.params, layer.buffers)
     marked.loss = copy[net.loss]
     return marked

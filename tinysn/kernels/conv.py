@@ -561,7 +561,9 @@ _KEY = ["N", "C", "H", "W", "K", "P", "Q", "SH", "SW", "PH", "PW", "R", "S"]
 # while every access stays 4 bytes wide (vector width = min(contiguity, alignment)), so the
 # declaration never merges two pixels that are not neighbours in memory (strided convs).
 # Where the pixel axis is provably contiguous (1x1 stride 1 over P*Q % 4 == 0) nothing is
-# declared and the loads and stores are 16 bytes wide.
+# declared and the stores are 16 bytes wide; a tile the dot reads is still copied into shared
+# memory 4 bytes at a time (LDGSTS.E on sm_90, bench/sass.py): tf32 wgmma takes both operands
+# K-major there, and in NCHW the pixel axis is the M (or N) axis, not K.
 
 @triton.jit
 def _tile_ids(pid, M, N, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GROUP_M: tl.constexpr):

@@ -395,7 +395,7 @@ def _pool_argmax_bwd_kernel(x, argmax, dy, dx, ROWS, H: tl.constexpr, W: tl.cons
                             NW: tl.constexpr, ACC: tl.constexpr, INDEX64: tl.constexpr,
                             MASK: tl.constexpr, FLAGS: tl.constexpr, BC: tl.constexpr,
                             LANES: tl.constexpr, BR: tl.constexpr):
-    """The max backward from stored argmaxes (`argmax`: one uint8 tap per window, as
+    """The max backward from stored argmaxes (`argmax`: one byte per window, as
     _pool_fwd_kernel's STORE_ARG writes them), one lane per input pixel: a program takes
     BR input rows (of all planes, flattened) and BC columns of each, so dx is stored (and x
     read, for MASK) along whole rows, 16 bytes at a time. Pixel (ih, iw) lies in windows

@@ -109,11 +109,11 @@ def cases(batch: int) -> dict:
             t(n, 64, 112, 112), t(n, 64, 56, 56), t(n, 64, 56, 56), torch.empty(n, 64, 112, 112),
             mode="max", kernel=3, stride=2, padding=1, workspace=ws(pool.argmax_workspace_bytes(
                 (n, 64, 112, 112), mode="max", kernel=3, stride=2, padding=1))),
-        "pool 3x3/2 bwd stored argmax, ReLU": lambda: pool.backward(   # as a plan runs it
+        "pool 3x3/2 bwd stored argmax relu": lambda: pool.backward(   # as a plan runs it
             None, None, t(n, 64, 56, 56), torch.empty(n, 64, 112, 112), mode="max", kernel=3,
             stride=2, padding=1, argmax=torch.zeros(n, 64, 56, 56, dtype=torch.uint8),
             x_is_relu_output=True),
-        "pool 2x2/2 bwd stored argmax, ReLU": lambda: pool.backward(
+        "pool 2x2/2 bwd stored argmax relu": lambda: pool.backward(
             None, None, t(n, 64, 112, 112), torch.empty(n, 64, 224, 224), mode="max",
             kernel=2, stride=2, padding=0,
             argmax=torch.zeros(n, 64, 112, 112, dtype=torch.uint8), x_is_relu_output=True),

@@ -58,6 +58,9 @@ def test_every_config_compiles_for_the_h200_without_spills(tmp_path):
     # max pooling's gather from stored argmaxes stores whole rows 16 bytes at a time, and
     # each candidate window's loads are an immediate offset away (100 instructions per
     # pixel when each computed its own addresses)
+    # the tiling windows' backward from stored argmax bytes keeps its 16-byte stores
+    tiles = [r for r in rows if r["case"] == "pool 2x2/2 bwd stored argmax relu"]
+    assert tiles and all("STG.E.128" in r["opcodes"] for r in tiles)
     for r in (r for r in rows if r["kernel"] == "_pool_argmax_bwd_kernel"):
         lanes = int(re.search(r"LANES: (\d+)", r["config"]).group(1))
         assert "STG.E.128" in r["opcodes"], r["config"]

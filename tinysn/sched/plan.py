@@ -594,7 +594,7 @@ def _search(net, memory, policy, *, momentum, conv_algos, checkpoints, block_byt
         if not fits_unmoved and storing is not fused:
             search = searching(fused, grouped=grouping)
             fits_unmoved = _fits_unmoved(search)
-    elif fits_unmoved is not STORED and storing is not fused:
+    elif fits_unmoved is True and storing is not fused:   # False: planned apart below
         search = searching(fused, grouped=grouping)
     if not fits_unmoved:
         apart = fused if moves_nothing or not fuse.fuses_adds(fused) else fuse.fuse_relus(

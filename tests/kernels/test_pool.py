@@ -173,9 +173,11 @@ def test_max_pool_ties_and_nan_match_torch(kernel, stride, padding, size):
     pool.backward(x, y, dy, dx, mode="max", kernel=kernel, stride=stride, padding=padding)
     torch.testing.assert_close(dx, xr.grad, rtol=1e-6, atol=1e-6)
     # the argmax bytes pick torch's pixels, and flag the windows whose maximum is <= 0
-    # (zeros, -inf; NaN not), here where ties and NaNs are common
-    _check_stored_argmax(x, y, dy, dx, torch.full_like(x, NAN), kernel, stride, padding,
-                         False)
+    # (zeros, -inf; NaN not), here where ties and NaNs are common (where a backward can
+    # gather them: not 4x4/3)
+    if pool.argmax_bytes(x.shape, mode="max", kernel=kernel, stride=stride, padding=padding):
+        _check_stored_argmax(x, y, dy, dx, torch.full_like(x, NAN), kernel, stride, padding,
+                             False)
 
 
 @pytest.mark.parametrize("mode", ["max", "avg"])
@@ -298,7 +300,7 @@ def test_pool_argmax_bad_input():
             pool.forward(x, y, mode=mode, argmax=bad, **kw)
         with pytest.raises(ValueError, match=match):
             pool.backward(None, None, dy, dx, mode=mode, argmax=bad, **kw)
-    with pytest.raises(ValueError, match="more than an argmax byte"):
+    with pytest.raises(ValueError, match="more taps than an argmax byte"):
         pool.forward(torch.zeros(1, 1, 12, 12), torch.zeros(1, 1, 1, 1), mode="max",
                      kernel=12, stride=1, padding=0, argmax=torch.zeros(1, 1, 1, 1,
                                                                           dtype=torch.uint8))
@@ -314,6 +316,29 @@ def test_pool_argmax_bad_input():
     assert pool.argmax_bytes((2, 3, 7, 7), mode="max", **kw) == 54
     assert pool.argmax_bytes((2, 3, 7, 7), mode="avg", **kw) == 0
     assert pool.argmax_bytes((1, 1, 12, 12), mode="max", kernel=12, stride=1, padding=0) == 0
+
+
+def test_pool_argmax_bytes_only_where_a_backward_gathers_them():
+    """Overlapping windows whose columns step by 3 keep no argmax bytes (the gather's column
+    groups are of 1 or 2 pixels): refused in forward and backward before any launch, no
+    bytes to plan; windows that tile the input keep them at any stride."""
+    x, dy = _rand((2, 3, 7, 7), 0), _rand((2, 3, 2, 2), 1)
+    kw = dict(mode="max", kernel=4, stride=3, padding=0)
+    arg = torch.full((2, 3, 2, 2), 5, dtype=torch.uint8)
+    y, dx = torch.full((2, 3, 2, 2), 7.0), torch.full_like(x, 7.0)
+    with pytest.raises(ValueError, match="column strides of 1 or 2"):
+        pool.forward(x, y, argmax=arg, **kw)
+    with pytest.raises(ValueError, match="column strides of 1 or 2"):
+        pool.backward(None, None, dy, dx, argmax=arg, **kw)
+    with pytest.raises(ValueError, match="pass no workspace"):
+        pool.backward(x, None, dy, dx, workspace=torch.empty(24, dtype=torch.uint8), **kw)
+    assert (y == 7.0).all() and (dx == 7.0).all() and (arg == 5).all()
+    assert pool.argmax_bytes(x.shape, **kw) == pool.argmax_workspace_bytes(x.shape, **kw) == 0
+    assert pool.argmax_bytes((2, 3, 7, 7), mode="max", kernel=4, stride=(2, 3),
+                             padding=0) == 0
+    assert pool.argmax_bytes((2, 3, 7, 7), mode="max", kernel=4, stride=(3, 2),
+                             padding=0) == 2 * 3 * 2 * 2
+    assert pool.argmax_bytes((1, 2, 8, 8), mode="max", kernel=4, stride=4, padding=0) == 8
 
 
 # ----------------------------------------------------------------------------- GPU

@@ -384,63 +384,85 @@ def _pool_tiles_bwd_kernel(x, argmax, dy, dx, ROWS, W, OW, KH: tl.constexpr,
     tl.store(dx + offs, out, mask=ok)
 
 
+@triton.jit
+def _window_adds(acc, arg, g, wv, tap_row, D: tl.constexpr, O: tl.constexpr,
+                 PW: tl.constexpr, SW: tl.constexpr, KW: tl.constexpr, NW: tl.constexpr):
+    """acc plus, for the pixel in column D of each column group q, the dy `g` of window
+    column q + O (its j-th candidate, j = (D + PW) // SW - O, at column (D + PW) % SW +
+    j * SW of that window) where the window's argmax `arg` is that tap; acc itself where
+    no window column q + O holds the pixel."""
+    J: tl.constexpr = (D + PW) // SW - O
+    TAP_COL: tl.constexpr = (D + PW) % SW + J * SW
+    if J >= 0 and J < NW and TAP_COL < KW:
+        acc += tl.where(wv & (arg == tap_row + TAP_COL), g, 0.0)
+    return acc
+
+
 @autotune(_ROWS_GPU, _ROWS_INTERP, key=["ROWS", "H", "W", "KH", "KW", "SH", "SW"],
           restore=["dx"])
-@triton.heuristics({"BR": lambda a: max(1, a["LANES"] // a["BC"])})
+@triton.heuristics({"BR": lambda a: max(1, a["LANES"] // (a["BQ"] * a["G"]))})
 @triton.jit
 def _pool_argmax_bwd_kernel(x, argmax, dy, dx, ROWS, H: tl.constexpr, W: tl.constexpr,
                             OH: tl.constexpr, OW: tl.constexpr, KH: tl.constexpr,
                             KW: tl.constexpr, SH: tl.constexpr, SW: tl.constexpr,
                             PH: tl.constexpr, PW: tl.constexpr, NH: tl.constexpr,
                             NW: tl.constexpr, ACC: tl.constexpr, INDEX64: tl.constexpr,
-                            MASK: tl.constexpr, FLAGS: tl.constexpr, BC: tl.constexpr,
-                            LANES: tl.constexpr, BR: tl.constexpr):
+                            MASK: tl.constexpr, FLAGS: tl.constexpr, BQ: tl.constexpr,
+                            G: tl.constexpr, LANES: tl.constexpr, BR: tl.constexpr):
     """The max backward from stored argmaxes (`argmax`: one byte per window, as
-    _pool_fwd_kernel's STORE_ARG writes them), one lane per input pixel: a program takes
-    BR input rows (of all planes, flattened) and BC columns of each, so dx is stored (and x
-    read, for MASK) along whole rows, 16 bytes at a time. Pixel (ih, iw) lies in windows
-    (oh - i, ow - j), i < NH, j < NW, with oh = (ih + PH) // SH, ow = (iw + PW) // SW, at
-    tap (ih + PH - (oh - i) * SH) * KW + (iw + PW - (ow - j) * SW); each window whose argmax
-    is that tap adds its dy, in _pool_bwd_kernel's order (i, then j, from 0.0), so the two
-    kernels give the same bits. MASK and ACC as _pool_bwd_kernel. FLAGS: dx goes through
-    the ReLU before the pool by the argmax bytes' NONPOSITIVE bit (a flagged window adds
-    nothing), not reading x: the same bits as MASK where dx does not accumulate."""
+    _pool_fwd_kernel's STORE_ARG writes them), for column strides SW of 1 or 2 (G = SW):
+    a program takes BR input rows (of all planes, flattened) and BQ groups of SW columns,
+    so dx is stored (and x read, for MASK) along whole rows, 16 bytes at a time. Pixel
+    (ih, q * SW + D) lies in windows (oh - i, q + (D + PW) // SW - j), i < NH, j < NW, with
+    oh = (ih + PH) // SH: the column part of every offset and tap is a constant of D and j,
+    so a group's pixels share its windows' loads (one dy, one byte per window, read along
+    the window row: 16 bytes at a time) and each column keeps its own accumulator, the two
+    interleaved at the store. Each window whose argmax is the pixel's tap adds its dy, in
+    _pool_bwd_kernel's order (i, then j, from 0.0), so the two kernels give the same bits.
+    MASK and ACC as _pool_bwd_kernel. FLAGS: dx goes through the ReLU before the pool by
+    the argmax bytes' NONPOSITIVE bit (a flagged window adds nothing), not reading x: the
+    same bits as MASK where dx does not accumulate."""
+    O_LAST: tl.constexpr = (G - 1 + PW) // SW       # window columns q + o a group reads,
+    O_FIRST: tl.constexpr = PW // SW - (NW - 1)     # o from O_LAST down to O_FIRST
     if INDEX64:
         rows = tl.program_id(0).to(tl.int64) * BR + tl.arange(0, BR)
     else:
         rows = tl.program_id(0) * BR + tl.arange(0, BR)
-    cols = tl.program_id(1) * BC + tl.arange(0, BC)
+    q = tl.program_id(1) * BQ + tl.arange(0, BQ)
     plane = rows // H
     ih = rows % H
-    ok = (rows < ROWS)[:, None] & (cols < W)[None, :]
     oh = (ih + PH) // SH
-    ow = (cols + PW) // SW
-    dr = ih + PH - oh * SH                  # the pixel's place in window (oh, ow): row
-    dc = cols + PW - ow * SW                # and column
-    # window (oh - i, ow - j) is i * OW + j elements before (oh, ow), and the pixel's tap in
-    # it i * SH * KW + j * SW after: constants, so each load is one immediate offset away
-    at = (plane * (OH * OW) + oh * OW)[:, None] + ow[None, :]
+    dr = ih + PH - oh * SH                  # the pixel's row in window (oh, .)
+    at = (plane * (OH * OW) + oh * OW)[:, None] + q[None, :]
     dy_at, arg_at = dy + at, argmax + at
-    tap = (dr * KW)[:, None] + dc[None, :]
-    acc = tl.zeros([BR, BC], tl.float32)
+    acc0 = tl.zeros([BR, BQ], tl.float32)       # column q * SW
+    acc1 = tl.zeros([BR, BQ], tl.float32)       # column q * SW + 1 (G == 2)
     for i in tl.static_range(NH):
         rv = (rows < ROWS) & (oh >= i) & (oh - i < OH) & (dr + i * SH < KH)
-        for j in tl.static_range(NW):
-            cv = (cols < W) & (ow >= j) & (ow - j < OW) & (dc + j * SW < KW)
-            wv = rv[:, None] & cv[None, :]
-            g = tl.load(dy_at - (i * OW + j), mask=wv, other=0.0)
-            arg = tl.load(arg_at - (i * OW + j), mask=wv, other=0).to(tl.int32)
+        tap_row = ((dr + i * SH) * KW)[:, None]
+        for k in tl.static_range(O_LAST - O_FIRST + 1):
+            o = O_LAST - k      # right to left: each pixel's j ascending
+            wv = rv[:, None] & ((q + o >= 0) & (q + o < OW))[None, :]
+            g = tl.load(dy_at + (o - i * OW), mask=wv, other=0.0)
+            arg = tl.load(arg_at + (o - i * OW), mask=wv, other=0).to(tl.int32)
             if not FLAGS:       # a flagged byte (>= 128) matches no tap: the window adds 0
                 arg = arg & (NONPOSITIVE - 1)
-            hit = wv & (arg == tap + (i * SH * KW + j * SW))
-            acc += tl.where(hit, g, 0.0)
+            acc0 = _window_adds(acc0, arg, g, wv, tap_row, 0, o, PW, SW, KW, NW)
+            if G == 2:
+                acc1 = _window_adds(acc1, arg, g, wv, tap_row, 1, o, PW, SW, KW, NW)
+    cols = tl.program_id(1) * (BQ * G) + tl.arange(0, BQ * G)
     offs = rows[:, None] * W + cols[None, :]
+    ok = (rows < ROWS)[:, None] & (cols < W)[None, :]
+    if G == 2:
+        out = tl.reshape(tl.join(acc0, acc1), (BR, BQ * G))
+    else:
+        out = acc0
     if ACC:
-        acc += tl.load(dx + offs, mask=ok, other=0.0)
+        out += tl.load(dx + offs, mask=ok, other=0.0)
     if MASK:            # as kernels/act.py's backward: where(y <= 0, 0, g)
         xv = tl.load(x + offs, mask=ok, other=0.0)
-        acc = tl.where(xv <= 0.0, 0.0, acc)
-    tl.store(dx + offs, acc, mask=ok)
+        out = tl.where(xv <= 0.0, 0.0, out)
+    tl.store(dx + offs, out, mask=ok)
 
 
 # ----------------------------------------------------------------------------- launchers
@@ -458,7 +480,8 @@ def forward(x, y, *, mode, kernel, stride, padding, argmax=None):
     n, c, oh, ow = _check_io(x, y, kernel, stride, padding)
     check_device("pool", x, y=y)
     if argmax is not None:
-        _check_argmax("pool.forward", argmax, y.shape, is_max, kh * kw)
+        _check_argmax("pool.forward", argmax, x.shape, y.shape, is_max,
+                      (kh, kw, sh, sw, ph, pw))
         check_device("pool", x, argmax=argmax)
         check_no_overlap("pool.forward", [("argmax", argmax)], [("x", x), ("y", y)])
     h, w = x.shape[2], x.shape[3]
@@ -521,7 +544,8 @@ def backward(x, y, dy, dx, *, mode, kernel, stride, padding, accumulate=False,
     if argmax is not None:
         if workspace is not None:
             raise ValueError("pool.backward: given the forward's argmax, pass no workspace")
-        _check_argmax("pool.backward", argmax, shape, is_max, kh * kw)
+        _check_argmax("pool.backward", argmax, ref.shape, shape, is_max,
+                      (kh, kw, sh, sw, ph, pw))
         check_device("pool", dy, argmax=argmax)
     if dx is None or ref.numel() == 0:
         return
@@ -529,7 +553,7 @@ def backward(x, y, dy, dx, *, mode, kernel, stride, padding, accumulate=False,
     if not reads_x:
         x = dx                                  # a placeholder pointer, never read
     if argmax is None and workspace is not None:
-        argmax = _argmax_buffer(workspace, shape, kernel, is_max, x, dx)
+        argmax = _argmax_buffer(workspace, shape, params, is_max, x, dx)
         _find_argmaxes(x, argmax, dy.shape[2], dy.shape[3], params)
     mask = x_is_relu_output and reads_x
     flags = x_is_relu_output and not reads_x
@@ -585,21 +609,22 @@ def _launch_cells_bwd(x, dy, dx, params, is_max, accumulate, relu_mask):
 
 
 def _launch_argmax_bwd(x, argmax, dy, dx, params, accumulate, mask, flags):
-    """dx of max pooling from every window's argmax byte: the gather over whole input rows,
-    BC columns at a time (up to 128 pixels of a row), that reads them
-    (_pool_argmax_bwd_kernel)."""
+    """dx of max pooling from every window's argmax byte (columns that step by 1 or 2,
+    _gathers_argmax): the gather over whole input rows, BQ groups of SW columns at a time
+    (up to 128 pixels of a row), that reads them (_pool_argmax_bwd_kernel)."""
     kh, kw, sh, sw, ph, pw = params
     n, c, h, w = dx.shape
     oh, ow = dy.shape[2], dy.shape[3]
     rows = n * c * h
-    bc = min(next_power_of_2(w), 128)
+    groups = cdiv(w, sw)
+    bq = min(next_power_of_2(groups), 128 // sw)
 
     def grid(meta):
-        return (cdiv(rows, max(1, meta["LANES"] // bc)), cdiv(w, bc))
+        return (cdiv(rows, max(1, meta["LANES"] // (bq * sw))), cdiv(groups, bq))
     launch(_pool_argmax_bwd_kernel, grid, (x, argmax, dy, dx, rows),
            dict(H=h, W=w, OH=oh, OW=ow, KH=kh, KW=kw, SH=sh, SW=sw, PH=ph, PW=pw,
                 NH=-(-kh // sh), NW=-(-kw // sw), ACC=accumulate,
-                INDEX64=dx.numel() > _INT32_LIMIT, MASK=mask, FLAGS=flags, BC=bc))
+                INDEX64=dx.numel() > _INT32_LIMIT, MASK=mask, FLAGS=flags, BQ=bq, G=sw))
 
 
 def _find_argmaxes(x, argmax, oh, ow, params):
@@ -649,38 +674,58 @@ def argmax_workspace_bytes(x_shape, *, mode, kernel, stride, padding) -> int:
 
 def argmax_bytes(x_shape, *, mode, kernel, stride, padding) -> int:
     """Bytes of the argmax that forward can store for backward (one byte per output
-    element), or 0 for average pooling and windows of more than 128 taps."""
-    kh, kw, _, _, _, _ = _params(kernel, stride, padding)
-    if not _mode(mode) or kh * kw > MAX_ARGMAX_TAPS:
+    element), or 0 where backward could not read it: average pooling, windows of more than
+    128 taps, and columns that step by more than 2 in windows that do not tile the input
+    (`_gathers_argmax`)."""
+    params = _params(kernel, stride, padding)
+    if not _mode(mode) or _argmax_refusal(x_shape, params):
         return 0
     n, c, oh, ow = out_shape(x_shape, kernel, stride, padding)
     return n * c * oh * ow
 
 
-def _check_argmax(where, argmax, shape, is_max, taps):
-    """An argmax tensor: max pooling, windows of at most 128 taps, uint8 of y's shape."""
+def _gathers_argmax(x_shape, params) -> bool:
+    """Whether a backward can gather from argmax bytes: the windows tile the input
+    (_pool_tiles_bwd_kernel) or their columns step by 1 or 2 (_pool_argmax_bwd_kernel's
+    column groups, whose pixels share their windows' loads)."""
+    return params[3] <= 2 or _tiles_input(x_shape[2], x_shape[3], *params)
+
+
+def _argmax_refusal(x_shape, params):
+    """Why max pooling over x_shape with these params keeps no argmax bytes, or None."""
+    kh, kw, sh, sw, _, _ = params
+    if kh * kw > MAX_ARGMAX_TAPS:
+        return f"a {kh}x{kw} window has more taps than an argmax byte holds ({MAX_ARGMAX_TAPS})"
+    if not _gathers_argmax(x_shape, params):
+        return (f"the gather from argmax bytes takes column strides of 1 or 2 (or windows "
+                f"that tile the input), got stride {sw}")
+    return None
+
+
+def _check_argmax(where, argmax, x_shape, y_shape, is_max, params):
+    """An argmax tensor: max pooling that keeps argmax bytes (_argmax_refusal), uint8 of
+    y's shape."""
     if not is_max:
         raise ValueError(f"{where}: argmax is for max pooling; average pooling takes none")
-    if taps > MAX_ARGMAX_TAPS:
-        raise ValueError(f"{where}: a window of {taps} taps has more than an argmax byte "
-                         f"holds ({MAX_ARGMAX_TAPS}); pass no argmax")
+    refusal = _argmax_refusal(x_shape, params)
+    if refusal:
+        raise ValueError(f"{where}: {refusal}; pass no argmax")
     if not isinstance(argmax, torch.Tensor) or argmax.dtype != torch.uint8 \
-            or tuple(argmax.shape) != tuple(shape) or not argmax.is_contiguous():
+            or tuple(argmax.shape) != tuple(y_shape) or not argmax.is_contiguous():
         got = (f"{tuple(argmax.shape)} {argmax.dtype}" if isinstance(argmax, torch.Tensor)
                else type(argmax).__name__)
         raise ValueError(f"{where}: argmax must be a contiguous uint8 tensor of shape "
-                         f"{tuple(shape)}, got {got}")
+                         f"{tuple(y_shape)}, got {got}")
 
 
-def _argmax_buffer(workspace, shape, kernel, is_max, x, dx):
+def _argmax_buffer(workspace, shape, params, is_max, x, dx):
     """The uint8 view of `workspace` that holds the argmaxes."""
     if not is_max:
         raise ValueError("pool.backward: a workspace is for max pooling's argmax; average "
                          "pooling takes none")
-    kh, kw = pair(kernel, "pool: kernel", 1)
-    if kh * kw > MAX_ARGMAX_TAPS:
-        raise ValueError(f"pool.backward: a {kh}x{kw} window has more taps than an argmax "
-                         f"byte holds ({MAX_ARGMAX_TAPS}); pass no workspace")
+    refusal = _argmax_refusal(x.shape, params)
+    if refusal:
+        raise ValueError(f"pool.backward: {refusal}; pass no workspace")
     if not isinstance(workspace, torch.Tensor) or workspace.dim() != 1:
         raise ValueError("pool.backward: workspace must be a 1-D tensor")
     need = shape[0] * shape[1] * shape[2] * shape[3]

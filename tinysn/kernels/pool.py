@@ -42,9 +42,10 @@ differentiable and torch's choice is reproduced exactly):
   gradient to, so the backward through the ReLU before the pool does not read x either
   (but where dx accumulates: then pixels no window picks need the mask too). 1 byte per
   window against the int64 index tensor torch keeps (8 bytes). The gather for overlapping
-  windows has one lane per input pixel, a program's lanes along whole input rows, so dx is
-  stored 16 bytes at a time; tiling windows take the tiles kernel, reading the bytes where
-  it would read x.
+  windows takes an input row's pixels in groups of the column stride (1 or 2; wider
+  strides keep no bytes, argmax_bytes), whose pixels share their windows' loads, a
+  program's lanes along whole input rows, so dx is stored 16 bytes at a time; tiling
+  windows take the tiles kernel, reading the bytes where it would read x.
 - Found again from x, by the forward's scan and tie rule, in the cells' gather: each
   candidate window's kh*kw cells per cell of the grid -- for 3x3 stride 2, 4 windows x 9
   loads per 2x2 cell (9 cached loads per pixel); for stride 1 windows overlap more (3x3/1:

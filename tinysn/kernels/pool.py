@@ -42,10 +42,10 @@ differentiable and torch's choice is reproduced exactly):
   gradient to, so the backward through the ReLU before the pool does not read x either
   (but where dx accumulates: then pixels no window picks need the mask too). 1 byte per
   window against the int64 index tensor torch keeps (8 bytes). The gather for overlapping
-  windows takes an input row's pixels in groups of the column stride (1 or 2; wider
-  strides keep no bytes, argmax_bytes), whose pixels share their windows' loads, a
-  program's lanes along whole input rows, so dx is stored 16 bytes at a time; tiling
-  windows take the tiles kernel, reading the bytes where it would read x.
+  windows takes the input in groups of stride_h rows and stride_w columns (1 or 2;
+  wider column strides keep no bytes, argmax_bytes), whose pixels share their windows'
+  loads, a program's lanes along whole input rows, so dx is stored 16 bytes at a time;
+  tiling windows take the tiles kernel, reading the bytes where it would read x.
 - Found again from x, by the forward's scan and tie rule, in the cells' gather: each
   candidate window's kh*kw cells per cell of the grid -- for 3x3 stride 2, 4 windows x 9
   loads per 2x2 cell (9 cached loads per pixel); for stride 1 windows overlap more (3x3/1:
@@ -412,58 +412,64 @@ def _pool_argmax_bwd_kernel(x, argmax, dy, dx, ROWS, H: tl.constexpr, W: tl.cons
                             G: tl.constexpr, LANES: tl.constexpr, BR: tl.constexpr):
     """The max backward from stored argmaxes (`argmax`: one byte per window, as
     _pool_fwd_kernel's STORE_ARG writes them), for column strides SW of 1 or 2 (G = SW):
-    a program takes BR input rows (of all planes, flattened) and BQ groups of SW columns,
-    so dx is stored (and x read, for MASK) along whole rows, 16 bytes at a time. Pixel
-    (ih, q * SW + D) lies in windows (oh - i, q + (D + PW) // SW - j), i < NH, j < NW, with
-    oh = (ih + PH) // SH: the column part of every offset and tap is a constant of D and j,
-    so a group's pixels share its windows' loads (one dy, one byte per window, read along
-    the window row: 16 bytes at a time) and each column keeps its own accumulator, the two
-    interleaved at the store. Each window whose argmax is the pixel's tap adds its dy, in
-    _pool_bwd_kernel's order (i, then j, from 0.0), so the two kernels give the same bits.
-    MASK and ACC as _pool_bwd_kernel. FLAGS: dx goes through the ReLU before the pool by
-    the argmax bytes' NONPOSITIVE bit (a flagged window adds nothing), not reading x: the
-    same bits as MASK where dx does not accumulate."""
+    a program takes BR groups of SH input rows (of all planes, flattened; ROWS of them)
+    and BQ groups of SW columns, so dx is stored (and x read, for MASK) along whole rows,
+    16 bytes at a time. Pixel (gr * SH + D, q * SW + C) lies in windows
+    (gr + (D + PH) // SH - i, q + (C + PW) // SW - j), i < NH, j < NW: every offset and
+    tap is a constant of D, C, i and j, so a group's pixels share its windows' loads (one
+    dy, one byte per window, read along the window row: 16 bytes at a time), each pixel
+    compares the byte with a constant, and each column keeps its own accumulator, the two
+    interleaved at the store of each of the group's rows. Each window whose argmax is the
+    pixel's tap adds its dy, in _pool_bwd_kernel's order (i, then j, from 0.0), so the two
+    kernels give the same bits. MASK and ACC as _pool_bwd_kernel. FLAGS: dx goes through
+    the ReLU before the pool by the argmax bytes' NONPOSITIVE bit (a flagged window adds
+    nothing), not reading x: the same bits as MASK where dx does not accumulate."""
     O_LAST: tl.constexpr = (G - 1 + PW) // SW       # window columns q + o a group reads,
     O_FIRST: tl.constexpr = PW // SW - (NW - 1)     # o from O_LAST down to O_FIRST
+    GROUP_ROWS: tl.constexpr = (H + SH - 1) // SH  # row groups a plane has
     if INDEX64:
-        rows = tl.program_id(0).to(tl.int64) * BR + tl.arange(0, BR)
+        grp = tl.program_id(0).to(tl.int64) * BR + tl.arange(0, BR)
     else:
-        rows = tl.program_id(0) * BR + tl.arange(0, BR)
+        grp = tl.program_id(0) * BR + tl.arange(0, BR)
     q = tl.program_id(1) * BQ + tl.arange(0, BQ)
-    plane = rows // H
-    ih = rows % H
-    oh = (ih + PH) // SH
-    dr = ih + PH - oh * SH                  # the pixel's row in window (oh, .)
-    at = (plane * (OH * OW) + oh * OW)[:, None] + q[None, :]
-    dy_at, arg_at = dy + at, argmax + at
-    acc0 = tl.zeros([BR, BQ], tl.float32)       # column q * SW
-    acc1 = tl.zeros([BR, BQ], tl.float32)       # column q * SW + 1 (G == 2)
-    for i in tl.static_range(NH):
-        rv = (rows < ROWS) & (oh >= i) & (oh - i < OH) & (dr + i * SH < KH)
-        tap_row = ((dr + i * SH) * KW)[:, None]
-        for k in tl.static_range(O_LAST - O_FIRST + 1):
-            o = O_LAST - k      # right to left: each pixel's j ascending
-            wv = rv[:, None] & ((q + o >= 0) & (q + o < OW))[None, :]
-            g = tl.load(dy_at + (o - i * OW), mask=wv, other=0.0)
-            arg = tl.load(arg_at + (o - i * OW), mask=wv, other=0).to(tl.int32)
-            if not FLAGS:       # a flagged byte (>= 128) matches no tap: the window adds 0
-                arg = arg & (NONPOSITIVE - 1)
-            acc0 = _window_adds(acc0, arg, g, wv, tap_row, 0, o, PW, SW, KW, NW)
-            if G == 2:
-                acc1 = _window_adds(acc1, arg, g, wv, tap_row, 1, o, PW, SW, KW, NW)
+    plane = grp // GROUP_ROWS
+    gr = grp % GROUP_ROWS                           # input rows gr * SH + D, D < SH
     cols = tl.program_id(1) * (BQ * G) + tl.arange(0, BQ * G)
-    offs = rows[:, None] * W + cols[None, :]
-    ok = (rows < ROWS)[:, None] & (cols < W)[None, :]
-    if G == 2:
-        out = tl.reshape(tl.join(acc0, acc1), (BR, BQ * G))
-    else:
-        out = acc0
-    if ACC:
-        out += tl.load(dx + offs, mask=ok, other=0.0)
-    if MASK:            # as kernels/act.py's backward: where(y <= 0, 0, g)
-        xv = tl.load(x + offs, mask=ok, other=0.0)
-        out = tl.where(xv <= 0.0, 0.0, out)
-    tl.store(dx + offs, out, mask=ok)
+    for D in tl.static_range(SH):
+        E = (D + PH) // SH         # window row gr + E - i, its row R + i * SH in it
+        R = (D + PH) % SH
+        ih = gr * SH + D
+        row_ok = (grp < ROWS) & (ih < H)
+        at = (plane * (OH * OW) + (gr + E) * OW)[:, None] + q[None, :]
+        dy_at, arg_at = dy + at, argmax + at
+        acc0 = tl.zeros([BR, BQ], tl.float32)       # column q * SW
+        acc1 = tl.zeros([BR, BQ], tl.float32)       # column q * SW + 1 (G == 2)
+        for i in tl.static_range(NH):
+            if R + i * SH < KH:
+                rv = row_ok & (gr + E - i >= 0) & (gr + E - i < OH)
+                for k in tl.static_range(O_LAST - O_FIRST + 1):
+                    o = O_LAST - k      # right to left: each pixel's j ascending
+                    wv = rv[:, None] & ((q + o >= 0) & (q + o < OW))[None, :]
+                    g = tl.load(dy_at + (o - i * OW), mask=wv, other=0.0)
+                    arg = tl.load(arg_at + (o - i * OW), mask=wv, other=0).to(tl.int32)
+                    if not FLAGS:       # a flagged byte (>= 128) matches no tap: adds 0
+                        arg = arg & (NONPOSITIVE - 1)
+                    tap_row = (R + i * SH) * KW
+                    acc0 = _window_adds(acc0, arg, g, wv, tap_row, 0, o, PW, SW, KW, NW)
+                    if G == 2:
+                        acc1 = _window_adds(acc1, arg, g, wv, tap_row, 1, o, PW, SW, KW, NW)
+        offs = ((plane * H + ih) * W)[:, None] + cols[None, :]
+        ok = row_ok[:, None] & (cols < W)[None, :]
+        if G == 2:
+            out = tl.reshape(tl.join(acc0, acc1), (BR, BQ * G))
+        else:
+            out = acc0
+        if ACC:
+            out += tl.load(dx + offs, mask=ok, other=0.0)
+        if MASK:            # as kernels/act.py's backward: where(y <= 0, 0, g)
+            xv = tl.load(x + offs, mask=ok, other=0.0)
+            out = tl.where(xv <= 0.0, 0.0, out)
+        tl.store(dx + offs, out, mask=ok)
 
 
 # ----------------------------------------------------------------------------- launchers
@@ -611,12 +617,13 @@ def _launch_cells_bwd(x, dy, dx, params, is_max, accumulate, relu_mask):
 
 def _launch_argmax_bwd(x, argmax, dy, dx, params, accumulate, mask, flags):
     """dx of max pooling from every window's argmax byte (columns that step by 1 or 2,
-    _gathers_argmax): the gather over whole input rows, BQ groups of SW columns at a time
-    (up to 128 pixels of a row), that reads them (_pool_argmax_bwd_kernel)."""
+    _gathers_argmax): the gather over groups of SH whole input rows, BQ groups of SW
+    columns at a time (up to 128 pixels of a row), that reads them
+    (_pool_argmax_bwd_kernel)."""
     kh, kw, sh, sw, ph, pw = params
     n, c, h, w = dx.shape
     oh, ow = dy.shape[2], dy.shape[3]
-    rows = n * c * h
+    rows = n * c * cdiv(h, sh)                  # row groups: SH input rows each
     groups = cdiv(w, sw)
     bq = min(next_power_of_2(groups), 128 // sw)
 

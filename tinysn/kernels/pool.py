@@ -386,16 +386,13 @@ def _pool_tiles_bwd_kernel(x, argmax, dy, dx, ROWS, W, OW, KH: tl.constexpr,
 
 
 @triton.jit
-def _window_adds(acc, arg, g, wv, tap_row, D: tl.constexpr, O: tl.constexpr,
-                 PW: tl.constexpr, SW: tl.constexpr, KW: tl.constexpr, NW: tl.constexpr):
-    """acc plus, for the pixel in column D of each column group q, the dy `g` of window
-    column q + O (its j-th candidate, j = (D + PW) // SW - O, at column (D + PW) % SW +
-    j * SW of that window) where the window's argmax `arg` is that tap; acc itself where
-    no window column q + O holds the pixel."""
-    J: tl.constexpr = (D + PW) // SW - O
-    TAP_COL: tl.constexpr = (D + PW) % SW + J * SW
-    if J >= 0 and J < NW and TAP_COL < KW:
-        acc += tl.where(wv & (arg == tap_row + TAP_COL), g, 0.0)
+def _window_adds(acc, arg, g, wv, tap_row, J: tl.constexpr, COL: tl.constexpr,
+                 SW: tl.constexpr, KW: tl.constexpr, NW: tl.constexpr):
+    """acc plus the dy `g` of the windows where a pixel is their J-th candidate column
+    (0 <= J < NW), at column COL + J * SW of the window, and the window's argmax `arg` is
+    that tap; acc itself where no such window holds the pixel (its column past KW)."""
+    if J >= 0 and J < NW and COL + J * SW < KW:
+        acc += tl.where(wv & (arg == tap_row + (COL + J * SW)), g, 0.0)
     return acc
 
 
@@ -455,9 +452,11 @@ def _pool_argmax_bwd_kernel(x, argmax, dy, dx, ROWS, H: tl.constexpr, W: tl.cons
                     if not FLAGS:       # a flagged byte (>= 128) matches no tap: adds 0
                         arg = arg & (NONPOSITIVE - 1)
                     tap_row = (R + i * SH) * KW
-                    acc0 = _window_adds(acc0, arg, g, wv, tap_row, 0, o, PW, SW, KW, NW)
+                    acc0 = _window_adds(acc0, arg, g, wv, tap_row, PW // SW - o, PW % SW,
+                                        SW, KW, NW)
                     if G == 2:
-                        acc1 = _window_adds(acc1, arg, g, wv, tap_row, 1, o, PW, SW, KW, NW)
+                        acc1 = _window_adds(acc1, arg, g, wv, tap_row, (1 + PW) // SW - o,
+                                            (1 + PW) % SW, SW, KW, NW)
         offs = ((plane * H + ih) * W)[:, None] + cols[None, :]
         ok = row_ok[:, None] & (cols < W)[None, :]
         if G == 2:

@@ -12,7 +12,10 @@ specialized as Triton's JIT would on a GPU (16-byte alignment of pointers, integ
 divisible by 16) and compiled for sm_90 through ptxas, which the triton wheel carries; the
 report reads the cubin with cuobjdump. It uses this machine's triton (CI's 3.9; the device
 machine runs 3.6, whose code generation may differ), so it finds spills, lost vector
-widths or shared memory past the H200's 227 KiB before a GPU call, not times.
+widths or shared memory past the H200's 227 KiB before a GPU call, not times. To compile
+with the device's triton, put its wheel first on the path (`pip install --no-deps --target
+DIR triton==3.6.0`, then `PYTHONPATH=DIR:. python3 bench/sass.py`): what 3.6's front end
+refuses (a kernel 3.9 compiles) fails here as it would on the GPU.
 Run it as its own process: it must import triton before tinysn picks the interpreter.
 """
 import argparse

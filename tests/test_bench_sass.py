@@ -56,15 +56,17 @@ def test_every_config_compiles_for_the_h200_without_spills(tmp_path):
     assert set(kernels["conv dgrad flipped_splitk+ 512@7"]) == {
         "_weight_flip_kernel", "_conv_fwd_kernel", "_splitk_reduce_kernel"}
     # max pooling's gather from stored argmaxes stores whole rows 16 bytes at a time, and
-    # each candidate window's loads are an immediate offset away (100 instructions per
-    # pixel when each computed its own addresses)
+    # takes the input in groups of the stride (a lane: one column of a group of 2 rows on
+    # 3x3/2), each group's pixels sharing their windows' loads at constant offsets and taps
+    # (100 instructions a pixel when each window computed its own addresses, 44-53 with
+    # immediate offsets from the pixel's own window, 23 grouped)
     # the tiling windows' backward from stored argmax bytes keeps its 16-byte stores
     tiles = [r for r in rows if r["case"] == "pool 2x2/2 bwd stored argmax relu"]
     assert tiles and all("STG.E.128" in r["opcodes"] for r in tiles)
     for r in (r for r in rows if r["kernel"] == "_pool_argmax_bwd_kernel"):
         lanes = int(re.search(r"LANES: (\d+)", r["config"]).group(1))
         assert "STG.E.128" in r["opcodes"], r["config"]
-        assert r["instructions"] * r["num_warps"] * 32 / lanes < 70, r
+        assert r["instructions"] * r["num_warps"] * 32 / (lanes * 2) < 26, r
     gemm = [r for r in rows if r["case"] == "fc6 fwd"]
     assert len(gemm) == len({r["config"] for r in gemm}) == len(linear._gemm_kernel.all_configs)
     # every autotuned kernel of tinysn is among the cases, each with its whole GPU list

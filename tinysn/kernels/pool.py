@@ -700,7 +700,7 @@ def _gathers_argmax(x_shape, params) -> bool:
 
 def _argmax_refusal(x_shape, params):
     """Why max pooling over x_shape with these params keeps no argmax bytes, or None."""
-    kh, kw, sh, sw, _, _ = params
+    kh, kw, _, sw, _, _ = params
     if kh * kw > MAX_ARGMAX_TAPS:
         return f"a {kh}x{kw} window has more taps than an argmax byte holds ({MAX_ARGMAX_TAPS})"
     if not _gathers_argmax(x_shape, params):

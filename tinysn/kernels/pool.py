@@ -479,7 +479,7 @@ def _is_global(h, w, kh, kw, ph, pw):
 
 def forward(x, y, *, mode, kernel, stride, padding, argmax=None):
     """y = maxpool2d / avgpool2d(x) (count_include_pad=True), floor mode. `argmax` (max
-    pooling, optional; uint8 of y's shape, windows of at most 128 taps): also gets each
+    pooling where argmax_bytes keeps some, optional; uint8 of y's shape): also gets each
     window's argmax byte, which backward's `argmax` reads instead of x."""
     is_max = _mode(mode)
     kh, kw, sh, sw, ph, pw = _params(kernel, stride, padding)
@@ -669,10 +669,10 @@ def _launch_tiles_bwd(x, argmax, dy, dx, kh, kw, is_max, accumulate, mask, flags
 
 def argmax_workspace_bytes(x_shape, *, mode, kernel, stride, padding) -> int:
     """Bytes of the optional backward workspace that holds every window's argmax (one byte
-    per output element), or 0 where there is none: average pooling, windows of more than
-    128 taps, and windows that do not overlap (kernel <= stride on both axes, as VGG16's
-    2x2/2: each cell then lies in one window, so the gather's own scan reads x once, and
-    the argmax pass would only read it a second time)."""
+    per output element), or 0 where there is none: where argmax_bytes keeps none, and for
+    windows that do not overlap (kernel <= stride on both axes, as VGG16's 2x2/2: each cell
+    then lies in one window, so the gather's own scan reads x once, and the argmax pass
+    would only read it a second time)."""
     kh, kw, sh, sw, _, _ = _params(kernel, stride, padding)
     if kh <= sh and kw <= sw:
         return 0

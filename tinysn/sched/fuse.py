@@ -181,7 +181,8 @@ def fuses_adds(net) -> bool:
 
 
 def saves_argmax(layer) -> bool:
-    """True for a max pool whose windows' argmaxes fit a byte (128 taps at most)."""
+    """True for a max pool that keeps argmax bytes (pool.argmax_bytes: windows of at most
+    128 taps whose backward can gather them)."""
     a = layer.attrs
     return layer.op == "pool" and pool_k.argmax_bytes(
         tuple(layer.inputs[0].shape), mode=a["mode"], kernel=a["kernel"], stride=a["stride"],

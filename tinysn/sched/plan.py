@@ -604,7 +604,6 @@ def _search(net, memory, policy, *, momentum, conv_algos, checkpoints, block_byt
     return search
 
 
-
 def _fits_unmoved(search) -> bool:
     """True where the search's plan that drops nothing fits its cap and copies nothing out.
     Past that point `_search` plans a residual add's ReLU apart: as a layer of its own it

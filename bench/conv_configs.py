@@ -4,7 +4,8 @@
 
 For 17 conv shapes at batch 32 (every VGG16 3x3 size, ResNet-50's 3x3 and 1x1 sizes, all
 stride 1), times each autotuned conv kernel under every candidate config (today's list plus
-wider and deeper tiles), the median GPU time by tinysn's `bench_ms` (as the runtime's rankings
+wider and deeper tiles; for the forward and "transposed" kernels also today's unpipelined,
+`one_stage`), the median GPU time by tinysn's `bench_ms` (as the runtime's rankings
 and autotuners time: the host's launch cost kept out, no cache flush), beside cuDNN's for the same
 direction: the forward kernel (also the "flipped" data gradient), the implicit and the
 "transposed" data-gradient kernels, the weight-gradient kernel as "splitk" and as "onepass"
@@ -29,6 +30,7 @@ import time
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import tinysn  # noqa: E402,F401
 import torch  # noqa: E402
+import triton  # noqa: E402
 
 from bench import common  # noqa: E402
 from tinysn.kernels import _common, conv  # noqa: E402
@@ -87,6 +89,18 @@ EXTRA_WGT_TMA = [conv._nhwc_cfg(*c) for c in [
     (128, 128, 32, 8, 4), (128, 64, 32, 4, 4), (64, 64, 64, 4, 3), (128, 128, 64, 8, 3),
     (128, 64, 64, 4, 3), (64, 128, 64, 4, 3), (64, 64, 32, 4, 4), (256, 128, 32, 8, 3),
 ]]
+
+
+def one_stage(configs) -> list:
+    """`configs` again unpipelined (num_stages=1). Where an operand's contiguous axis is not
+    its reduction axis (the NCHW pixels of the forward's and the "transposed" data gradient's
+    A tile), the pipelined configs copy it to shared memory 4 bytes at a time (LDGSTS.E),
+    the one-stage ones load it 16 bytes at a time into registers (LDG.E.128) but overlap no
+    loads with the math (sm_90 SASS from bench/sass.py's compile, triton 3.9)."""
+    return [triton.Config(dict(c.kwargs), num_warps=c.num_warps, num_stages=1)
+            for c in configs]
+
+
 SMEM_BYTES = 200 * 1024   # what a config's pipeline stages may hold (H200: 227 KiB per SM)
 
 
@@ -184,10 +198,12 @@ def tuners() -> dict:
     data_t = [conv._with(c, FLAT=f) for c in data for f in (False, True)]
     return {
         "forward": (conv._conv_fwd, conv._FWD_CONFIGS,
-                    candidates(conv._FWD_CONFIGS, EXTRA_FWD), ("forward",)),
+                    candidates(conv._FWD_CONFIGS, EXTRA_FWD + one_stage(conv._FWD_CONFIGS)),
+                    ("forward",)),
         "data_implicit": (conv._conv_bwd_data, conv._DATA_CONFIGS, data, ("data_implicit",)),
         "data_transposed": (conv._conv_bwd_data_t, conv._T_CONFIGS,
-                            candidates(conv._T_CONFIGS, data_t), ("data_transposed",)),
+                            candidates(conv._T_CONFIGS, data_t + one_stage(conv._T_CONFIGS)),
+                            ("data_transposed",)),
         "weight": (conv._conv_bwd_weight, conv._WGT_CONFIGS,
                    candidates(conv._WGT_CONFIGS, EXTRA_WGT + TAP_WGT),
                    ("weight_splitk", "weight_onepass")),

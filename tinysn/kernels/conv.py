@@ -460,20 +460,24 @@ def _with(cfg, **flags):
 # Configs: (BLOCK_M, BLOCK_N, BLOCK_K, warps, stages, PIX). The forward and weight-gradient
 # lists are the eight (four) configs that together come closest to the best of a wider sweep
 # on 17 VGG16 / ResNet-50 shapes at batch 32 on the H200 (bench/conv_configs.py: greedy,
-# by total time; 14% less forward time than the earlier hand-picked list, 4% less split-K
-# weight-gradient time); so are the two data-gradient lists. The first config of each list
-# is the one an untuned run (TINYSN_AUTOTUNE=0) takes: the best single config of the sweep.
+# by total time); so are the two data-gradient lists. The first config of each list is the
+# one an untuned run (TINYSN_AUTOTUNE=0) takes: the best single config of the sweep.
+# Configs of one stage (no software pipeline) load the NCHW pixel operand 16 bytes at a
+# time into registers, where the pipelined ones copy it to shared memory 4 bytes at a time
+# (conv_configs.one_stage); with them in the sweep the forward list's best-per-shape total
+# fell from 4.62 to 4.30 ms and the "transposed" data gradient's from 4.07 to 3.56
+# (results/conv-configs-one-stage-NVIDIA-H200.json; cuDNN 2.91 and 3.03).
 # forward: M = output pixels (large), N = output channels (64..512); also the "flipped" data
 # gradient
 _FWD_CONFIGS = [
-    _cfg(128, 128, 16, 8, 5, True),
+    _cfg(64, 128, 32, 4, 1, False),
     _cfg(128, 256, 32, 8, 4, False),
-    _cfg(128, 64, 32, 4, 3, True),
+    _cfg(128, 64, 32, 4, 1, True),
     _cfg(64, 256, 32, 8, 4, True),
+    _cfg(128, 128, 16, 8, 5, True),
+    _cfg(64, 128, 64, 4, 1, True),
     _cfg(64, 128, 32, 4, 4, False),
-    _cfg(64, 128, 64, 4, 4, True),
-    _cfg(64, 64, 32, 4, 4, True),
-    _cfg(128, 256, 32, 8, 3, True),
+    _cfg(64, 64, 32, 4, 1, True),
 ]
 # backward_data: M = input pixels, N = input channels ("implicit"; the same sweep's pick:
 # 16% less time than the earlier hand-picked list)
@@ -1068,17 +1072,17 @@ def _conv_bwd_data_t_kernel(dy_ptr, wt_ptr, dx_ptr, m_ptr,
               H, W, STRIDE1, ACCUMULATE, BLOCK_M, MASK)
 
 
-# "transposed": the sweep's pick among the data configs, each as nested and as flat loop
-# (26% less time than the first four implicit-GEMM data configs in both forms)
+# "transposed": the sweep's pick among the data configs, each as nested and as flat loop,
+# and as one stage (above)
 _T_CONFIGS = [_with(_cfg(*c[:6]), FLAT=c[6]) for c in [
-    (256, 128, 32, 8, 3, True, True),
+    (128, 64, 32, 4, 1, True, True),
     (64, 256, 32, 8, 4, True, True),
-    (128, 64, 32, 4, 3, True, True),
-    (64, 128, 32, 8, 4, True, True),
+    (256, 128, 32, 8, 3, True, True),
+    (64, 128, 64, 4, 1, True, False),
+    (64, 128, 64, 4, 4, True, True),
+    (64, 256, 32, 8, 1, True, False),
+    (64, 64, 32, 4, 1, False, False),
     (64, 256, 32, 8, 4, True, False),
-    (128, 128, 32, 8, 3, True, True),
-    (64, 128, 64, 4, 4, True, False),
-    (64, 64, 32, 4, 4, False, False),
 ]]
 # under the interpreter BLOCK_K = 16 lets the CPU tests reach the k-chunk tail with small K,
 # and the plain launch runs the nested loop, the accumulating one the flat loop, so the CPU

@@ -42,7 +42,6 @@ def test_every_conv_autotuner_is_swept_from_its_own_list():
         assert len({str(c) for c in cands}) == len(cands)
 
 
-
 def test_the_pixel_major_kernels_are_also_swept_unpipelined():
     tuned = conv_configs.tuners()
     for name, (_, today, cands, _) in tuned.items():
@@ -51,6 +50,7 @@ def test_the_pixel_major_kernels_are_also_swept_unpipelined():
             assert single == {(str(c.kwargs), c.num_warps) for c in today}, name
         else:
             assert not single, name
+
 
 def test_a_sweep_on_the_cpu_times_every_phase_under_every_candidate(monkeypatch):
     """The sweep's plumbing on one tiny shape under the interpreter: each phase runs under

@@ -62,8 +62,9 @@ def _two_batch_norms():
 
 def _recomputed_lrn():
     """A net whose roomy "recompute" plan reaches 20,480 bytes, while sn.plan at that cap
-    fails (21,504 is the smallest that plans): that plan came from a grid run (the planner's
-    _Search), made at a larger cap, so its required_bytes is not a cap that plans."""
+    fails (21,504 is the smallest that plans): at 64 MiB the net fits without dropping
+    anything, so the plan keeps the add's ReLU fused into it; below that it plans the ReLU
+    apart (plan._search), and that net's plans need more."""
     net = sn.Net(input_shape=(1, 3, 3), classes=3, batch=3)
     h = net.lrn(net.pool(net.data(), "avg", kernel=2, stride=1, padding=0), size=2)
     h = net.relu(net.relu(net.add(net.conv(h, 1, kernel=3, stride=1, padding=1), h)))

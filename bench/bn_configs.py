@@ -2,12 +2,14 @@
 
     PYTHONPATH=. python3 bench/bn_configs.py [--model resnet50] [--batch 32] [--out PATH]
         [--tiles 1024,2048,4096] [--warps 4,8] [--programs 1024,2048,4096]
-        [--min-chunks 4096,8192]
+        [--min-chunks 4096,8192] [--last-first 0,1]
 
 kernels/bn.py takes every block shape from the tensor's shape alone, through four module
 constants (_TILE: elements per tile of the streaming passes; _WARPS; _TARGET_PROGRAMS: the
 partial-sum programs over all channels; _MIN_CHUNK: elements a chunk holds at least), so that
-the summation order, and with it every bit, never depends on timing. Which constants are
+the summation order, and with it every bit, never depends on timing. A fifth, _LAST_FIRST,
+orders the elementwise passes' programs (last channels first, where the pass before left
+them in the L2 cache; 1, the default sweep's only value) and changes no bit. Which constants are
 fastest is the GPU's to say: for each combination this script times, on every distinct
 batch-norm input shape of the model (with how many times a step runs it), the forward pass
 (statistics, merge, normalisation: three launches) and the backward pass (partial sums,
@@ -34,7 +36,7 @@ import torch.nn.functional as F  # noqa: E402
 from bench import common  # noqa: E402
 from tinysn.kernels import bn  # noqa: E402
 
-CONSTANTS = ("_TILE", "_WARPS", "_TARGET_PROGRAMS", "_MIN_CHUNK")
+CONSTANTS = ("_TILE", "_WARPS", "_TARGET_PROGRAMS", "_MIN_CHUNK", "_LAST_FIRST")
 MAX_REL_ERR = 1e-4          # float32 batch norm against torch's: a wrong kernel is far above
 
 
@@ -129,6 +131,14 @@ def _ints(text: str) -> list:
     return [int(v) for v in text.split(",")]
 
 
+def _flags(text: str) -> list:
+    """'0,1' -> [False, True]."""
+    values = _ints(text)
+    if any(v not in (0, 1) for v in values):
+        raise argparse.ArgumentTypeError(f"expected 0s and 1s, got {text!r}")
+    return [bool(v) for v in values]
+
+
 def parse_args(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--model", default="resnet50")
@@ -137,6 +147,7 @@ def parse_args(argv=None):
     ap.add_argument("--warps", type=_ints, default=[4, 8])
     ap.add_argument("--programs", type=_ints, default=[1024, 2048, 4096])
     ap.add_argument("--min-chunks", type=_ints, default=[4096, 8192])
+    ap.add_argument("--last-first", type=_flags, default=[True])
     common.add_out_argument(ap)
     args = ap.parse_args(argv)
     if not hasattr(sn.models, args.model):
@@ -150,7 +161,8 @@ def main(argv=None) -> dict:
     shapes = bn_shapes(args.model, args.batch)
     today = {name: getattr(bn, name) for name in CONSTANTS}
     combos = [dict(zip(CONSTANTS, values)) for values in
-              itertools.product(args.tiles, args.warps, args.programs, args.min_chunks)]
+              itertools.product(args.tiles, args.warps, args.programs, args.min_chunks,
+                                args.last_first)]
     result = {"model": args.model, "batch": args.batch, "today": today,
               "copy_gbps": common.copy_gbps(device) if device.type == "cuda" else None,
               "rows": []}

@@ -39,3 +39,9 @@ def test_wrong_figures_are_never_the_pick(monkeypatch):
     monkeypatch.setattr(bn_configs.Case, "rel_err", lambda self: 1.0)
     row = bn_configs.measure({}, [((2, 4, 6, 6), 1)], torch.device("cpu"))
     assert not row["correct"] and row["step_ms"] == float("inf")
+
+
+def test_the_channel_order_is_swept_only_when_asked():
+    assert bn_configs.parse_args([]).last_first == [True]
+    assert bn_configs.parse_args(["--last-first", "0,1"]).last_first == [False, True]
+    assert "_LAST_FIRST" in bn_configs.CONSTANTS        # set and put back like the others

@@ -5,6 +5,8 @@ import torch.nn.functional as F
 from hypothesis import assume, given, settings, strategies as st
 
 import tinysn  # noqa: F401  (interpreter switch before triton)
+import triton  # noqa: E402
+import triton.language as tl  # noqa: E402
 from tinysn.kernels import bn
 
 GPU = torch.cuda.is_available()
@@ -114,6 +116,50 @@ def test_bn_large_mean_is_stable(offset, scale):
     # E[x^2] - E[x]^2 in float32 would lose every digit of the variance here
     _check((4, 3, 12, 12), 5, offset=offset, scale=scale)
     _check((2, 1, 100, 100), 6, offset=offset, scale=scale)
+
+
+@triton.jit
+def _tile_owner_kernel(out, N, C, HW, R: tl.constexpr, COLS: tl.constexpr,
+                       LAST_FIRST: tl.constexpr):
+    """out[n, c, hw] = the program whose bn._elementwise_tile holds that element."""
+    rows, rm, c, cols = bn._elementwise_tile(N, C, HW, R, COLS, LAST_FIRST)
+    m = rm[:, None] & (cols < HW)[None, :]
+    owner = tl.zeros([R, COLS], tl.int32) + tl.program_id(0)
+    tl.store(out + (rows * HW)[:, None] + cols[None, :], owner, mask=m)
+
+
+@pytest.mark.parametrize("shape", [(3, 5, 2, 3), (2, 3, 40, 40), (4, 20, 7, 7)])
+@pytest.mark.parametrize("last_first", [False, True])
+def test_bn_elementwise_tiles_cover_each_element_once_channel_block_by_block(shape,
+                                                                             last_first):
+    n, c, h, w = shape
+    grid, r, cols = bn._elementwise_grid(n, c, h * w)
+    out = torch.full(shape, -1, dtype=torch.int32)
+    _tile_owner_kernel[grid](out, n, c, h * w, R=r, COLS=cols, LAST_FIRST=last_first)
+    owners = out.permute(1, 0, 2, 3).reshape(c, -1)           # [channel, n * hw]
+    assert (owners >= 0).all()                                 # every element written
+    assert len(torch.unique(out)) == grid[0]                   # by every program, once
+    lowest, highest = owners.min(dim=1).values, owners.max(dim=1).values
+    visited = range(c - 1, -1, -1) if last_first else range(c)
+    assert lowest[visited[0]] == 0                             # the pass starts there
+    for a, b in zip(visited, visited[1:]):                     # block by block: a block's
+        same = lowest[a] == lowest[b] and highest[a] == highest[b]  # programs all before
+        assert same or highest[a] < lowest[b]                  # the next block's
+
+
+@pytest.mark.parametrize("shape", [(3, 5, 7, 7), (2, 3, 33, 40)])
+def test_bn_channel_order_of_the_elementwise_passes_changes_no_bit(shape, monkeypatch):
+    c = shape[1]
+    x, gamma, beta, dy = _rand(shape, 1), _rand((c,), 2), _rand((c,), 3), _rand(shape, 4)
+    got = []
+    for last_first in (False, True):
+        monkeypatch.setattr(bn, "_LAST_FIRST", last_first)
+        y, dx, saved = torch.empty_like(x), torch.empty_like(x), torch.empty(2, c)
+        bn.forward(x, gamma, beta, y, torch.zeros(c), torch.ones(c), saved,
+                   _workspace(shape, "forward", "cpu"), relu=True, residual=dy)
+        bn.backward(x, gamma, dy, saved, dx, None, None, _workspace(shape, "backward", "cpu"))
+        got.append((y, dx))
+    assert torch.equal(got[0][0], got[1][0]) and torch.equal(got[0][1], got[1][1])
 
 
 def test_bn_recompute_gives_same_bits():

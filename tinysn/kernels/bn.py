@@ -49,9 +49,11 @@ Reductions (three launches per phase, no atomics, bitwise deterministic):
   2. finalize: one lane row per channel merges its chunks in a fixed order (Chan et al.:
      mean = sum n_i mean_i / n, M2 = sum M2_i + sum n_i (mean_i - mean)^2) and writes saved,
      the running statistics (forward) or dgamma, dbeta (backward).
-  3. an elementwise pass over [N*C, HW] tiles: y = (x - mean) * (inv_std gamma) + beta
-     (+ residual, then the ReLU, where asked), or
-     dx = gamma inv_std (dy - dbeta / n - (x - mean) inv_std dgamma / n).
+  3. an elementwise pass over tiles of R channels of one image by COLS of HW:
+     y = (x - mean) * (inv_std gamma) + beta (+ residual, then the ReLU, where asked), or
+     dx = gamma inv_std (dy - dbeta / n - (x - mean) inv_std dgamma / n). Its programs go
+     channel block by channel block, the last first: step 1 read the channels in order, so
+     the pass starts on what the L2 cache still holds of x (and dy).
 The merge is a pass of its own: merged inside step 3's programs instead (two launches each
 way) it ran about 30x slower on the H200 (bench/README.md, the eager step's host time).
 Block shapes come from the tensor shape (no autotuning), so the summation order, and hence
@@ -76,6 +78,9 @@ _TILE = 1024                                 # elements per tile of the streamin
 _WARPS = 4
 _TARGET_PROGRAMS = 2048                      # partial-sum programs over all channels
 _MIN_CHUNK = 4096                            # elements per chunk, at least (when possible)
+# The elementwise pass after a channel-ordered one visits the channels last first
+# (_elementwise_tile): it starts on what the L2 cache kept
+_LAST_FIRST = True
 
 
 # ----------------------------------------------------------------------------- geometry
@@ -205,16 +210,33 @@ def _bn_finalize_kernel(ws, saved, rmean, rvar, C, NCH, total, unbias, eps, mome
 
 
 @triton.jit
-def _bn_norm_kernel(x, y, saved, gamma, beta, res, NC, C, HW,
-                    R: tl.constexpr, COLS: tl.constexpr, RELU: tl.constexpr = False,
-                    RESIDUAL: tl.constexpr = False):
-    """y = (x - mean) * (inv_std * gamma) + beta over [R rows of N*C, COLS of HW] tiles;
-    RESIDUAL: + res (a residual add fused into the batch norm), RELU: then max(y, 0)
-    stored instead (a ReLU fused into it, sched/fuse.py)."""
-    rows = tl.program_id(0).to(tl.int64) * R + tl.arange(0, R)
-    cols = tl.program_id(1) * COLS + tl.arange(0, COLS)
-    rm = rows < NC
-    c = (rows % C).to(tl.int32)
+def _elementwise_tile(N, C, HW, R: tl.constexpr, COLS: tl.constexpr,
+                      LAST_FIRST: tl.constexpr):
+    """(rows of the [N*C, HW] view, their mask, their channels, columns) of this program's
+    tile: R channels of one image, COLS of its HW. Programs go channel block by channel
+    block, each over every image; LAST_FIRST: the last block first, so a pass after a
+    channel-ordered one (stats, partial sums) starts on what that pass read last, which
+    the L2 cache still holds. The order changes which program computes what, never a bit."""
+    pid = tl.program_id(0)
+    col_blocks = tl.cdiv(HW, COLS)
+    t = pid // col_blocks
+    block = t // N
+    if LAST_FIRST:
+        block = tl.cdiv(C, R) - 1 - block
+    c = block * R + tl.arange(0, R)
+    rows = (t % N).to(tl.int64) * C + c
+    cols = (pid % col_blocks) * COLS + tl.arange(0, COLS)
+    return rows, c < C, c, cols
+
+
+@triton.jit
+def _bn_norm_kernel(x, y, saved, gamma, beta, res, N, C, HW,
+                    R: tl.constexpr, COLS: tl.constexpr, LAST_FIRST: tl.constexpr,
+                    RELU: tl.constexpr = False, RESIDUAL: tl.constexpr = False):
+    """y = (x - mean) * (inv_std * gamma) + beta over [R channels of an image, COLS of HW]
+    tiles (_elementwise_tile); RESIDUAL: + res (a residual add fused into the batch norm),
+    RELU: then max(y, 0) stored instead (a ReLU fused into it, sched/fuse.py)."""
+    rows, rm, c, cols = _elementwise_tile(N, C, HW, R, COLS, LAST_FIRST)
     mean = tl.load(saved + c, mask=rm, other=0.0)
     inv = tl.load(saved + C + c, mask=rm, other=0.0)
     scale = inv * tl.load(gamma + c, mask=rm, other=0.0)
@@ -231,15 +253,12 @@ def _bn_norm_kernel(x, y, saved, gamma, beta, res, NC, C, HW,
 
 
 @triton.jit
-def _bn_eval_kernel(x, y, rmean, rvar, gamma, beta, res, NC, C, HW, eps,
+def _bn_eval_kernel(x, y, rmean, rvar, gamma, beta, res, N, C, HW, eps,
                     R: tl.constexpr, COLS: tl.constexpr, RELU: tl.constexpr = False,
                     RESIDUAL: tl.constexpr = False):
-    """y = (x - rmean) * (gamma / sqrt(rvar + eps)) + beta over [R rows of N*C, COLS] tiles;
-    RESIDUAL and RELU as _bn_norm_kernel."""
-    rows = tl.program_id(0).to(tl.int64) * R + tl.arange(0, R)
-    cols = tl.program_id(1) * COLS + tl.arange(0, COLS)
-    rm = rows < NC
-    c = (rows % C).to(tl.int32)
+    """y = (x - rmean) * (gamma / sqrt(rvar + eps)) + beta over _elementwise_tile's tiles
+    (channels in order: no pass before it); RESIDUAL and RELU as _bn_norm_kernel."""
+    rows, rm, c, cols = _elementwise_tile(N, C, HW, R, COLS, False)
     mean = tl.load(rmean + c, mask=rm, other=0.0)
     var = tl.load(rvar + c, mask=rm, other=1.0)
     scale = tl.load(gamma + c, mask=rm, other=0.0) / tl.sqrt_rn(var + eps)
@@ -311,13 +330,12 @@ def _bn_bwd_finalize_kernel(ws, sums, saved, dgamma, dbeta, C, NCH,
 
 
 @triton.jit
-def _bn_dx_kernel(x, dy, dx, saved, gamma, sums, NC, C, HW, inv_n,
-                  ACC: tl.constexpr, R: tl.constexpr, COLS: tl.constexpr):
-    """dx (+)= gamma inv_std (dy - dbeta/n - (x - mean) inv_std dgamma/n)."""
-    rows = tl.program_id(0).to(tl.int64) * R + tl.arange(0, R)
-    cols = tl.program_id(1) * COLS + tl.arange(0, COLS)
-    rm = rows < NC
-    c = (rows % C).to(tl.int32)
+def _bn_dx_kernel(x, dy, dx, saved, gamma, sums, N, C, HW, inv_n,
+                  ACC: tl.constexpr, R: tl.constexpr, COLS: tl.constexpr,
+                  LAST_FIRST: tl.constexpr):
+    """dx (+)= gamma inv_std (dy - dbeta/n - (x - mean) inv_std dgamma/n) over
+    _elementwise_tile's tiles."""
+    rows, rm, c, cols = _elementwise_tile(N, C, HW, R, COLS, LAST_FIRST)
     mean = tl.load(saved + c, mask=rm, other=0.0)
     inv = tl.load(saved + C + c, mask=rm, other=0.0)
     a = inv * tl.load(gamma + c, mask=rm, other=0.0)
@@ -379,9 +397,11 @@ def _finalize_shape(c, nch):
 
 
 def _elementwise_grid(n, c, hw):
+    """(grid, R, COLS) of an elementwise pass: _elementwise_tile's tiles of about _TILE,
+    R channels (at most c's power of two) by COLS columns, one program each."""
     cols = min(next_power_of_2(hw), _TILE)
-    r = max(1, _TILE // cols)
-    return (cdiv(n * c, r), cdiv(hw, cols)), r, cols
+    r = max(1, min(_TILE // cols, next_power_of_2(c)))
+    return (cdiv(c, r) * n * cdiv(hw, cols),), r, cols
 
 
 def _check_relu(relu) -> None:
@@ -443,8 +463,8 @@ def forward(x, gamma, beta, y, running_mean, running_var, saved, workspace, *,
         total / (total - 1), float(eps), float(momentum), skip_ptr,
         UPDATE=update_running, GATED=gated, CB=cb, NCHP=nchp)
     grid, r, cols = _elementwise_grid(n, c, hw)
-    run(_bn_norm_kernel, grid, x, y, saved, gamma, beta, res, n * c, c, hw, R=r, COLS=cols,
-        RELU=relu, RESIDUAL=residual is not None, num_warps=_WARPS)
+    run(_bn_norm_kernel, grid, x, y, saved, gamma, beta, res, n, c, hw, R=r, COLS=cols,
+        LAST_FIRST=_LAST_FIRST, RELU=relu, RESIDUAL=residual is not None, num_warps=_WARPS)
 
 
 def rebuild(x, gamma, beta, y, saved, *, relu=False, residual=None):
@@ -461,8 +481,9 @@ def rebuild(x, gamma, beta, y, saved, *, relu=False, residual=None):
                      [("x", x), ("gamma", gamma), ("beta", beta), ("saved", saved),
                       ("residual", residual)])
     grid, r, cols = _elementwise_grid(n, c, h * w)
-    run(_bn_norm_kernel, grid, x, y, saved, gamma, beta, res, n * c, c, h * w, R=r,
-        COLS=cols, RELU=relu, RESIDUAL=residual is not None, num_warps=_WARPS)
+    run(_bn_norm_kernel, grid, x, y, saved, gamma, beta, res, n, c, h * w, R=r,
+        COLS=cols, LAST_FIRST=_LAST_FIRST, RELU=relu, RESIDUAL=residual is not None,
+        num_warps=_WARPS)
 
 
 def forward_eval(x, gamma, beta, y, running_mean, running_var, *, eps=1e-5, relu=False,
@@ -481,7 +502,7 @@ def forward_eval(x, gamma, beta, y, running_mean, running_var, *, eps=1e-5, relu
     if not (isinstance(eps, (int, float)) and eps > 0):
         raise ValueError(f"eps must be a positive number, got {eps!r}")
     grid, r, cols = _elementwise_grid(n, c, h * w)
-    run(_bn_eval_kernel, grid, x, y, running_mean, running_var, gamma, beta, res, n * c, c,
+    run(_bn_eval_kernel, grid, x, y, running_mean, running_var, gamma, beta, res, n, c,
         h * w, float(eps), R=r, COLS=cols, RELU=relu, RESIDUAL=residual is not None,
         num_warps=_WARPS)
 
@@ -557,5 +578,5 @@ def backward(x, gamma, dy, saved, dx, dgamma, dbeta, workspace, *, accumulate=Fa
     if dx is None:
         return
     grid, r, cols = _elementwise_grid(n, c, hw)
-    run(_bn_dx_kernel, grid, x, dy, dx, saved, gamma, sums, n * c, c, hw, 1.0 / (n * hw),
-        ACC=accumulate, R=r, COLS=cols, num_warps=_WARPS)
+    run(_bn_dx_kernel, grid, x, dy, dx, saved, gamma, sums, n, c, hw, 1.0 / (n * hw),
+        ACC=accumulate, R=r, COLS=cols, LAST_FIRST=_LAST_FIRST, num_warps=_WARPS)

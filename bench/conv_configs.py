@@ -1,6 +1,7 @@
 """Which tile configs the conv autotuners should time: a wide sweep on VGG16 / ResNet-50 shapes.
 
     PYTHONPATH=. python bench/conv_configs.py --out conv-configs.json     # on a GPU
+    PYTHONPATH=. python bench/conv_configs.py --pick SWEEP.json...        # anywhere
 
 For 17 conv shapes at batch 32 (every VGG16 3x3 size, ResNet-50's 3x3 and 1x1 sizes, all
 stride 1), times each autotuned conv kernel under every candidate config (today's list plus
@@ -20,9 +21,16 @@ data-gradient lists (the channels-last lists were picked by hand from smaller on
 sweeps). Every candidate is compiled first, in parallel, then checked and timed: a config
 whose output on the same inputs changes between three runs, leaves elements unwritten or is
 not cuDNN's to TF32 rounding is never picked (its time inf, the fault in the row's
-"faults").
+"faults"). The lists before the one-stage pick (EARLIER_FWD, EARLIER_T) stay candidates.
+
+`--pick` sweeps nothing: it picks each tuner's list from sweep files of several GPUs at
+once, over the configs every file timed, each file's times over its own cuDNN total so
+that each GPU weighs the same (a list picked on one GPU can lose on another: the H200's
+one-stage pick took VGG16's H100 step from 19.38 to 19.69 ms while it took the H200's
+from 17.59 to 17.29).
 """
 import argparse
+import json
 import os
 import sys
 import time
@@ -88,6 +96,20 @@ EXTRA_WGT_NHWC = [conv._nhwc_cfg(*c) for c in [
 EXTRA_WGT_TMA = [conv._nhwc_cfg(*c) for c in [
     (128, 128, 32, 8, 4), (128, 64, 32, 4, 4), (64, 64, 64, 4, 3), (128, 128, 64, 8, 3),
     (128, 64, 64, 4, 3), (64, 128, 64, 4, 3), (64, 64, 32, 4, 4), (256, 128, 32, 8, 3),
+]]
+
+
+# The forward and "transposed" lists before the one-stage configs took their places (picked
+# on the H200): candidates still, so a sweep on another GPU can take back what it prefers
+EARLIER_FWD = [cfg(*c) for c in [
+    (128, 128, 16, 8, 5), (128, 256, 32, 8, 4, False), (128, 64, 32, 4, 3), (64, 256, 32, 8, 4),
+    (64, 128, 32, 4, 4, False), (64, 128, 64, 4, 4), (64, 64, 32, 4, 4), (128, 256, 32, 8, 3),
+]]
+EARLIER_T = [conv._with(cfg(*c[:6]), FLAT=c[6]) for c in [
+    (256, 128, 32, 8, 3, True, True), (64, 256, 32, 8, 4, True, True),
+    (128, 64, 32, 4, 3, True, True), (64, 128, 32, 8, 4, True, True),
+    (64, 256, 32, 8, 4, True, False), (128, 128, 32, 8, 3, True, True),
+    (64, 128, 64, 4, 4, True, False), (64, 64, 32, 4, 4, False, False),
 ]]
 
 
@@ -198,11 +220,13 @@ def tuners() -> dict:
     data_t = [conv._with(c, FLAT=f) for c in data for f in (False, True)]
     return {
         "forward": (conv._conv_fwd, conv._FWD_CONFIGS,
-                    candidates(conv._FWD_CONFIGS, EXTRA_FWD + one_stage(conv._FWD_CONFIGS)),
+                    candidates(conv._FWD_CONFIGS, EXTRA_FWD + EARLIER_FWD
+                               + one_stage(conv._FWD_CONFIGS + EARLIER_FWD)),
                     ("forward",)),
         "data_implicit": (conv._conv_bwd_data, conv._DATA_CONFIGS, data, ("data_implicit",)),
         "data_transposed": (conv._conv_bwd_data_t, conv._T_CONFIGS,
-                            candidates(conv._T_CONFIGS, data_t + one_stage(conv._T_CONFIGS)),
+                            candidates(conv._T_CONFIGS, data_t + EARLIER_T
+                                       + one_stage(conv._T_CONFIGS + EARLIER_T)),
                             ("data_transposed",)),
         "weight": (conv._conv_bwd_weight, conv._WGT_CONFIGS,
                    candidates(conv._WGT_CONFIGS, EXTRA_WGT + TAP_WGT),
@@ -359,15 +383,90 @@ def pick_all(rows, tuned) -> dict:
     return picks
 
 
+def config_key(text: str) -> tuple:
+    """A config's name as a sweep file writes it, less the fields that hold None (triton
+    3.9 names one more such field than 3.6), so two versions' sweeps name a config alike."""
+    return tuple(p for p in text.split(", ") if not p.endswith(": None"))
+
+
+def sweep_file(path) -> dict:
+    """A sweep this script wrote (environment included); ValueError names a file that is
+    missing or is not one."""
+    try:
+        with open(path) as f:
+            data = json.load(f)
+    except (OSError, ValueError) as err:
+        raise ValueError(f"--pick: cannot read {path}: {err}") from None
+    if not all(k in data for k in ("environment", "candidates", "rows")):
+        raise ValueError(f"--pick: {path} is not a conv_configs.py sweep (no candidates or rows)")
+    return data
+
+
+def joint_rows(sweeps, tuner) -> tuple:
+    """(candidate names, rows) for `greedy` over several sweep files (GPUs) of one tuner: the
+    candidates every file timed, in the first file's order, and each file's rows with their
+    times over that file's cuDNN total for the tuner, so each GPU weighs the same."""
+    names = [n for n in sweeps[0]["candidates"][tuner]
+             if all(config_key(n) in map(config_key, s["candidates"][tuner]) for s in sweeps)]
+    rows = []
+    for s in sweeps:
+        where = {config_key(n): i for i, n in enumerate(s["candidates"][tuner])}
+        mine = [r for r in s["rows"] if r["tuner"] == tuner]
+        cudnn = sum(r["cudnn_ms"] for r in mine)
+        rows += [{"ms": [r["ms"][where[config_key(n)]] / cudnn for n in names]} for r in mine]
+    return names, rows
+
+
+def pick_jointly(sweeps, counts) -> dict:
+    """{tuner: the greedy pick of counts[tuner] configs over every file's shapes} for each
+    tuner all files swept (`joint_rows`), each printed with every file's best-per-shape total
+    under the pick and under today's list, beside its cuDNN total."""
+    picks = {}
+    for tuner in [t for t in sweeps[0]["candidates"] if all(t in s["candidates"] for s in sweeps)]:
+        names, rows = joint_rows(sweeps, tuner)
+        pick = [names[i] for i in greedy(rows, counts[tuner])]
+        picks[tuner] = pick
+        today = [str(c) for c in tuners()[tuner][1]]
+        print(f"{tuner}: pick of {len(names)} configs every file timed")
+        for s in sweeps:
+            mine = [r for r in s["rows"] if r["tuner"] == tuner]
+            print(f"  {s['environment']['gpu']}: pick {_total(s, mine, tuner, pick):.3f} ms, "
+                  f"today's list {_total(s, mine, tuner, today):.3f} ms, cuDNN "
+                  f"{sum(r['cudnn_ms'] for r in mine):.3f} ms")
+        for c in pick:
+            print(f"  {c}")
+    return picks
+
+
+def _total(sweep, rows, tuner, names) -> float:
+    """The shapes' summed best time under the configs `names` (inf where the file lacks one)."""
+    where = {config_key(n): i for i, n in enumerate(sweep["candidates"][tuner])}
+    if any(config_key(n) not in where for n in names):
+        return float("inf")
+    return sum(min(r["ms"][where[config_key(n)]] for n in names) for r in rows)
+
+
 def main():
     ap = argparse.ArgumentParser()
     common.add_out_argument(ap)
+    ap.add_argument("--pick", nargs="+", metavar="SWEEP",
+                    help="no sweep: pick each tuner's list jointly from these sweep files "
+                         "(several GPUs; no GPU needed), as long as today's")
     ap.add_argument("--tuners",
                     default="forward,data_implicit,data_transposed,weight,nhwc,weight_nhwc,"
                             "weight_tma",
                     help="the autotuners to sweep (comma-separated)")
     ap.add_argument("--kernel-size", type=int, help="only the shapes of this kernel size")
     args = ap.parse_args()
+    if args.pick:
+        try:
+            sweeps = [sweep_file(path) for path in args.pick]
+        except ValueError as err:
+            ap.error(str(err))
+        picks = pick_jointly(sweeps, {n: len(t[1]) for n, t in tuners().items()})
+        if args.out:
+            common.write(args.out, {"sweeps": args.pick, "picks": picks})
+        return 0
     try:
         tuned, shapes = selection(args.tuners, args.kernel_size)
     except ValueError as err:

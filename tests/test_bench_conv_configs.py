@@ -44,10 +44,11 @@ def test_every_conv_autotuner_is_swept_from_its_own_list():
 
 def test_the_pixel_major_kernels_are_also_swept_unpipelined():
     tuned = conv_configs.tuners()
+    earlier = {"forward": conv_configs.EARLIER_FWD, "data_transposed": conv_configs.EARLIER_T}
     for name, (_, today, cands, _) in tuned.items():
         single = {(str(c.kwargs), c.num_warps) for c in cands if c.num_stages == 1}
-        if name in ("forward", "data_transposed"):
-            assert single == {(str(c.kwargs), c.num_warps) for c in today}, name
+        if name in earlier:          # today's tiles and the earlier list's, in one stage
+            assert single == {(str(c.kwargs), c.num_warps) for c in today + earlier[name]}, name
         else:
             assert not single, name
 
@@ -137,3 +138,58 @@ def test_a_config_that_computes_wrongly_or_racily_is_never_picked(monkeypatch):
                                  2: "relative error 2.0e+00 against cuDNN",
                                  3: "run 0 left elements unwritten"}
     assert conv_configs.pick_all(rows, {"forward": four}) == {"forward": [str(cands[0])]}
+
+
+def _sweep(gpu, candidates, times, cudnn):
+    """A one-tuner ("forward") sweep file's payload: a row per shape, `times` its ms."""
+    return {"environment": {"gpu": gpu}, "candidates": {"forward": candidates},
+            "rows": [{"tuner": "forward", "ms": ms, "cudnn_ms": c}
+                     for ms, c in zip(times, cudnn)]}
+
+
+def test_a_joint_pick_weighs_each_gpu_by_its_own_cudnn_time():
+    names = ["BLOCK_M: 64, num_stages: 1", "BLOCK_M: 128, num_stages: 4"]
+    slow = _sweep("A", names, [[10.0, 13.0]], [10.0])      # X 1.0x cuDNN, Y 1.3x
+    fast = _sweep("B", [n + ", ir_override: None" for n in names[::-1]],   # 3.9's names,
+                  [[1.0, 1.5]], [1.0])                      # another order: Y 1.0x, X 1.5x
+    # in ms X wins (11.5 against 14.0); against each GPU's cuDNN Y does (2.3 against 2.5)
+    assert conv_configs.pick_jointly([slow, fast], {"forward": 1}) == {"forward": [names[1]]}
+    assert conv_configs.pick_jointly([slow], {"forward": 1}) == {"forward": [names[0]]}
+
+
+def test_a_joint_pick_takes_only_what_every_file_timed():
+    only_a = "BLOCK_M: 32, num_stages: 1"
+    a = _sweep("A", ["BLOCK_M: 64, num_stages: 1", only_a], [[2.0, 1.0]], [1.0])
+    b = _sweep("B", ["BLOCK_M: 64, num_stages: 1"], [[2.0]], [1.0])
+    assert conv_configs.joint_rows([a, b], "forward") == (
+        ["BLOCK_M: 64, num_stages: 1"], [{"ms": [2.0]}, {"ms": [2.0]}])
+
+
+def test_the_h200_sweep_alone_picks_the_lists_conv_py_holds(capsys):
+    """The forward and "transposed" lists are that sweep's pick (conv.py says so)."""
+    sweep = conv_configs.sweep_file("bench/results/conv-configs-one-stage-NVIDIA-H200.json")
+    counts = {"forward": len(conv._FWD_CONFIGS), "data_transposed": len(conv._T_CONFIGS)}
+    picks = conv_configs.pick_jointly([sweep], counts)
+    for tuner, today in (("forward", conv._FWD_CONFIGS), ("data_transposed", conv._T_CONFIGS)):
+        assert list(map(conv_configs.config_key, picks[tuner])) == \
+            [conv_configs.config_key(str(c)) for c in today]
+    assert "NVIDIA H200: pick 4.303 ms, today's list 4.303 ms" in capsys.readouterr().out
+
+
+def test_a_sweep_on_another_gpu_can_take_back_the_lists_before():
+    every = {n: [conv_configs.config_key(str(c)) for c in t[2]]
+             for n, t in conv_configs.tuners().items()}
+    for tuner, earlier in (("forward", conv_configs.EARLIER_FWD),
+                           ("data_transposed", conv_configs.EARLIER_T)):
+        for c in earlier + conv_configs.one_stage(earlier):
+            assert conv_configs.config_key(str(c)) in every[tuner]
+
+
+def test_pick_names_a_file_that_is_not_a_sweep(tmp_path, monkeypatch, capsys):
+    bad = tmp_path / "x.json"
+    bad.write_text('{"rows": []}')
+    for path in (bad, tmp_path / "missing.json"):
+        monkeypatch.setattr("sys.argv", ["conv_configs.py", "--pick", str(path)])
+        with pytest.raises(SystemExit):
+            conv_configs.main()
+        assert str(path) in capsys.readouterr().err

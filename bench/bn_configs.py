@@ -2,14 +2,18 @@
 
     PYTHONPATH=. python3 bench/bn_configs.py [--model resnet50] [--batch 32] [--out PATH]
         [--tiles 1024,2048,4096] [--warps 4,8] [--programs 1024,2048,4096]
-        [--min-chunks 4096,8192] [--last-first 0,1]
+        [--min-chunks 4096,8192] [--last-first 0,1] [--channel-max 0,8192,32768]
+        [--channel-programs 128,256]
 
 kernels/bn.py takes every block shape from the tensor's shape alone, through four module
 constants (_TILE: elements per tile of the streaming passes; _WARPS; _TARGET_PROGRAMS: the
 partial-sum programs over all channels; _MIN_CHUNK: elements a chunk holds at least), so that
 the summation order, and with it every bit, never depends on timing. A fifth, _LAST_FIRST,
 orders the elementwise passes' programs (last channels first, where the pass before left
-them in the L2 cache; 1, the default sweep's only value) and changes no bit. Which constants are
+them in the L2 cache; 1, the default sweep's only value) and changes no bit. _CHANNEL_MAX
+and _CHANNEL_PROGRAMS pick the shapes that run one launch each way, a program per channel
+(channels of at most _CHANNEL_MAX values, at least _CHANNEL_PROGRAMS of them; 0: none, the
+default sweep's only value), instead of three. Which constants are
 fastest is the GPU's to say: for each combination this script times, on every distinct
 batch-norm input shape of the model (with how many times a step runs it), the forward pass
 (statistics, merge, normalisation: three launches) and the backward pass (partial sums,
@@ -36,7 +40,8 @@ import torch.nn.functional as F  # noqa: E402
 from bench import common  # noqa: E402
 from tinysn.kernels import bn  # noqa: E402
 
-CONSTANTS = ("_TILE", "_WARPS", "_TARGET_PROGRAMS", "_MIN_CHUNK", "_LAST_FIRST")
+CONSTANTS = ("_TILE", "_WARPS", "_TARGET_PROGRAMS", "_MIN_CHUNK", "_LAST_FIRST", "_CHANNEL_MAX",
+             "_CHANNEL_PROGRAMS")
 MAX_REL_ERR = 1e-4          # float32 batch norm against torch's: a wrong kernel is far above
 
 
@@ -148,6 +153,8 @@ def parse_args(argv=None):
     ap.add_argument("--programs", type=_ints, default=[1024, 2048, 4096])
     ap.add_argument("--min-chunks", type=_ints, default=[4096, 8192])
     ap.add_argument("--last-first", type=_flags, default=[True])
+    ap.add_argument("--channel-max", type=_ints, default=[0])
+    ap.add_argument("--channel-programs", type=_ints, default=[256])
     common.add_out_argument(ap)
     args = ap.parse_args(argv)
     if not hasattr(sn.models, args.model):
@@ -162,7 +169,7 @@ def main(argv=None) -> dict:
     today = {name: getattr(bn, name) for name in CONSTANTS}
     combos = [dict(zip(CONSTANTS, values)) for values in
               itertools.product(args.tiles, args.warps, args.programs, args.min_chunks,
-                                args.last_first)]
+                                args.last_first, args.channel_max, args.channel_programs)]
     result = {"model": args.model, "batch": args.batch, "today": today,
               "copy_gbps": common.copy_gbps(device) if device.type == "cuda" else None,
               "rows": []}

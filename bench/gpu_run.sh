@@ -58,7 +58,8 @@ for stage in "$@"; do
     # every config of the fully connected GEMM on fc6 / fc7 / ResNet-50's fc, each pass, beside cuBLAS
     linear-configs) timeout ${LINEAR_S:-240} python3 bench/linear_configs.py --out "$OUT/linear-configs-$GPU.json" 2>&1 | tail -14 ;;
     # kernels/bn.py's block-shape constants swept on ResNet-50's batch-norm shapes (BN_ARGS:
-    # e.g. --tiles 2048 --warps 8 to narrow it; 36 combinations by default)
+    # e.g. --tiles 2048 --warps 8 to narrow it; 36 combinations by default; --last-first 0,1
+    # the elementwise passes' channel order, --channel-max 0,8192,32768 the one-launch form)
     bn-configs) timeout ${BN_S:-420} python3 bench/bn_configs.py ${BN_ARGS:-} --out "$OUT/bn-configs${BN_NAME:+-$BN_NAME}-$GPU.json" 2>&1 | tail -42 ;;
     # the GPU's launch queue against bench_ms's held batches (the timer of every ranking)
     timer-queue) timeout ${QUEUE_S:-150} python3 bench/timer_queue.py --out "$OUT/timer-queue-$GPU.json" 2>&1 | tail -20 ;;

@@ -45,3 +45,20 @@ def test_the_channel_order_is_swept_only_when_asked():
     assert bn_configs.parse_args([]).last_first == [True]
     assert bn_configs.parse_args(["--last-first", "0,1"]).last_first == [False, True]
     assert "_LAST_FIRST" in bn_configs.CONSTANTS        # set and put back like the others
+
+
+def test_the_one_program_form_is_swept_only_when_asked_and_runs_where_chosen(monkeypatch):
+    args = bn_configs.parse_args(["--channel-max", "0,8192", "--channel-programs", "4"])
+    assert (args.channel_max, args.channel_programs) == ([0, 8192], [4])
+    assert bn_configs.parse_args([]).channel_max == [0]           # today's: never
+    launched = []
+    monkeypatch.setattr(bn, "run", lambda kernel, *a, **k: launched.append(kernel.__name__))
+    shape = (2, 8, 6, 6)
+    for combo in ({"_CHANNEL_MAX": 0}, {"_CHANNEL_MAX": 72, "_CHANNEL_PROGRAMS": 8}):
+        before = bn_configs.set_constants(combo)
+        try:
+            bn_configs.Case(shape, torch.device("cpu")).forward()
+        finally:
+            bn_configs.set_constants(before)
+    assert launched == ["_bn_stats_kernel", "_bn_finalize_kernel", "_bn_norm_kernel",
+                        "_bn_channel_fwd_kernel"]

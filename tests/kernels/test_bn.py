@@ -2,7 +2,7 @@
 import pytest
 import torch
 import torch.nn.functional as F
-from hypothesis import assume, given, settings, strategies as st
+from hypothesis import HealthCheck, assume, given, settings, strategies as st
 
 import tinysn  # noqa: F401  (interpreter switch before triton)
 import triton  # noqa: E402
@@ -11,6 +11,17 @@ from tinysn.kernels import bn
 
 GPU = torch.cuda.is_available()
 NAN = float("nan")
+
+
+@pytest.fixture(autouse=True, params=["three launches", "a program per channel"])
+def form(request, monkeypatch):
+    """Every test under both forms of the passes: the chunked statistics, merge and
+    elementwise launches, and one program per channel (bn._one_program, here forced for
+    every shape)."""
+    if request.param == "a program per channel":
+        monkeypatch.setattr(bn, "_CHANNEL_MAX", 1 << 40)
+        monkeypatch.setattr(bn, "_CHANNEL_PROGRAMS", 1)
+    return request.param
 
 
 def _rand(shape, seed, device="cpu", scale=1.0, offset=0.0):
@@ -86,7 +97,8 @@ def _check(shape, seed=0, device="cpu", accumulate=False, update_running=True, g
 shapes = st.tuples(st.integers(1, 4), st.integers(1, 7), st.integers(1, 9), st.integers(1, 9))
 
 
-@settings(max_examples=60, deadline=None)
+@settings(max_examples=60, deadline=None,
+          suppress_health_check=[HealthCheck.function_scoped_fixture])   # `form`: per test
 @given(shape=shapes, seed=st.integers(0, 2**16), accumulate=st.booleans(),
        update_running=st.booleans(), grads=st.sampled_from(["all", "dx", "params"]),
        ws_dtype=st.sampled_from([torch.uint8, torch.float32]))
@@ -546,3 +558,18 @@ def test_backward_refuses_a_bad_dy_out_before_writing():
     with pytest.raises(ValueError, match="overlaps"):
         bn.backward(x, v, dy, saved, out, None, None, ws, dy_out=out)
     assert not dx.any() and not out.any()
+
+
+@pytest.mark.parametrize("count", [0.0, 3.0])
+def test_bn_a_bad_batch_leaves_the_running_statistics(count):
+    """`skip` holding a bad batch's count (non-zero) keeps running_mean / running_var as they
+    were; y and saved are written either way."""
+    shape = (2, 3, 5, 5)
+    x, gamma, beta = _rand(shape, 1), _rand((3,), 2), _rand((3,), 3)
+    rm, rv = torch.zeros(3), torch.ones(3)
+    y, saved = torch.full_like(x, NAN), torch.full((2, 3), NAN)
+    bn.forward(x, gamma, beta, y, rm, rv, saved, _workspace(shape, "forward", "cpu"),
+               skip=torch.tensor([count]))
+    assert not y.isnan().any() and not saved.isnan().any()
+    kept = torch.equal(rm, torch.zeros(3)) and torch.equal(rv, torch.ones(3))
+    assert kept == (count != 0.0)

@@ -56,6 +56,12 @@ Reductions (three launches per phase, no atomics, bitwise deterministic):
      the pass starts on what the L2 cache still holds of x (and dy).
 The merge is a pass of its own: merged inside step 3's programs instead (two launches each
 way) it ran about 30x slower on the H200 (bench/README.md, the eager step's host time).
+Small channels, many of them (`_one_program`: at most _CHANNEL_MAX values, at least
+_CHANNEL_PROGRAMS channels), can instead take one launch each way, a program per channel:
+its shifted sums (or backward sums), its statistics, then its elementwise pass over the
+same tiles, read again from the cache. _CHANNEL_MAX is 0 (never) until a GPU has timed it
+against the three launches (bench/bn_configs.py --channel-max); the tests run every case
+both ways.
 Block shapes come from the tensor shape (no autotuning), so the summation order, and hence
 every bit of the result, does not depend on timing. x is read twice in the forward (stats,
 normalise) and x, dy twice in the backward.
@@ -81,6 +87,11 @@ _MIN_CHUNK = 4096                            # elements per chunk, at least (whe
 # The elementwise pass after a channel-ordered one visits the channels last first
 # (_elementwise_tile): it starts on what the L2 cache kept
 _LAST_FIRST = True
+# One launch each way, a program per channel (_one_program), where a channel holds at most
+# _CHANNEL_MAX values and there are at least _CHANNEL_PROGRAMS channels; 0: never (the
+# three launches everywhere) until a GPU has timed it (bench/bn_configs.py --channel-max)
+_CHANNEL_MAX = 0
+_CHANNEL_PROGRAMS = 256
 
 
 # ----------------------------------------------------------------------------- geometry
@@ -113,6 +124,14 @@ def _shape4(shape):
     if len(shape) != 4:
         raise ValueError(f"batch norm input must be 4-D NCHW, got shape {shape}")
     return shape
+
+
+def _one_program(n, c, hw) -> bool:
+    """Whether a batch norm of this shape runs as one launch each way, a program per channel
+    (_bn_channel_fwd_kernel, _bn_channel_bwd_kernel), instead of three: small channels, many
+    of them (ResNet-50's 14x14 and 7x7 stages), where three launches cost more than the
+    bytes. From the shape alone, as the chunks are: every run of a shape sums in one order."""
+    return n * hw <= _CHANNEL_MAX and c >= _CHANNEL_PROGRAMS
 
 
 def workspace_bytes(shape, phase) -> int:
@@ -351,6 +370,124 @@ def _bn_dx_kernel(x, dy, dx, saved, gamma, sums, N, C, HW, inv_n,
     tl.store(dx + offs, out, mask=m)
 
 
+@triton.jit
+def _bn_channel_fwd_kernel(x, y, saved, gamma, beta, res, rmean, rvar, skip_ptr, N, C, HW,
+                           total, unbias, eps, momentum, ROWS: tl.constexpr,
+                           COLS: tl.constexpr, UPDATE: tl.constexpr, GATED: tl.constexpr,
+                           RELU: tl.constexpr = False, RESIDUAL: tl.constexpr = False):
+    """A whole batch norm forward of one channel in one program (`_one_program`): its
+    shifted sums over [ROWS, COLS] tiles of its [N, HW] view (the shift: the first tile's
+    mean, as _bn_stats_kernel), then saved and the running statistics (as
+    _bn_finalize_kernel), then y as _bn_norm_kernel computes it, over the same tiles again
+    (read from the cache the first loop filled)."""
+    c = tl.program_id(0)
+    ri = tl.arange(0, ROWS)
+    ci = tl.arange(0, COLS)
+    m = (ri < N)[:, None] & (ci < HW)[None, :]
+    v = tl.load(x + ((ri.to(tl.int64) * C + c) * HW)[:, None] + ci[None, :], mask=m, other=0.0)
+    n0 = (tl.minimum(N, ROWS) * tl.minimum(HW, COLS)).to(tl.float32)
+    shift = tl.sum(tl.sum(v, axis=1), axis=0) / n0
+    s1 = tl.zeros([ROWS, COLS], tl.float32)
+    s2 = tl.zeros([ROWS, COLS], tl.float32)
+    for r in range(0, N, ROWS):
+        rows = r + ri
+        rbase = ((rows.to(tl.int64) * C + c) * HW)[:, None]
+        for h in range(0, HW, COLS):
+            cols = h + ci
+            m = (rows < N)[:, None] & (cols < HW)[None, :]
+            d = tl.where(m, tl.load(x + rbase + cols[None, :], mask=m, other=0.0) - shift, 0.0)
+            s1 += d
+            s2 += d * d
+    t1 = tl.sum(tl.sum(s1, axis=1), axis=0)
+    t2 = tl.sum(tl.sum(s2, axis=1), axis=0)
+    dm = t1 / total
+    mean = shift + dm
+    var = tl.maximum(t2 - t1 * dm, 0.0) / total
+    inv = 1.0 / tl.sqrt(var + eps)
+    tl.store(saved + c, mean)
+    tl.store(saved + C + c, inv)
+    if UPDATE:
+        write = True
+        if GATED:
+            write = tl.load(skip_ptr) == 0.0
+        if write:
+            tl.store(rmean + c, (1.0 - momentum) * tl.load(rmean + c) + momentum * mean)
+            tl.store(rvar + c, (1.0 - momentum) * tl.load(rvar + c) + momentum * (var * unbias))
+    scale = inv * tl.load(gamma + c)
+    b = tl.load(beta + c)
+    for r in range(0, N, ROWS):
+        rows = r + ri
+        rbase = ((rows.to(tl.int64) * C + c) * HW)[:, None]
+        for h in range(0, HW, COLS):
+            cols = h + ci
+            m = (rows < N)[:, None] & (cols < HW)[None, :]
+            offs = rbase + cols[None, :]
+            out = (tl.load(x + offs, mask=m, other=0.0) - mean) * scale + b
+            if RESIDUAL:
+                out = out + tl.load(res + offs, mask=m, other=0.0)
+            if RELU:
+                out = tl.where(out < 0.0, 0.0, out)
+            tl.store(y + offs, out, mask=m)
+
+
+@triton.jit
+def _bn_channel_bwd_kernel(x, dy, dx, saved, gamma, dgamma, dbeta, y, dyo, N, C, HW, inv_n,
+                           ROWS: tl.constexpr, COLS: tl.constexpr, HAS_DX: tl.constexpr,
+                           HAS_DG: tl.constexpr, HAS_DB: tl.constexpr, ACC: tl.constexpr,
+                           MASK: tl.constexpr = False, WRITE: tl.constexpr = False):
+    """A whole batch norm backward of one channel in one program (`_one_program`): sum dy
+    and sum dy (x - mean) over its [N, HW] view (MASK and WRITE as _bn_bwd_partial_kernel),
+    dbeta and dgamma (as _bn_bwd_finalize_kernel), then dx as _bn_dx_kernel computes it
+    over the same tiles again (dy from dyo where WRITE stored it there)."""
+    c = tl.program_id(0)
+    mean = tl.load(saved + c)
+    inv = tl.load(saved + C + c)
+    ri = tl.arange(0, ROWS)
+    ci = tl.arange(0, COLS)
+    s1 = tl.zeros([ROWS, COLS], tl.float32)
+    s2 = tl.zeros([ROWS, COLS], tl.float32)
+    for r in range(0, N, ROWS):
+        rows = r + ri
+        rbase = ((rows.to(tl.int64) * C + c) * HW)[:, None]
+        for h in range(0, HW, COLS):
+            cols = h + ci
+            m = (rows < N)[:, None] & (cols < HW)[None, :]
+            offs = rbase + cols[None, :]
+            g = tl.load(dy + offs, mask=m, other=0.0)
+            if MASK:
+                g = tl.where(tl.load(y + offs, mask=m, other=0.0) <= 0.0, 0.0, g)
+            if WRITE:
+                tl.store(dyo + offs, g, mask=m)
+            s1 += g
+            s2 += g * tl.where(m, tl.load(x + offs, mask=m, other=0.0) - mean, 0.0)
+    db = tl.sum(tl.sum(s1, axis=1), axis=0)
+    dg = tl.sum(tl.sum(s2, axis=1), axis=0) * inv
+    if HAS_DB:
+        tl.store(dbeta + c, db)
+    if HAS_DG:
+        tl.store(dgamma + c, dg)
+    if HAS_DX:
+        if WRITE:
+            tl.debug_barrier()              # the program's dyo stores before its loads
+        a = inv * tl.load(gamma + c)
+        mb = db * inv_n
+        kg = dg * inv * inv_n
+        src = dyo if WRITE else dy
+        for r in range(0, N, ROWS):
+            rows = r + ri
+            rbase = ((rows.to(tl.int64) * C + c) * HW)[:, None]
+            for h in range(0, HW, COLS):
+                cols = h + ci
+                m = (rows < N)[:, None] & (cols < HW)[None, :]
+                offs = rbase + cols[None, :]
+                g = tl.load(src + offs, mask=m, other=0.0)
+                v = tl.load(x + offs, mask=m, other=0.0)
+                out = a * (g - mb - (v - mean) * kg)
+                if ACC:
+                    out += tl.load(dx + offs, mask=m, other=0.0)
+                tl.store(dx + offs, out, mask=m)
+
+
 # ----------------------------------------------------------------------------- launchers
 
 def _check_shaped(name, t, shape, device):
@@ -450,15 +587,22 @@ def forward(x, gamma, beta, y, running_mean, running_var, saved, workspace, *,
         raise ValueError(f"workspace is on {ws.device} but x is on {dev}")
     skip_ptr, gated = gate(skip, dev, saved)
     hw = h * w
+    total = n * hw
+    rm = running_mean if update_running else saved
+    rv = running_var if update_running else saved
+    if _one_program(n, c, hw):
+        rows, cols = _tile_shape(n, hw)
+        run(_bn_channel_fwd_kernel, (c,), x, y, saved, gamma, beta, res, rm, rv, skip_ptr,
+            n, c, hw, float(total), total / (total - 1), float(eps), float(momentum),
+            ROWS=rows, COLS=cols, UPDATE=update_running, GATED=gated, RELU=relu,
+            RESIDUAL=residual is not None, num_warps=_WARPS)
+        return
     rpc, nr, cpc, nh = _chunks(n, c, hw)
     nch = nr * nh
     rows, cols = _tile_shape(rpc, min(cpc, hw))
     run(_bn_stats_kernel, (c * nch,), x, ws, n, c, hw, rpc, cpc, nch, nh,
         ROWS=rows, COLS=cols, num_warps=_WARPS)
-    total = n * hw
     cb, nchp = _finalize_shape(c, nch)
-    rm = running_mean if update_running else saved
-    rv = running_var if update_running else saved
     run(_bn_finalize_kernel, (cdiv(c, cb),), ws, saved, rm, rv, c, nch, float(total),
         total / (total - 1), float(eps), float(momentum), skip_ptr,
         UPDATE=update_running, GATED=gated, CB=cb, NCHP=nchp)
@@ -560,6 +704,16 @@ def backward(x, gamma, dy, saved, dx, dgamma, dbeta, workspace, *, accumulate=Fa
     if dx is None and dgamma is None and dbeta is None and dy_out is None:
         return
     hw = h * w
+    if _one_program(n, c, hw):
+        rows, cols = _tile_shape(n, hw)
+        run(_bn_channel_bwd_kernel, (c,), x, dy, dy if dx is None else dx, saved,
+            dy if gamma is None else gamma, dgamma if dgamma is not None else saved,
+            dbeta if dbeta is not None else saved,
+            dy if relu_output is None else relu_output, dy if dy_out is None else dy_out,
+            n, c, hw, 1.0 / (n * hw), ROWS=rows, COLS=cols, HAS_DX=dx is not None,
+            HAS_DG=dgamma is not None, HAS_DB=dbeta is not None, ACC=accumulate,
+            MASK=relu_output is not None, WRITE=dy_out is not None, num_warps=_WARPS)
+        return
     rpc, nr, cpc, nh = _chunks(n, c, hw)
     nch = nr * nh
     rows, cols = _tile_shape(rpc, min(cpc, hw))

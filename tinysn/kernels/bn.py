@@ -160,14 +160,12 @@ def _chunk_bounds(pid, N, HW, RPC, CPC, NCH, NHC):
 
 
 @triton.jit
-def _bn_stats_kernel(x, ws, N, C, HW, RPC, CPC, NCH, NHC,
-                     ROWS: tl.constexpr, COLS: tl.constexpr):
-    """ws[c, chunk] = (count, mean, M2) of one chunk of channel c (shifted sums)."""
-    pid = tl.program_id(0)
-    c, r0, r1, h0, h1 = _chunk_bounds(pid, N, HW, RPC, CPC, NCH, NHC)
+def _shifted_sums(x, c, C, HW, r0, r1, h0, h1, ROWS: tl.constexpr, COLS: tl.constexpr):
+    """(shift, sum d, sum d^2), d = x - shift, over rows [r0, r1) of N and columns [h0, h1)
+    of HW of channel c, in [ROWS, COLS] tiles; shift = the mean of the first tile, so the
+    sums keep the variance's digits where the mean is large."""
     ri = tl.arange(0, ROWS)
     ci = tl.arange(0, COLS)
-    # shift = mean of the chunk's first tile
     rows = r0 + ri
     cols = h0 + ci
     m = (rows < r1)[:, None] & (cols < h1)[None, :]
@@ -188,9 +186,17 @@ def _bn_stats_kernel(x, ws, N, C, HW, RPC, CPC, NCH, NHC,
             d = tl.where(m, v - shift, 0.0)
             s1 += d
             s2 += d * d
+    return shift, tl.sum(tl.sum(s1, axis=1), axis=0), tl.sum(tl.sum(s2, axis=1), axis=0)
+
+
+@triton.jit
+def _bn_stats_kernel(x, ws, N, C, HW, RPC, CPC, NCH, NHC,
+                     ROWS: tl.constexpr, COLS: tl.constexpr):
+    """ws[c, chunk] = (count, mean, M2) of one chunk of channel c (_shifted_sums)."""
+    pid = tl.program_id(0)
+    c, r0, r1, h0, h1 = _chunk_bounds(pid, N, HW, RPC, CPC, NCH, NHC)
+    shift, t1, t2 = _shifted_sums(x, c, C, HW, r0, r1, h0, h1, ROWS, COLS)
     cnt = ((r1 - r0) * (h1 - h0)).to(tl.float32)
-    t1 = tl.sum(tl.sum(s1, axis=1), axis=0)
-    t2 = tl.sum(tl.sum(s2, axis=1), axis=0)
     dm = t1 / cnt
     m2 = tl.maximum(t2 - t1 * dm, 0.0)
     out = ws + pid * 3
@@ -262,12 +268,20 @@ def _bn_norm_kernel(x, y, saved, gamma, beta, res, N, C, HW,
     b = tl.load(beta + c, mask=rm, other=0.0)
     m = rm[:, None] & (cols < HW)[None, :]
     offs = (rows * HW)[:, None] + cols[None, :]
-    v = tl.load(x + offs, mask=m, other=0.0)
-    out = (v - mean[:, None]) * scale[:, None] + b[:, None]
+    _normalise(x, y, res, offs, m, mean[:, None], scale[:, None], b[:, None], RELU, RESIDUAL)
+
+
+@triton.jit
+def _normalise(x, y, res, offs, m, mean, scale, b, RELU: tl.constexpr,
+               RESIDUAL: tl.constexpr):
+    """y[offs] = (x - mean) * scale + b (+ res[offs] where RESIDUAL, then the ReLU where
+    RELU: kernels/act.py's, NaN propagates) over one tile, where m: the normalisation of
+    the three-launch and the one-program forms alike, so rebuild's bits are both's."""
+    out = (tl.load(x + offs, mask=m, other=0.0) - mean) * scale + b
     if RESIDUAL:
         out = out + tl.load(res + offs, mask=m, other=0.0)
     if RELU:
-        out = tl.where(out < 0.0, 0.0, out)      # as kernels/act.py: NaN propagates
+        out = tl.where(out < 0.0, 0.0, out)
     tl.store(y + offs, out, mask=m)
 
 
@@ -294,15 +308,11 @@ def _bn_eval_kernel(x, y, rmean, rvar, gamma, beta, res, N, C, HW, eps,
 
 
 @triton.jit
-def _bn_bwd_partial_kernel(x, dy, saved, ws, y, dyo, N, C, HW, RPC, CPC, NCH, NHC,
-                           ROWS: tl.constexpr, COLS: tl.constexpr, MASK: tl.constexpr = False,
-                           WRITE: tl.constexpr = False):
-    """ws[c, chunk] = (sum dy, sum dy * (x - mean)) over one chunk of channel c; MASK: dy
-    first put through the backward of the ReLU whose output y is (kernels/act.py's rule),
-    WRITE: the dy so used stored in dyo (the chunks cover each element once)."""
-    pid = tl.program_id(0)
-    c, r0, r1, h0, h1 = _chunk_bounds(pid, N, HW, RPC, CPC, NCH, NHC)
-    mean = tl.load(saved + c)
+def _dy_sums(x, dy, y, dyo, mean, c, C, HW, r0, r1, h0, h1, ROWS: tl.constexpr,
+             COLS: tl.constexpr, MASK: tl.constexpr, WRITE: tl.constexpr):
+    """(sum dy, sum dy * (x - mean)) over rows [r0, r1) of N and columns [h0, h1) of HW of
+    channel c, in [ROWS, COLS] tiles; MASK: dy first put through the backward of the ReLU
+    whose output y is (kernels/act.py's rule), WRITE: the dy so used stored in dyo."""
     ri = tl.arange(0, ROWS)
     ci = tl.arange(0, COLS)
     s1 = tl.zeros([ROWS, COLS], tl.float32)
@@ -323,9 +333,22 @@ def _bn_bwd_partial_kernel(x, dy, saved, ws, y, dyo, N, C, HW, RPC, CPC, NCH, NH
             v = tl.load(x + offs, mask=m, other=0.0)
             s1 += g
             s2 += g * tl.where(m, v - mean, 0.0)
+    return tl.sum(tl.sum(s1, axis=1), axis=0), tl.sum(tl.sum(s2, axis=1), axis=0)
+
+
+@triton.jit
+def _bn_bwd_partial_kernel(x, dy, saved, ws, y, dyo, N, C, HW, RPC, CPC, NCH, NHC,
+                           ROWS: tl.constexpr, COLS: tl.constexpr, MASK: tl.constexpr = False,
+                           WRITE: tl.constexpr = False):
+    """ws[c, chunk] = (sum dy, sum dy * (x - mean)) over one chunk of channel c (_dy_sums;
+    the chunks cover each element once)."""
+    pid = tl.program_id(0)
+    c, r0, r1, h0, h1 = _chunk_bounds(pid, N, HW, RPC, CPC, NCH, NHC)
+    t1, t2 = _dy_sums(x, dy, y, dyo, tl.load(saved + c), c, C, HW, r0, r1, h0, h1, ROWS, COLS,
+                      MASK, WRITE)
     out = ws + pid * 2
-    tl.store(out, tl.sum(tl.sum(s1, axis=1), axis=0))
-    tl.store(out + 1, tl.sum(tl.sum(s2, axis=1), axis=0))
+    tl.store(out, t1)
+    tl.store(out + 1, t2)
 
 
 @triton.jit
@@ -362,9 +385,16 @@ def _bn_dx_kernel(x, dy, dx, saved, gamma, sums, N, C, HW, inv_n,
     kg = tl.load(sums + C + c, mask=rm, other=0.0) * inv * inv_n
     m = rm[:, None] & (cols < HW)[None, :]
     offs = (rows * HW)[:, None] + cols[None, :]
+    _dx_tile(x, dy, dx, offs, m, mean[:, None], a[:, None], mb[:, None], kg[:, None], ACC)
+
+
+@triton.jit
+def _dx_tile(x, dy, dx, offs, m, mean, a, mb, kg, ACC: tl.constexpr):
+    """dx[offs] (+)= a (dy - mb - (x - mean) kg) over one tile, where m (a = gamma inv_std,
+    mb = dbeta / n, kg = inv_std dgamma / n): both forms' last pass."""
     g = tl.load(dy + offs, mask=m, other=0.0)
     v = tl.load(x + offs, mask=m, other=0.0)
-    out = a[:, None] * (g - mb[:, None] - (v - mean[:, None]) * kg[:, None])
+    out = a * (g - mb - (v - mean) * kg)
     if ACC:
         out += tl.load(dx + offs, mask=m, other=0.0)
     tl.store(dx + offs, out, mask=m)
@@ -376,30 +406,11 @@ def _bn_channel_fwd_kernel(x, y, saved, gamma, beta, res, rmean, rvar, skip_ptr,
                            COLS: tl.constexpr, UPDATE: tl.constexpr, GATED: tl.constexpr,
                            RELU: tl.constexpr = False, RESIDUAL: tl.constexpr = False):
     """A whole batch norm forward of one channel in one program (`_one_program`): its
-    shifted sums over [ROWS, COLS] tiles of its [N, HW] view (the shift: the first tile's
-    mean, as _bn_stats_kernel), then saved and the running statistics (as
-    _bn_finalize_kernel), then y as _bn_norm_kernel computes it, over the same tiles again
-    (read from the cache the first loop filled)."""
+    shifted sums over its [N, HW] view (_shifted_sums), then saved and the running
+    statistics (as _bn_finalize_kernel), then y (_normalise) over the same tiles again,
+    read from the cache the first loop filled."""
     c = tl.program_id(0)
-    ri = tl.arange(0, ROWS)
-    ci = tl.arange(0, COLS)
-    m = (ri < N)[:, None] & (ci < HW)[None, :]
-    v = tl.load(x + ((ri.to(tl.int64) * C + c) * HW)[:, None] + ci[None, :], mask=m, other=0.0)
-    n0 = (tl.minimum(N, ROWS) * tl.minimum(HW, COLS)).to(tl.float32)
-    shift = tl.sum(tl.sum(v, axis=1), axis=0) / n0
-    s1 = tl.zeros([ROWS, COLS], tl.float32)
-    s2 = tl.zeros([ROWS, COLS], tl.float32)
-    for r in range(0, N, ROWS):
-        rows = r + ri
-        rbase = ((rows.to(tl.int64) * C + c) * HW)[:, None]
-        for h in range(0, HW, COLS):
-            cols = h + ci
-            m = (rows < N)[:, None] & (cols < HW)[None, :]
-            d = tl.where(m, tl.load(x + rbase + cols[None, :], mask=m, other=0.0) - shift, 0.0)
-            s1 += d
-            s2 += d * d
-    t1 = tl.sum(tl.sum(s1, axis=1), axis=0)
-    t2 = tl.sum(tl.sum(s2, axis=1), axis=0)
+    shift, t1, t2 = _shifted_sums(x, c, C, HW, 0, N, 0, HW, ROWS, COLS)
     dm = t1 / total
     mean = shift + dm
     var = tl.maximum(t2 - t1 * dm, 0.0) / total
@@ -415,19 +426,15 @@ def _bn_channel_fwd_kernel(x, y, saved, gamma, beta, res, rmean, rvar, skip_ptr,
             tl.store(rvar + c, (1.0 - momentum) * tl.load(rvar + c) + momentum * (var * unbias))
     scale = inv * tl.load(gamma + c)
     b = tl.load(beta + c)
+    ri = tl.arange(0, ROWS)
+    ci = tl.arange(0, COLS)
     for r in range(0, N, ROWS):
         rows = r + ri
         rbase = ((rows.to(tl.int64) * C + c) * HW)[:, None]
         for h in range(0, HW, COLS):
             cols = h + ci
             m = (rows < N)[:, None] & (cols < HW)[None, :]
-            offs = rbase + cols[None, :]
-            out = (tl.load(x + offs, mask=m, other=0.0) - mean) * scale + b
-            if RESIDUAL:
-                out = out + tl.load(res + offs, mask=m, other=0.0)
-            if RELU:
-                out = tl.where(out < 0.0, 0.0, out)
-            tl.store(y + offs, out, mask=m)
+            _normalise(x, y, res, rbase + cols[None, :], m, mean, scale, b, RELU, RESIDUAL)
 
 
 @triton.jit
@@ -435,33 +442,14 @@ def _bn_channel_bwd_kernel(x, dy, dx, saved, gamma, dgamma, dbeta, y, dyo, N, C,
                            ROWS: tl.constexpr, COLS: tl.constexpr, HAS_DX: tl.constexpr,
                            HAS_DG: tl.constexpr, HAS_DB: tl.constexpr, ACC: tl.constexpr,
                            MASK: tl.constexpr = False, WRITE: tl.constexpr = False):
-    """A whole batch norm backward of one channel in one program (`_one_program`): sum dy
-    and sum dy (x - mean) over its [N, HW] view (MASK and WRITE as _bn_bwd_partial_kernel),
-    dbeta and dgamma (as _bn_bwd_finalize_kernel), then dx as _bn_dx_kernel computes it
-    over the same tiles again (dy from dyo where WRITE stored it there)."""
+    """A whole batch norm backward of one channel in one program (`_one_program`): its sums
+    (_dy_sums over its [N, HW] view), dbeta and dgamma (as _bn_bwd_finalize_kernel), then
+    dx (_dx_tile) over the same tiles again (dy from dyo where WRITE stored it there)."""
     c = tl.program_id(0)
     mean = tl.load(saved + c)
     inv = tl.load(saved + C + c)
-    ri = tl.arange(0, ROWS)
-    ci = tl.arange(0, COLS)
-    s1 = tl.zeros([ROWS, COLS], tl.float32)
-    s2 = tl.zeros([ROWS, COLS], tl.float32)
-    for r in range(0, N, ROWS):
-        rows = r + ri
-        rbase = ((rows.to(tl.int64) * C + c) * HW)[:, None]
-        for h in range(0, HW, COLS):
-            cols = h + ci
-            m = (rows < N)[:, None] & (cols < HW)[None, :]
-            offs = rbase + cols[None, :]
-            g = tl.load(dy + offs, mask=m, other=0.0)
-            if MASK:
-                g = tl.where(tl.load(y + offs, mask=m, other=0.0) <= 0.0, 0.0, g)
-            if WRITE:
-                tl.store(dyo + offs, g, mask=m)
-            s1 += g
-            s2 += g * tl.where(m, tl.load(x + offs, mask=m, other=0.0) - mean, 0.0)
-    db = tl.sum(tl.sum(s1, axis=1), axis=0)
-    dg = tl.sum(tl.sum(s2, axis=1), axis=0) * inv
+    db, dg = _dy_sums(x, dy, y, dyo, mean, c, C, HW, 0, N, 0, HW, ROWS, COLS, MASK, WRITE)
+    dg = dg * inv
     if HAS_DB:
         tl.store(dbeta + c, db)
     if HAS_DG:
@@ -472,20 +460,16 @@ def _bn_channel_bwd_kernel(x, dy, dx, saved, gamma, dgamma, dbeta, y, dyo, N, C,
         a = inv * tl.load(gamma + c)
         mb = db * inv_n
         kg = dg * inv * inv_n
-        src = dyo if WRITE else dy
+        ri = tl.arange(0, ROWS)
+        ci = tl.arange(0, COLS)
         for r in range(0, N, ROWS):
             rows = r + ri
             rbase = ((rows.to(tl.int64) * C + c) * HW)[:, None]
             for h in range(0, HW, COLS):
                 cols = h + ci
                 m = (rows < N)[:, None] & (cols < HW)[None, :]
-                offs = rbase + cols[None, :]
-                g = tl.load(src + offs, mask=m, other=0.0)
-                v = tl.load(x + offs, mask=m, other=0.0)
-                out = a * (g - mb - (v - mean) * kg)
-                if ACC:
-                    out += tl.load(dx + offs, mask=m, other=0.0)
-                tl.store(dx + offs, out, mask=m)
+                _dx_tile(x, dyo if WRITE else dy, dx, rbase + cols[None, :], m, mean, a, mb,
+                         kg, ACC)
 
 
 # ----------------------------------------------------------------------------- launchers

@@ -466,7 +466,9 @@ def _with(cfg, **flags):
 # time into registers, where the pipelined ones copy it to shared memory 4 bytes at a time
 # (conv_configs.one_stage); with them in the sweep the forward list's best-per-shape total
 # fell from 4.62 to 4.30 ms and the "transposed" data gradient's from 4.07 to 3.56
-# (results/conv-configs-one-stage-NVIDIA-H200.json; cuDNN 2.91 and 3.03).
+# (results/conv-configs-one-stage-NVIDIA-H200.json; cuDNN 2.91 and 3.03). Picked on the
+# H200 alone: on the H100 they slowed VGG16's graphed step 1.6% (ResNet-50's got faster);
+# bench/conv_configs.py --pick picks over several GPUs' sweeps.
 # forward: M = output pixels (large), N = output channels (64..512); also the "flipped" data
 # gradient
 _FWD_CONFIGS = [

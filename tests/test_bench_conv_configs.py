@@ -165,15 +165,19 @@ def test_a_joint_pick_takes_only_what_every_file_timed():
         ["BLOCK_M: 64, num_stages: 1"], [{"ms": [2.0]}, {"ms": [2.0]}])
 
 
-def test_the_h200_sweep_alone_picks_the_lists_conv_py_holds(capsys):
-    """The forward and "transposed" lists are that sweep's pick (conv.py says so)."""
-    sweep = conv_configs.sweep_file("bench/results/conv-configs-one-stage-NVIDIA-H200.json")
+def test_the_h200_and_h100_sweeps_together_pick_the_lists_conv_py_holds(capsys):
+    """The forward and "transposed" lists are those two sweeps' joint pick (conv.py says so),
+    each GPU's times divided by its own cuDNN total."""
+    sweeps = [conv_configs.sweep_file(f"bench/results/conv-configs-one-stage-NVIDIA-{gpu}.json")
+              for gpu in ("H200", "H100-80GB-HBM3")]
     counts = {"forward": len(conv._FWD_CONFIGS), "data_transposed": len(conv._T_CONFIGS)}
-    picks = conv_configs.pick_jointly([sweep], counts)
+    picks = conv_configs.pick_jointly(sweeps, counts)
     for tuner, today in (("forward", conv._FWD_CONFIGS), ("data_transposed", conv._T_CONFIGS)):
         assert list(map(conv_configs.config_key, picks[tuner])) == \
             [conv_configs.config_key(str(c)) for c in today]
-    assert "NVIDIA H200: pick 4.303 ms, today's list 4.303 ms" in capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert "NVIDIA H200: pick 4.299 ms, today's list 4.299 ms" in out
+    assert "NVIDIA H100 80GB HBM3: pick 4.197 ms, today's list 4.197 ms" in out
 
 
 def test_a_sweep_on_another_gpu_can_take_back_the_lists_before():

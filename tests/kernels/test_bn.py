@@ -9,6 +9,8 @@ import triton  # noqa: E402
 import triton.language as tl  # noqa: E402
 from tinysn.kernels import bn
 
+# the one-launch form's thresholds as shipped, before the `form` fixture changes them
+SHIPPED_CHANNEL_FORM = {"_CHANNEL_MAX": bn._CHANNEL_MAX, "_CHANNEL_PROGRAMS": bn._CHANNEL_PROGRAMS}
 GPU = torch.cuda.is_available()
 NAN = float("nan")
 
@@ -21,6 +23,8 @@ def form(request, monkeypatch):
     if request.param == "a program per channel":
         monkeypatch.setattr(bn, "_CHANNEL_MAX", 1 << 40)
         monkeypatch.setattr(bn, "_CHANNEL_PROGRAMS", 1)
+    else:
+        monkeypatch.setattr(bn, "_CHANNEL_MAX", 0)
     return request.param
 
 
@@ -263,6 +267,17 @@ def test_bn_backward_in_place_gives_same_bits(shape):
         bn.backward(x, gamma, flat[:x.numel()].view(shape), saved,
                     flat[x.numel() // 2:][:x.numel()].view(shape), None, None,
                     _workspace(shape, "backward", "cpu"))
+
+
+def test_the_shipped_thresholds_give_resnet50s_14x14_and_7x7_stages_one_launch(monkeypatch):
+    """At batch 32 the 14x14 and 7x7 stages' batch norms take the one-program form (the
+    H100 sweep's pick); the 28x28 stage, the 56x56 one and the stem take three launches."""
+    for name, value in SHIPPED_CHANNEL_FORM.items():
+        monkeypatch.setattr(bn, name, value)
+    one = {(c, hw): bn._one_program(32, c, hw * hw) for c, hw in
+           [(64, 112), (64, 56), (256, 56), (128, 28), (512, 28), (256, 14), (1024, 14),
+            (512, 7), (2048, 7)]}
+    assert [k for k, v in one.items() if v] == [(256, 14), (1024, 14), (512, 7), (2048, 7)]
 
 
 def test_bn_workspace_bytes():

@@ -466,20 +466,21 @@ def _with(cfg, **flags):
 # time into registers, where the pipelined ones copy it to shared memory 4 bytes at a time
 # (conv_configs.one_stage); with them in the sweep the forward list's best-per-shape total
 # fell from 4.62 to 4.30 ms and the "transposed" data gradient's from 4.07 to 3.56
-# (results/conv-configs-one-stage-NVIDIA-H200.json; cuDNN 2.91 and 3.03). Picked on the
-# H200 alone: on the H100 they slowed VGG16's graphed step 1.6% (ResNet-50's got faster);
-# bench/conv_configs.py --pick picks over several GPUs' sweeps.
+# (results/conv-configs-one-stage-NVIDIA-H200.json; cuDNN 2.91 and 3.03). These two lists
+# are picked over the H200's and the H100's sweeps together (bench/conv_configs.py --pick,
+# each GPU's times divided by its cuDNN total): forward 4.30 / 4.20 ms on the two, data
+# gradient 3.56 / 3.63 (cuDNN 3.18 / 3.36 on the H100).
 # forward: M = output pixels (large), N = output channels (64..512); also the "flipped" data
 # gradient
 _FWD_CONFIGS = [
-    _cfg(64, 128, 32, 4, 1, False),
+    _cfg(128, 128, 16, 8, 5, True),
     _cfg(128, 256, 32, 8, 4, False),
     _cfg(128, 64, 32, 4, 1, True),
     _cfg(64, 256, 32, 8, 4, True),
-    _cfg(128, 128, 16, 8, 5, True),
     _cfg(64, 128, 64, 4, 1, True),
     _cfg(64, 128, 32, 4, 4, False),
-    _cfg(64, 64, 32, 4, 1, True),
+    _cfg(64, 128, 64, 4, 4, True),
+    _cfg(64, 256, 32, 8, 1, True),
 ]
 # backward_data: M = input pixels, N = input channels ("implicit"; the same sweep's pick:
 # 16% less time than the earlier hand-picked list)
@@ -1078,13 +1079,13 @@ def _conv_bwd_data_t_kernel(dy_ptr, wt_ptr, dx_ptr, m_ptr,
 # and as one stage (above)
 _T_CONFIGS = [_with(_cfg(*c[:6]), FLAT=c[6]) for c in [
     (128, 64, 32, 4, 1, True, True),
-    (64, 256, 32, 8, 4, True, True),
+    (64, 256, 32, 8, 4, True, False),
     (256, 128, 32, 8, 3, True, True),
     (64, 128, 64, 4, 1, True, False),
     (64, 128, 64, 4, 4, True, True),
-    (64, 256, 32, 8, 1, True, False),
+    (64, 256, 32, 8, 4, True, True),
     (64, 64, 32, 4, 1, False, False),
-    (64, 256, 32, 8, 4, True, False),
+    (64, 256, 32, 8, 1, True, False),
 ]]
 # under the interpreter BLOCK_K = 16 lets the CPU tests reach the k-chunk tail with small K,
 # and the plain launch runs the nested loop, the accumulating one the flat loop, so the CPU

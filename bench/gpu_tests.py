@@ -105,7 +105,10 @@ class Collector:
 
 
 def _interrupt(signum, frame):
-    """SIGTERM handler: stop pytest as Ctrl-C does, so its session still finishes."""
+    """SIGTERM handler: stop pytest as Ctrl-C does, so its session still finishes, and ignore
+    any SIGTERM after this one: `timeout` sends it to the process and again to its group, and
+    a second KeyboardInterrupt inside pytest's handling of the first ends the run unwritten."""
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
     raise KeyboardInterrupt(f"signal {signum}")
 
 

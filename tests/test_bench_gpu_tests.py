@@ -127,6 +127,23 @@ def test_sigterm_interrupts_pytest_and_the_finished_rows_are_written(folder, tmp
     assert data["unfinished"] == ["test_terminated.py::test_sigterm_in_setup"]
 
 
+def test_a_second_sigterm_while_pytest_stops_still_writes_the_rows(tmp_path):
+    """`timeout` signals the process, then its group: the second SIGTERM lands while pytest
+    handles the first (here from pytest_keyboard_interrupt)."""
+    twice = tmp_path / "twice"
+    twice.mkdir()
+    (twice / "conftest.py").write_text(
+        "import os, signal\n\n\ndef pytest_keyboard_interrupt(excinfo):\n"
+        "    os.kill(os.getpid(), signal.SIGTERM)\n")
+    (twice / "test_twice.py").write_text(
+        "import os, signal\n\n\ndef test_first():\n    pass\n\n\n"
+        "def test_terminated():\n    os.kill(os.getpid(), signal.SIGTERM)\n")
+    code, data = run(twice, tmp_path / "r.json", "test_twice.py")
+    assert code == pytest.ExitCode.INTERRUPTED
+    assert [r["outcome"] for r in data["rows"]] == ["passed"]
+    assert data["unfinished"] == ["test_twice.py::test_terminated"]
+
+
 def test_a_crashed_xdist_worker_fails_its_test(folder, tmp_path):
     code, data = run(folder, tmp_path / "r.json", "test_worker_crash.py", "-n", "1",
                      "--max-worker-restart=0")

@@ -147,6 +147,9 @@ def cases(batch: int) -> dict:
             t(n, 256, 56, 56), t(256), t(n, 256, 56, 56), t(2, 256),
             torch.empty(n, 256, 56, 56), torch.empty(256), torch.empty(256),
             ws(bn.workspace_bytes((n, 256, 56, 56), "backward"))),
+        "bn bwd 64@56": lambda: bn.backward(   # 64 channels: three launches at any batch
+            t(n, 64, 56, 56), t(64), t(n, 64, 56, 56), t(2, 64), torch.empty(n, 64, 56, 56),
+            torch.empty(64), torch.empty(64), ws(bn.workspace_bytes((n, 64, 56, 56), "backward"))),
         "bn bwd residual 256@56": lambda: bn.backward(   # the residual's gradient stored too
             t(n, 256, 56, 56), t(256), t(n, 256, 56, 56), t(2, 256),
             torch.empty(n, 256, 56, 56), torch.empty(256), torch.empty(256),

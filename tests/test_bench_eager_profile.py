@@ -52,9 +52,11 @@ def test_the_stub_counts_launches_runs_nothing_and_restores_triton():
 
 def test_own_only_counts_every_launch_of_a_resnet_step_by_kernel(tmp_path, capsys):
     """--own-only: ResNet-50's launches without running a kernel (seconds on a CPU): one SGD
-    launch for the fc layer and one for each conv and the batch norm after it, four per
-    batch norm (two each way: its merges run in its elementwise passes)."""
+    launch for the fc layer and one for each conv and the batch norm after it; a batch norm
+    of small channels, many of them, one launch each way (bn._one_program), any other three
+    (partial sums, their merge, the elementwise pass)."""
     import tinysn as sn
+    from tinysn.kernels import bn
     out = tmp_path / "own.json"
     r = eager_profile.main(["--model", "resnet50", "--batch", "1", "--steps", "1", "--own-only",
                             "--no-fuse-bn-relu", "--out", str(out)])
@@ -65,9 +67,12 @@ def test_own_only_counts_every_launch_of_a_resnet_step_by_kernel(tmp_path, capsy
     # a batch norm's scale and shift share the SGD launch of the conv before it (liveness
     # `_update_groups`): 54 launches for 161 tensors
     assert by["_sgd_kernel"] == 1 + bns == 54
-    assert by["_bn_stats_kernel"] == by["_bn_norm_kernel"] == by["_bn_dx_kernel"] == bns == 53
-    assert by["_bn_finalize_kernel"] == by["_bn_bwd_partial_kernel"] == bns
-    assert by["_bn_bwd_finalize_kernel"] == bns
+    one = sum(bn._one_program(n, c, h * w) for n, c, h, w in
+              (layer.shape for layer in net.layers if layer.op == "bn"))
+    assert by["_bn_channel_fwd_kernel"] == by["_bn_channel_bwd_kernel"] == one == 38
+    three = ["_bn_stats_kernel", "_bn_finalize_kernel", "_bn_norm_kernel",
+             "_bn_bwd_partial_kernel", "_bn_bwd_finalize_kernel", "_bn_dx_kernel"]
+    assert [by[k] for k in three] == [bns - one] * 6 and bns == 53
     assert sum(by.values()) == r["stubbed_launches_per_step"] > r["plan_launches_per_step"]
     assert "step_ms" not in r and "_sgd_kernel" in capsys.readouterr().out
     fused = eager_profile.main(["--model", "resnet50", "--batch", "1", "--steps", "1",

@@ -2,15 +2,15 @@
 case and every GPU config of the autotuned kernels: nothing spills, shared memory fits the
 H200's 227 KiB and every GEMM is a matrix-instruction kernel (a config list change that
 breaks one of these fails here, before any GPU time); the SGD update's loads and stores are
-16 bytes wide; a batch norm is two kernels each way; an autotuned kernel (fc6's GEMM) is
-compiled once per GPU config."""
+16 bytes wide; a batch norm is three kernels each way, or one for small channels; an
+autotuned kernel (fc6's GEMM) is compiled once per GPU config."""
 import json
 import os
 import re
 import subprocess
 import sys
 
-from tinysn.kernels import linear
+from tinysn.kernels import bn, linear
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 H200_SHARED_BYTES = 227 * 1024
@@ -41,15 +41,24 @@ def test_every_config_compiles_for_the_h200_without_spills(tmp_path):
     assert [r["kernel"] for r in sgd] == ["_sgd_kernel"]
     assert {"LDG.E.128", "STG.E.128"} <= set(sgd[0]["opcodes"])
     # a batch norm is three kernels each way (partials, their merge, the elementwise pass),
-    # the last left out without dx; a conv's and a batch norm's updates one launch
+    # the last left out without dx, or, small channels, many of them, one kernel each way
+    # (at batch 2 the 256@56 and 2048@7 cases); both forms compile; a conv's and a batch
+    # norm's updates one launch
     kernels = {case: [r["kernel"] for r in rows if r["case"] == case]
                for case in {r["case"] for r in rows}}
-    assert kernels["bn fwd residual 256@56"] == ["_bn_stats_kernel", "_bn_finalize_kernel",
-                                                 "_bn_norm_kernel"]
-    assert kernels["bn bwd residual 256@56"] == ["_bn_bwd_partial_kernel",
-                                                 "_bn_bwd_finalize_kernel", "_bn_dx_kernel"]
-    assert kernels["bn bwd params 2048@7"] == ["_bn_bwd_partial_kernel",
-                                               "_bn_bwd_finalize_kernel"]
+    for case, c, hw, three in [
+            ("bn fwd residual 256@56", 256, 56, ["_bn_stats_kernel", "_bn_finalize_kernel",
+                                                 "_bn_norm_kernel"]),
+            ("bn bwd residual 256@56", 256, 56, ["_bn_bwd_partial_kernel",
+                                                 "_bn_bwd_finalize_kernel", "_bn_dx_kernel"]),
+            ("bn bwd 64@56", 64, 56, ["_bn_bwd_partial_kernel",
+                                      "_bn_bwd_finalize_kernel", "_bn_dx_kernel"]),
+            ("bn bwd params 2048@7", 2048, 7, ["_bn_bwd_partial_kernel",
+                                               "_bn_bwd_finalize_kernel"])]:
+        one = "_bn_channel_fwd_kernel" if " fwd " in case else "_bn_channel_bwd_kernel"
+        assert kernels[case] == ([one] if bn._one_program(2, c, hw * hw) else three), case
+    assert {"_bn_channel_fwd_kernel", "_bn_channel_bwd_kernel", "_bn_stats_kernel",
+            "_bn_norm_kernel", "_bn_dx_kernel"} <= {r["kernel"] for r in rows}
     assert kernels["sgd 3 tensors"] == ["_sgd_kernel"]
     # the split-K forward and data gradient: the forward GEMM over chunks, then their sum
     assert set(kernels["conv fwd splitk 512@7"]) == {"_conv_fwd_kernel", "_splitk_reduce_kernel"}

@@ -40,12 +40,12 @@ for stage in "$@"; do
     # the conv kernels pinned to chosen configs (CHECK_INDEXES, default "0 1 2 3", then
     # "4 5 6 7" in a second call: each index pins every conv autotuner to its config of that
     # index, ieee and tf32, in parallel); one index compiles every conv kernel and took
-    # 90-210 s on the H200's 16 cores, so after a config-list change check only the
-    # indexes that changed
+    # 90-210 s on the H200's 16 cores, an ieee one up to 450 s on the H100's (two cut off
+    # at 200 and 265 s), so after a config-list change check only the indexes that changed
     conv-check) ids=""; for i in ${CHECK_INDEXES:-0 1 2 3}; do for p in ieee tf32; do
                   ids="$ids tests/kernels/test_conv.py::test_conv_gpu_every_config[$i-$p]"; done; done
                 # gpu_tests.py keeps one row per test, so a run cut short says which finished
-                TINYSN_AUTOTUNE=0 timeout -k 30 ${CHECK_S:-300} python3 bench/gpu_tests.py --out "$OUT/gpu-tests-conv-check-$GPU.json" -- -q -rfE -p no:benchmark -m gpu -p no:cacheprovider -n $(echo $ids | wc -w) $ids 2>&1 | tail -12 ;;
+                TINYSN_AUTOTUNE=0 timeout -k 30 ${CHECK_S:-500} python3 bench/gpu_tests.py --out "$OUT/gpu-tests-conv-check-$GPU.json" -- -q -rfE -p no:benchmark -m gpu -p no:cacheprovider -n $(echo $ids | wc -w) $ids 2>&1 | tail -12 ;;
     # VGG16's conv passes as the step runs them (ReLU mask, bias and ReLU, cold L2) beside
     # the rankings' plain calls
     conv-gap) timeout ${GAP_S:-150} python3 bench/conv_gap.py --out "$OUT/conv-gap-$GPU.json" 2>&1 | tail -40 ;;

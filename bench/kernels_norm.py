@@ -11,8 +11,9 @@ than the minimum (bn reads x twice: the bytes it actually moves, per its time), 
 where outputs are comparable}.
 
 Shapes (ResNet-50 at batch 32, AlexNet for LRN, VGG16 for the tiling max pool):
-  bn        [32,64,112,112] and [32,256,56,56]     (training mode; backward: dx, dgamma, dbeta;
-            on the second, forward and backward with a residual add fused in and apart)
+  bn        [32,64,112,112], [32,256,56,56] and [32,1024,14,14] (training mode; backward: dx,
+            dgamma, dbeta; on the second, forward and backward with a residual add fused in
+            and apart; the third takes the one-launch form, bn._one_program)
   maxpool   3x3 / 2 pad 1 on [32,64,112,112], and VGG16's 2x2 / 2 on [32,64,224,224]
   avgpool   7x7 on [32,2048,7,7]                  (the global pool)
   add       two [32,256,56,56]                    (backward: 2 gradients, copy and accumulate)
@@ -47,8 +48,9 @@ def _randn(shape, device, seed):
 
 
 def _bench_bn(r, device, batch):
-    for shape in [(batch, 64, 112, 112), (batch, 256, 56, 56)]:
+    for shape in [(batch, 64, 112, 112), (batch, 256, 56, 56), (batch, 1024, 14, 14)]:
         c = shape[1]
+        form = "one launch" if bn._one_program(shape[0], c, shape[2] * shape[3]) else "3-pass"
         x, dy = _randn(shape, device, 1), _randn(shape, device, 2)
         gamma, beta = _randn((c,), device, 3), _randn((c,), device, 4)
         rm, rv = torch.zeros(c, device=device), torch.ones(c, device=device)
@@ -72,11 +74,11 @@ def _bench_bn(r, device, batch):
             torch.ops.aten.native_batch_norm_backward(dy, x, gamma, trm, trv, smean, sinv, True,
                                                       1e-5, [True, True, True])
 
-        r.run("bn.forward", "3-pass", _shape(shape),
+        r.run("bn.forward", form, _shape(shape),
               lambda: bn.forward(x, gamma, beta, y, rm, rv, saved, wsf),
               t_fwd, nbytes=2 * s, moved=3 * s, torch_op="native_batch_norm",
               check=lambda: _rel(y, F.batch_norm(x, None, None, gamma, beta, training=True)))
-        r.run("bn.forward", "3-pass vs F.batch_norm", _shape(shape),
+        r.run("bn.forward", f"{form} vs F.batch_norm", _shape(shape),
               lambda: bn.forward(x, gamma, beta, y, rm, rv, saved, wsf),
               t_fwd_f, nbytes=2 * s, moved=3 * s, torch_op="F.batch_norm (cudnn if chosen)")
         bn.forward(x, gamma, beta, y, rm, rv, saved, wsf)
@@ -86,7 +88,7 @@ def _bench_bn(r, device, batch):
                                                             True, 1e-5, [True, True, True])
             return max(_rel(dx, ref[0]), _rel(dg, ref[1]), _rel(db, ref[2]))
 
-        r.run("bn.backward", "3-pass dx+dgamma+dbeta", _shape(shape),
+        r.run("bn.backward", f"{form} dx+dgamma+dbeta", _shape(shape),
               lambda: bn.backward(x, gamma, dy, saved, dx, dg, db, wsb),
               t_bwd, nbytes=3 * s, moved=5 * s, torch_op="native_batch_norm_backward",
               check=check_bwd)

@@ -1,7 +1,7 @@
 """bench/bn_configs.py on the CPU: the shapes it sweeps, its constants put back, its checks."""
 import torch
 
-from bench import bn_configs
+from bench import bn_configs, common
 from tinysn.kernels import bn
 
 
@@ -62,3 +62,11 @@ def test_the_one_program_form_is_swept_only_when_asked_and_runs_where_chosen(mon
             bn_configs.set_constants(before)
     assert launched == ["_bn_stats_kernel", "_bn_finalize_kernel", "_bn_norm_kernel",
                         "_bn_channel_fwd_kernel"]
+
+
+def test_the_shipped_constants_are_the_h100_sweeps_pick():
+    """kernels/bn.py's block shapes, channel order and one-launch thresholds are the pick of
+    the last H100 sweep, which timed today's other constants beside the one-launch form."""
+    pick = common.read("bench/results/bn-configs-channel-NVIDIA-H100-80GB-HBM3.json")["pick"]
+    assert {name: getattr(bn, name) for name in pick} == pick
+    assert set(pick) >= {"_TILE", "_WARPS", "_LAST_FIRST", "_CHANNEL_MAX", "_CHANNEL_PROGRAMS"}

@@ -12,8 +12,8 @@ the summation order, and with it every bit, never depends on timing. A fifth, _L
 orders the elementwise passes' programs (last channels first, where the pass before left
 them in the L2 cache; 1, the default sweep's only value) and changes no bit. _CHANNEL_MAX
 and _CHANNEL_PROGRAMS pick the shapes that run one launch each way, a program per channel
-(channels of at most _CHANNEL_MAX values, at least _CHANNEL_PROGRAMS of them; 0: none, the
-default sweep's only value), instead of three. Which constants are
+(channels of at most _CHANNEL_MAX values, at least _CHANNEL_PROGRAMS of them; 0: none;
+today's values are the default sweep's only ones), instead of three. Which constants are
 fastest is the GPU's to say: for each combination this script times, on every distinct
 batch-norm input shape of the model (with how many times a step runs it), the forward pass
 (statistics, merge, normalisation: three launches) and the backward pass (partial sums,
@@ -153,8 +153,8 @@ def parse_args(argv=None):
     ap.add_argument("--programs", type=_ints, default=[1024, 2048, 4096])
     ap.add_argument("--min-chunks", type=_ints, default=[4096, 8192])
     ap.add_argument("--last-first", type=_flags, default=[True])
-    ap.add_argument("--channel-max", type=_ints, default=[0])
-    ap.add_argument("--channel-programs", type=_ints, default=[256])
+    ap.add_argument("--channel-max", type=_ints, default=[bn._CHANNEL_MAX])
+    ap.add_argument("--channel-programs", type=_ints, default=[bn._CHANNEL_PROGRAMS])
     common.add_out_argument(ap)
     args = ap.parse_args(argv)
     if not hasattr(sn.models, args.model):

@@ -50,7 +50,9 @@ def test_the_channel_order_is_swept_only_when_asked():
 def test_the_one_program_form_is_swept_only_when_asked_and_runs_where_chosen(monkeypatch):
     args = bn_configs.parse_args(["--channel-max", "0,8192", "--channel-programs", "4"])
     assert (args.channel_max, args.channel_programs) == ([0, 8192], [4])
-    assert bn_configs.parse_args([]).channel_max == [0]           # today's: never
+    defaults = bn_configs.parse_args([])                           # today's
+    assert (defaults.channel_max, defaults.channel_programs) == (
+        [bn._CHANNEL_MAX], [bn._CHANNEL_PROGRAMS])
     launched = []
     monkeypatch.setattr(bn, "run", lambda kernel, *a, **k: launched.append(kernel.__name__))
     shape = (2, 8, 6, 6)

@@ -25,9 +25,8 @@ not cuDNN's to TF32 rounding is never picked (its time inf, the fault in the row
 
 `--pick` sweeps nothing: it picks each tuner's list from sweep files of several GPUs at
 once, over the configs every file timed, each file's times over its own cuDNN total so
-that each GPU weighs the same (a list picked on one GPU can lose on another: the H200's
-one-stage pick took VGG16's H100 step from 19.38 to 19.69 ms while it took the H200's
-from 17.59 to 17.29).
+that each GPU weighs the same (eight configs cannot hold every shape's best, and which
+shapes a list favours differs between GPUs).
 """
 import argparse
 import json

@@ -3,16 +3,20 @@ tile the autotuner should find, and how far the best one is from cuBLAS.
 
     PYTHONPATH=. python bench/linear_configs.py [--batch 32] [--precision tf32] [--out PATH]
 
-For each case (VGG16's fc6 and fc7, ResNet-50's fc) and each pass a training step runs
-(forward y = x w^T + b; data gradient dx = dy w; weight gradient dw = dy^T x with db), every
+For each case (VGG16's fc6 and fc7, AlexNet's fc6, ResNet-50's fc) and each pass a training
+step can run (forward y = x w^T + b; data gradient dx = dy w; weight gradient dw = dy^T x with
+db; and the weight gradient going into the weight's SGD step in the GEMM's epilogue, with db,
+as training runs it where the update is fused: momentum 0.9, weight decay 5e-4, the rate
+read from memory, gated), every
 config of `linear._gemm_kernel`'s GPU list is pinned in turn (`_common.pinned`) and timed as
 the autotuner times (`common.gpu_ms`: the GPU's time alone), beside torch's own call (addmm,
-mm and sum; TF32 as `--precision` says). One row per (case, pass, config) in --out:
-milliseconds and torch's time over tinysn's; each case and pass names its fastest config
-(printed). The reason is
-VGG16's fc6 weight gradient: K is the batch (32), so it is bound by writing its 411 MB
-output, which cuBLAS does in 0.14 ms, while the autotuner's pick took 0.43 ms in the
-tracked kernel table. Without CUDA the same code runs on Triton's interpreter on one small
+mm and sum, and for the fused pass those and torch's SGD arithmetic on the weight in place;
+TF32 as `--precision` says). One row per (case, pass, config) in --out: milliseconds, torch's
+time over tinysn's, and the pass's bytes over its time (GB/s: the fused step reads and
+writes the weight and its momentum, 16 bytes an element, which bounds it); each case and
+pass names its fastest config (printed). The reason is VGG16's fc6: K is the batch (32), so
+its weight gradient is bound by writing its 411 MB output and its fused step by moving
+1.6 GB. Without CUDA the same code runs on Triton's interpreter on one small
 case (a smoke test: its times are the interpreter's).
 """
 import argparse
@@ -25,28 +29,47 @@ import tinysn  # noqa: E402,F401  (before triton: interpreter switch when there 
 import torch  # noqa: E402
 
 from bench import common  # noqa: E402
-from tinysn.kernels import _common, linear  # noqa: E402
+from tinysn.kernels import _common, linear, sgd  # noqa: E402
 
-CASES = (("vgg16 fc6", 25088, 4096), ("vgg16 fc7", 4096, 4096),
+CASES = (("vgg16 fc6", 25088, 4096), ("vgg16 fc7", 4096, 4096), ("alexnet fc6", 9216, 4096),
          ("resnet50 fc", 2048, 1000))              # (name, in features, out features)
 SMALL = (("small", 64, 48),)                       # the interpreter's smoke case
-PASSES = ("forward", "dx", "dw+db")
+PASSES = ("forward", "dx", "dw+db", "dw+db+sgd")
+MOMENTUM, WEIGHT_DECAY = 0.9, 5e-4                 # the fused step's settings (train.py's)
 
 
 def operands(batch, f, o, device):
     """x, w, b, dy of one case and the outputs each pass writes (allocated once)."""
     g = torch.Generator().manual_seed(0)
-    x, w, b, dy = (torch.randn(*s, generator=g).to(device)
-                   for s in ((batch, f), (o, f), (o,), (batch, o)))
-    return x, w, b, dy, {"y": torch.empty(batch, o, device=device),
-                         "dx": torch.empty(batch, f, device=device),
-                         "dw": torch.empty(o, f, device=device),
-                         "db": torch.empty(o, device=device)}
+    x, w, b, dy, buf = (torch.randn(*s, generator=g).to(device)
+                        for s in ((batch, f), (o, f), (o,), (batch, o), (o, f)))
+    return x, w, b, dy, buf, {"y": torch.empty(batch, o, device=device),
+                              "dx": torch.empty(batch, f, device=device),
+                              "dw": torch.empty(o, f, device=device),
+                              "db": torch.empty(o, device=device)}
+
+
+def pass_bytes(batch, f, o) -> dict:
+    """pass -> the bytes it must move at least (float32): its operands read, its outputs
+    written; the fused step reads and writes the weight and its momentum."""
+    x, w, y = batch * f, o * f, batch * o
+    return {"forward": 4 * (x + w + o + y), "dx": 4 * (y + w + x),
+            "dw+db": 4 * (y + x + w + o), "dw+db+sgd": 4 * (y + x + 4 * w + o)}
 
 
 def calls(batch, f, o, device, precision):
     """pass -> (tinysn's call, torch's call) on one case's operands."""
-    x, w, b, dy, out = operands(batch, f, o, device)
+    x, w, b, dy, buf, out = operands(batch, f, o, device)
+    rate = torch.full((1,), 1e-4, device=device)
+    gate = torch.zeros(1, device=device)             # a good batch: the step is taken
+    step = sgd.Update(buf, rate, MOMENTUM, WEIGHT_DECAY, gate)
+
+    def torch_step():                   # torch.optim.SGD's arithmetic on one tensor
+        torch.mm(dy.t(), x, out=out["dw"])
+        torch.sum(dy, 0, out=out["db"])
+        out["dw"].add_(w, alpha=WEIGHT_DECAY)
+        buf.mul_(MOMENTUM).add_(out["dw"])
+        w.add_(buf, alpha=-1e-4)
     return {
         "forward": (lambda: linear.forward(x, w, b, out["y"], precision=precision),
                     lambda: torch.addmm(b, x, w.t(), out=out["y"])),
@@ -56,6 +79,9 @@ def calls(batch, f, o, device, precision):
                                           precision=precision),
                   lambda: (torch.mm(dy.t(), x, out=out["dw"]),
                            torch.sum(dy, 0, out=out["db"]))),
+        "dw+db+sgd": (lambda: linear.backward(x, w, dy, None, None, out["db"],
+                                              precision=precision, update=step),
+                      torch_step),
     }
 
 
@@ -81,6 +107,7 @@ def sweep(cases, batch, device, precision) -> list:
     ms = timer(device)
     rows = []
     for name, f, o in cases:
+        moved = pass_bytes(batch, f, o)
         for pass_name, (ours, theirs) in calls(batch, f, o, device, precision).items():
             torch_ms = ms(theirs)
             timed = []
@@ -88,14 +115,18 @@ def sweep(cases, batch, device, precision) -> list:
                 with _common.pinned(linear, i):
                     ours()                      # compiled and run once before the clock
                     timed.append((ms(ours), i))
-                rows.append({"case": name, "shape": f"{batch}x{f}->{o}", "pass": pass_name,
-                             "config": config_text(i), "tinysn_ms": timed[-1][0],
-                             "torch_ms": torch_ms, "ratio": torch_ms / timed[-1][0]})
+                rows.append(row(name, batch, f, o, pass_name, timed[-1][0], torch_ms,
+                                moved[pass_name], config=config_text(i)))
             best_ms, best = min(timed)
-            rows.append({"case": name, "shape": f"{batch}x{f}->{o}", "pass": pass_name,
-                         "best_config": config_text(best), "tinysn_ms": best_ms,
-                         "torch_ms": torch_ms, "ratio": torch_ms / best_ms})
+            rows.append(row(name, batch, f, o, pass_name, best_ms, torch_ms, moved[pass_name],
+                            best_config=config_text(best)))
     return rows
+
+
+def row(name, batch, f, o, pass_name, ms, torch_ms, moved, **config) -> dict:
+    return {"case": name, "shape": f"{batch}x{f}->{o}", "pass": pass_name, **config,
+            "tinysn_ms": ms, "torch_ms": torch_ms, "ratio": torch_ms / ms,
+            "gb_per_s": moved / ms / 1e6}
 
 
 def main(argv=None) -> dict:
@@ -109,9 +140,9 @@ def main(argv=None) -> dict:
     torch.backends.cuda.matmul.allow_tf32 = args.precision == "tf32"
     rows = sweep(CASES if cuda else SMALL, args.batch, device, args.precision)
     for r in (r for r in rows if "best_config" in r):       # every config's row: in --out
-        print(f"{r['case']:<12}{r['pass']:<8}{r['tinysn_ms']:9.3f} ms  torch {r['torch_ms']:8.3f}"
-              f"  {r['ratio']:5.2f}x  best of {_common.config_count(linear)}: "
-              f"{r['best_config']}")
+        print(f"{r['case']:<12}{r['pass']:<10}{r['tinysn_ms']:9.3f} ms  torch "
+              f"{r['torch_ms']:8.3f}  {r['ratio']:5.2f}x {r['gb_per_s']:6.0f} GB/s  best of "
+              f"{_common.config_count(linear)}: {r['best_config']}")
     result = {"batch": args.batch, "precision": args.precision, "rows": rows}
     common.write(args.out, result)
     return result

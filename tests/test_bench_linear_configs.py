@@ -21,3 +21,13 @@ def test_every_config_of_every_pass_is_timed_and_the_fastest_named(tmp_path):
         fastest = min(timed, key=lambda r: r["tinysn_ms"])
         assert len(best) == 1 and best[0]["best_config"] == fastest["config"]
         assert best[0]["tinysn_ms"] == fastest["tinysn_ms"] > 0
+    moved = linear_configs.pass_bytes(2, 64, 48)
+    for r in rows:
+        assert r["gb_per_s"] == moved[r["pass"]] / r["tinysn_ms"] / 1e6
+
+
+def test_a_fused_step_moves_the_weight_and_its_momentum_both_ways():
+    """The fused pass's floor is 16 bytes an element of the weight (read and write it and its
+    momentum), on top of the plain weight gradient's reads: what its GB/s is measured by."""
+    moved = linear_configs.pass_bytes(32, 25088, 4096)
+    assert moved["dw+db+sgd"] - moved["dw+db"] == 3 * 4 * 4096 * 25088

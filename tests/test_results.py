@@ -203,3 +203,27 @@ def test_every_bench_script_has_a_row_in_the_scripts_table():
     assert len(scripts) >= 15
     for name in scripts:
         assert any(f"`{name}`" in cell for cell in first_cells), name
+
+
+def test_fused_fc_step_figures_quote_the_json():
+    """The fc weight step's figures (the GEMM with the SGD step in its epilogue) that both
+    READMEs quote are linear_configs.py's H100 file: the best config, and the best of the
+    others (the list before its thin tile)."""
+    rows = load("linear-configs-NVIDIA-H100-80GB-HBM3.json")["rows"]
+    best = {(r["case"], r["pass"]): r for r in rows if "best_config" in r}
+    text = " ".join(BENCH_README.split())
+    readme = " ".join((ROOT / "README.md").read_text().split())
+    fc6 = best[("vgg16 fc6", "dw+db+sgd")]
+    assert f"**{fc6['tinysn_ms']:.3f} ms, {fc6['gb_per_s'] / 1e3:.2f} TB/s**" in text
+    others = [r for r in rows if (r["case"], r["pass"]) == ("vgg16 fc6", "dw+db+sgd")
+              and r.get("config") not in (None, fc6["best_config"])]
+    before = min(others, key=lambda r: r["tinysn_ms"])
+    assert f"fc6: {before['tinysn_ms']:.3f} ms at best, {before['gb_per_s'] / 1e3:.2f} TB/s" \
+        in text
+    assert (f"VGG16's fc6 step (32x25088->4096) in {before['tinysn_ms']:.3f} ms at best"
+            in readme and f"takes it in {fc6['tinysn_ms']:.3f} ms" in readme)
+    alex = best[("alexnet fc6", "dw+db+sgd")]
+    assert f"AlexNet's fc6 in {alex['tinysn_ms']:.3f}" in text
+    plain = best[("vgg16 fc6", "dw+db")]
+    assert (f"fc6's weight gradient takes {plain['tinysn_ms']:.3f} ms against cuBLAS's "
+            f"{plain['torch_ms']:.3f}") in text

@@ -55,8 +55,10 @@ for stage in "$@"; do
     # the conv autotuners' config lists: every tuner under a wider sweep on VGG16 / ResNet-50 shapes, greedy pick
     # (CONFIGS_ARGS="--tuners weight --kernel-size 3" CONFIGS_NAME=weight-3x3: one tuner's 3x3 rows)
     conv-configs) timeout ${CONFIGS_S:-300} python3 bench/conv_configs.py ${CONFIGS_ARGS:-} --out "$OUT/conv-configs${CONFIGS_NAME:+-$CONFIGS_NAME}-$GPU.json" 2>&1 | tail -34 ;;
-    # every config of the fully connected GEMM on fc6 / fc7 / ResNet-50's fc, each pass, beside cuBLAS
-    linear-configs) timeout ${LINEAR_S:-240} python3 bench/linear_configs.py --out "$OUT/linear-configs-$GPU.json" 2>&1 | tail -14 ;;
+    # every config of the fully connected GEMM on fc6 / fc7 / AlexNet's fc6 / ResNet-50's fc, each
+    # pass (the fused SGD step too), beside cuBLAS (LINEAR_ARGS="--grid --passes dw+db+sgd"
+    # LINEAR_NAME=grid: a grid of one-step tiles after the list, the fused step alone)
+    linear-configs) timeout ${LINEAR_S:-240} python3 bench/linear_configs.py ${LINEAR_ARGS:-} --out "$OUT/linear-configs${LINEAR_NAME:+-$LINEAR_NAME}-$GPU.json" 2>&1 | tail -18 ;;
     # kernels/bn.py's block-shape constants swept on ResNet-50's batch-norm shapes (BN_ARGS:
     # e.g. --tiles 2048 --warps 8 to narrow it; 36 combinations by default; --last-first 0,1
     # the elementwise passes' channel order, --channel-max 0,8192,32768 the one-launch form)

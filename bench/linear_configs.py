@@ -2,6 +2,7 @@
 tile the autotuner should find, and how far the best one is from cuBLAS.
 
     PYTHONPATH=. python bench/linear_configs.py [--batch 32] [--precision tf32] [--out PATH]
+        [--passes dw+db+sgd,...] [--grid]
 
 For each case (VGG16's fc6 and fc7, AlexNet's fc6, ResNet-50's fc) and each pass a training
 step can run (forward y = x w^T + b; data gradient dx = dy w; weight gradient dw = dy^T x with
@@ -16,10 +17,14 @@ time over tinysn's, and the pass's bytes over its time (GB/s: the fused step rea
 writes the weight and its momentum, 16 bytes an element, which bounds it); each case and
 pass names its fastest config (printed). The reason is VGG16's fc6: K is the batch (32), so
 its weight gradient is bound by writing its 411 MB output and its fused step by moving
-1.6 GB. Without CUDA the same code runs on Triton's interpreter on one small
-case (a smoke test: its times are the interpreter's).
+1.6 GB. `--grid` also pins a grid of one-step tiles (`grid_configs`: tile shape, warps,
+pipeline stages, tile order) after the list, which is how the list's thin tile for the fused
+step was found; `--passes` times only the passes named. Without CUDA the same code runs on
+Triton's interpreter on one small case (a smoke test: its times are the interpreter's).
 """
 import argparse
+import contextlib
+import itertools
 import os
 import sys
 import time
@@ -97,18 +102,43 @@ def timer(device):
     return once
 
 
+def grid_configs() -> list:
+    """--grid's configs: 32-deep tiles (one reduction step where K is the batch, 32) over
+    rows, columns, warps, stages and order (GROUP_M 1: tiles in row-major order), 8 warps
+    only on tiles of at least 64x128."""
+    return [linear._cfg(bm, bn, 32, warps, stages, group_m)
+            for bm, bn, warps, stages, group_m in itertools.product(
+                (16, 32, 64), (64, 128, 256), (4, 8), (1, 2), (1, 8))
+            if warps == 4 or bm * bn >= 64 * 128]
+
+
+@contextlib.contextmanager
+def swept_configs(extra):
+    """Within the block the GEMM autotuner's GPU list (what `_common.pinned` indexes) is
+    its own list followed by `extra`."""
+    tuner = linear._gemm_kernel
+    saved = tuner.all_configs
+    tuner.all_configs = list(saved) + list(extra)
+    try:
+        yield
+    finally:
+        tuner.all_configs = saved
+
+
 def config_text(index: int) -> str:
     c = linear._gemm_kernel.all_configs[index]
     return f"{c.kwargs} w{c.num_warps} s{c.num_stages}"
 
 
-def sweep(cases, batch, device, precision) -> list:
+def sweep(cases, batch, device, precision, passes=PASSES) -> list:
     """One row per (case, pass, config), then per (case, pass) the fastest config."""
     ms = timer(device)
     rows = []
     for name, f, o in cases:
         moved = pass_bytes(batch, f, o)
         for pass_name, (ours, theirs) in calls(batch, f, o, device, precision).items():
+            if pass_name not in passes:
+                continue
             torch_ms = ms(theirs)
             timed = []
             for i in range(_common.config_count(linear)):
@@ -133,17 +163,28 @@ def main(argv=None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--batch", type=int, default=32)
     ap.add_argument("--precision", choices=("tf32", "ieee"), default="tf32")
+    ap.add_argument("--passes", default=",".join(PASSES),
+                    help=f"comma-separated, among {', '.join(PASSES)}")
+    ap.add_argument("--grid", action="store_true",
+                    help="also pin grid_configs() after the GEMM's list")
     common.add_out_argument(ap)
     args = ap.parse_args(argv)
+    passes = args.passes.split(",")
+    unknown = [p for p in passes if p not in PASSES]
+    if unknown:
+        ap.error(f"unknown pass {unknown[0]!r} (passes: {', '.join(PASSES)})")
     cuda = torch.cuda.is_available()
     device = torch.device("cuda" if cuda else "cpu")
     torch.backends.cuda.matmul.allow_tf32 = args.precision == "tf32"
-    rows = sweep(CASES if cuda else SMALL, args.batch, device, args.precision)
+    with swept_configs(grid_configs() if args.grid else ()):
+        rows = sweep(CASES if cuda else SMALL, args.batch, device, args.precision, passes)
+        count = _common.config_count(linear)
     for r in (r for r in rows if "best_config" in r):       # every config's row: in --out
         print(f"{r['case']:<12}{r['pass']:<10}{r['tinysn_ms']:9.3f} ms  torch "
               f"{r['torch_ms']:8.3f}  {r['ratio']:5.2f}x {r['gb_per_s']:6.0f} GB/s  best of "
-              f"{_common.config_count(linear)}: {r['best_config']}")
-    result = {"batch": args.batch, "precision": args.precision, "rows": rows}
+              f"{count}: {r['best_config']}")
+    result = {"batch": args.batch, "precision": args.precision, "passes": passes,
+              "grid": args.grid, "rows": rows}
     common.write(args.out, result)
     return result
 

@@ -2,6 +2,8 @@
 of the fully connected GEMM runs pinned, in each pass, and each pass names its fastest."""
 import json
 
+import pytest
+
 from bench import linear_configs
 from tinysn.kernels import _common, linear
 
@@ -31,3 +33,23 @@ def test_a_fused_step_moves_the_weight_and_its_momentum_both_ways():
     momentum), on top of the plain weight gradient's reads: what its GB/s is measured by."""
     moved = linear_configs.pass_bytes(32, 25088, 4096)
     assert moved["dw+db+sgd"] - moved["dw+db"] == 3 * 4 * 4096 * 25088
+
+
+def test_grid_pins_the_list_then_the_grid_on_the_passes_named(tmp_path):
+    out = tmp_path / "linear-grid.json"
+    result = linear_configs.main(["--batch", "2", "--passes", "dw+db+sgd", "--grid",
+                                  "--out", str(out)])
+    grid = linear_configs.grid_configs()
+    listed = _common.config_count(linear)
+    timed = [r for r in result["rows"] if "config" in r]
+    assert {r["pass"] for r in result["rows"]} == {"dw+db+sgd"}
+    assert len(timed) == listed + len(grid)
+    last = grid[-1]
+    assert timed[-1]["config"] == f"{last.kwargs} w{last.num_warps} s{last.num_stages}"
+    assert len(linear._gemm_kernel.all_configs) == listed        # the list is restored
+
+
+def test_an_unknown_pass_is_refused_by_name(capsys):
+    with pytest.raises(SystemExit):
+        linear_configs.main(["--passes", "dw+sgd"])
+    assert "unknown pass 'dw+sgd'" in capsys.readouterr().err

@@ -58,9 +58,10 @@ _GPU_CONFIGS = [
     # moving the weight and its momentum, 16 bytes an element; thin tiles, the operands
     # loaded through a 2-stage pipeline, the tiles in row-major order (GROUP_M 1, so
     # programs side by side stream along the weight's rows), found by a sweep of tile,
-    # warps, stages and order: VGG16's fc6 step at batch 32 takes 0.556 ms (2.96 TB/s, the
-    # copy's bandwidth) against 0.791 at best with the configs above (H100,
-    # bench/linear_configs.py, results/linear-configs-NVIDIA-H100-80GB-HBM3.json)
+    # warps, stages and order (the one bench/linear_configs.py --grid runs): VGG16's fc6
+    # step at batch 32 takes 0.556 ms (2.96 TB/s, the copy's bandwidth) against 0.791 at
+    # best with the configs above (H100, bench/linear_configs.py,
+    # results/linear-configs-NVIDIA-H100-80GB-HBM3.json)
     _cfg(16, 128, 32, 4, 2, group_m=1),
 ]
 # under the interpreter (it pays per operation and per program): a small network's GEMMs are

@@ -41,6 +41,7 @@ CASES = (("vgg16 fc6", 25088, 4096), ("vgg16 fc7", 4096, 4096), ("alexnet fc6", 
 SMALL = (("small", 64, 48),)                       # the interpreter's smoke case
 PASSES = ("forward", "dx", "dw+db", "dw+db+sgd")
 MOMENTUM, WEIGHT_DECAY = 0.9, 5e-4                 # the fused step's settings (train.py's)
+LR = 1e-4                                          # small: the timed steps repeat in place
 
 
 def operands(batch, f, o, device):
@@ -65,7 +66,7 @@ def pass_bytes(batch, f, o) -> dict:
 def calls(batch, f, o, device, precision):
     """pass -> (tinysn's call, torch's call) on one case's operands."""
     x, w, b, dy, buf, out = operands(batch, f, o, device)
-    rate = torch.full((1,), 1e-4, device=device)
+    rate = torch.full((1,), LR, device=device)
     gate = torch.zeros(1, device=device)             # a good batch: the step is taken
     step = sgd.Update(buf, rate, MOMENTUM, WEIGHT_DECAY, gate)
 
@@ -74,7 +75,7 @@ def calls(batch, f, o, device, precision):
         torch.sum(dy, 0, out=out["db"])
         out["dw"].add_(w, alpha=WEIGHT_DECAY)
         buf.mul_(MOMENTUM).add_(out["dw"])
-        w.add_(buf, alpha=-1e-4)
+        w.add_(buf, alpha=-LR)
     return {
         "forward": (lambda: linear.forward(x, w, b, out["y"], precision=precision),
                     lambda: torch.addmm(b, x, w.t(), out=out["y"])),

@@ -58,7 +58,7 @@ def cases(batch: int) -> dict:
     def ws(nbytes):
         return torch.empty(max(nbytes, 4), dtype=torch.uint8)
 
-    def conv_case(phase, algo, c, hw, k, stride=1, accumulate=False):
+    def conv_case(phase, algo, c, hw, k, stride=1, accumulate=False, bias=False):
         def call():     # tensors made when the case runs, as for the other cases
             x, w = t(batch, c, hw, hw), t(k, c, 3, 3)
             dy = t(*conv.out_shape(x.shape, w.shape, stride, 1))
@@ -70,7 +70,8 @@ def cases(batch: int) -> dict:
                 conv.backward_data(dy, w, t(*x.shape), relu_output=x, accumulate=accumulate,
                                    **kw)
             else:
-                conv.backward_weight(x, dy, torch.empty(w.shape), None, **kw)
+                conv.backward_weight(x, dy, torch.empty(w.shape), t(k) if bias else None,
+                                     **kw)
         return call
 
     n = batch
@@ -96,6 +97,9 @@ def cases(batch: int) -> dict:
                                                          56, 128, stride=2, accumulate=True),
         "conv wgrad tma 256@56": conv_case("backward_weight", "tma", 256, 56, 256),
         "conv wgrad splitk 128@112": conv_case("backward_weight", "splitk", 128, 112, 128),
+        # VGG16's conv1_1: the bias gradient summed in the GEMM (partial sums per chunk)
+        "conv wgrad splitk+db 3->64@224": conv_case("backward_weight", "splitk", 3, 224, 64,
+                                                    bias=True),
         "conv wgrad nhwc 64@224": conv_case("backward_weight", "nhwc", 64, 224, 64),
         "bias grad 64@224": lambda: conv.backward_weight(t(n, 64, 224, 224),
                                                          t(n, 64, 224, 224), None, t(64),

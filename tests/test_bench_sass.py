@@ -64,6 +64,9 @@ def test_every_config_compiles_for_the_h200_without_spills(tmp_path):
     assert set(kernels["conv fwd splitk 512@7"]) == {"_conv_fwd_kernel", "_splitk_reduce_kernel"}
     assert set(kernels["conv dgrad flipped_splitk+ 512@7"]) == {
         "_weight_flip_kernel", "_conv_fwd_kernel", "_splitk_reduce_kernel"}
+    # the split-K weight gradient sums the bias gradient in its GEMM: no kernel of its own
+    assert set(kernels["conv wgrad splitk+db 3->64@224"]) == {
+        "_conv_bwd_weight_kernel", "_splitk_reduce_kernel"}
     # max pooling's gather from stored argmaxes stores whole rows 16 bytes at a time, and
     # takes the input in groups of the stride (a lane: one column of a group of 2 rows on
     # 3x3/2), each group's pixels sharing their windows' loads at constant offsets and taps

@@ -339,8 +339,8 @@ def _bn_residual_backward(program, layer, g, x, w, saved, dw, db):
 
 def _conv_launches(layer, phase, algos) -> int:
     """One or two kernels per algorithm the pass runs (conv_k.LAUNCHES), and the bias
-    gradient's in a backward pass (its partial sums sit in dW's room): one or two of its
-    own, or only their sum where the data gradient sums it as it copies dY."""
+    gradient's in a backward pass (conv_k.bias_launches: none or only its partial sums' sum
+    where a pass sums it on the way, else one or two of its own)."""
     algos = algos or {}
     own = sum(conv_k.LAUNCHES[(p, a)] for p, a in algos.items())
     if phase != "backward":
@@ -348,11 +348,11 @@ def _conv_launches(layer, phase, algos) -> int:
     own += _masks_dy(layer)                     # the fused ReLU's backward
     if "bias" not in layer.params:
         return own
-    n, k, p, q = layer.shape
-    c, r, s = layer.inputs[0].shape[1], *layer.attrs["kernel"]
-    if conv_k.fuses_bias_grad(algos.get("backward_data")):
-        return own + conv_k.nhwc_bias_launches(layer.shape, k * c * r * s)
-    return own + conv_k.bias_grad_launches(n, k, p * q, k * c * r * s)
+    x_shape, w_shape = tuple(layer.inputs[0].shape), tuple(layer.params["weight"])
+    return own + conv_k.bias_launches(
+        algos.get("backward_data"), algos.get("backward_weight"), x_shape, w_shape,
+        tuple(layer.attrs["stride"]), tuple(layer.attrs["padding"]),
+        has_dx="backward_data" in algos, has_dw="backward_weight" in algos)
 
 
 def _conv_cost(layer, phase) -> tuple:

@@ -412,12 +412,14 @@ def test_algos_and_workspaces():
     assert d2["transposed"] == 4 * 64 * 64 * 9
     wg = conv.algos(xs, ws, 1, 1, "backward_weight")
     assert list(wg)[0] == "splitk" and wg["onepass"] == 0
-    assert wg["splitk"] == 4 * conv.splitk_splits(xs, ws, 1, 1) * 64 * 64 * 9
+    # "splitk": a partial dW per chunk, then a partial db per chunk
+    assert wg["splitk"] == 4 * conv.splitk_splits(xs, ws, 1, 1) * 64 * (64 * 9 + 1)
     # "nhwc": x channels-last, then the split-K chunks; it needs Q divisible by 4 too, and
     # is offered only on outputs larger than 112x112 (it applies to 56x56)
     big = (32, 64, 224, 224)
     wb = conv.algos(big, ws, 1, 1, "backward_weight")
-    assert wb["nhwc"] == 4 * 32 * 64 * 224 * 224 + wb["splitk"]
+    assert wb["nhwc"] == 4 * 32 * 64 * 224 * 224 + \
+        4 * conv.splitk_splits(big, ws, 1, 1) * 64 * 64 * 9
     assert "nhwc" not in wg and conv._applies("nhwc", xs, ws, (1, 1), 1, "backward_weight")
     assert "nhwc" not in conv.algos((32, 64, 112, 112), ws, 1, 1, "backward_weight")
     assert not conv._applies("nhwc", (32, 64, 14, 14), ws, (1, 1), 1, "backward_weight")
@@ -747,13 +749,45 @@ def test_bias_grad_tile_layouts(tile, programs, monkeypatch):
         conv.backward_weight(x, dy, None, db, stride=1, padding=0)
         _close(db, db_ref, n * p * p, "ieee", f"db tile {tile}")
         dw, db = _nan((k, 2, 1, 1), "cpu"), _nan((k,), "cpu")
-        conv.backward_weight(x, dy, dw, db, stride=1, padding=0, precision="ieee")
+        ws = _workspace(conv.workspace_bytes(x.shape, dw.shape, 1, 0, "backward_weight",
+                                             "tma"), "cpu")
+        conv.backward_weight(x, dy, dw, db, stride=1, padding=0, algo="tma", workspace=ws,
+                             precision="ieee")         # "tma": db is the bias kernel's
         _close(db, db_ref, n * p * p, "ieee", f"db tile {tile}, {programs} programs")
         _close(dw, torch.nn.grad.conv2d_weight(x.double(), dw.shape, dy.double()), n * p * p,
                "ieee", "dw after the partial sums")
         groups = conv.bias_groups(n, k, p * p, dw.numel())
         assert groups == {1: 1, 10 ** 6: min(n, 2)}.get(programs, groups)   # room: 2 per channel
         assert conv.bias_grad_launches(n, k, p * p, dw.numel()) == 1 + (groups > 1)
+
+@pytest.mark.parametrize("algo", ["onepass", "splitk"])
+def test_weight_gemm_sums_the_bias_gradient(algo, monkeypatch):
+    """With "onepass" or "splitk" the weight gradient's GEMM sums db from the dY tiles it
+    loads: no bias kernel runs, "splitk" adds one fixed-order sum of its chunks' partials
+    (which sit after its chunks in the workspace, also where there are more chunks than dW
+    has columns), dW and db agree with torch, and the launches are bias_launches'."""
+    ran = []
+    real_run = conv.run
+    monkeypatch.setattr(conv, "run", lambda kernel, *a, **kw: (ran.append(kernel),
+                                                                real_run(kernel, *a, **kw)))
+    gen = torch.Generator().manual_seed(len(algo))
+    for xs, ws, padding in (((3, 4, 9, 9), (8, 4, 3, 3), 1), ((4, 1, 16, 16), (2, 1, 1, 1), 0)):
+        x, dy = _rand(xs, gen, "cpu"), _rand(conv.out_shape(xs, ws, 1, padding), gen, "cpu")
+        dw, db = _nan(ws, "cpu"), _nan((ws[0],), "cpu")
+        need = conv.workspace_bytes(xs, ws, 1, padding, "backward_weight", algo)
+        ran.clear()
+        conv.backward_weight(x, dy, dw, db, stride=1, padding=padding, algo=algo,
+                             workspace=_workspace(need, "cpu"), precision="ieee")
+        pixels = xs[0] * dy.shape[2] * dy.shape[3]
+        _close(db, dy.double().sum((0, 2, 3)), pixels, "ieee", f"{algo} db")
+        _close(dw, torch.nn.grad.conv2d_weight(x.double(), ws, dy.double(), padding=padding),
+               pixels, "ieee", f"{algo} dw")
+        assert conv._bias_grad_kernel not in ran
+        launches = conv.bias_launches(None, algo, xs, ws, 1, padding, has_dx=False)
+        assert ran.count(conv._splitk_reduce_kernel) == launches + (algo == "splitk")
+        assert launches == (algo == "splitk")
+    assert conv.splitk_splits(xs, ws, 1, padding) > ws[1] * ws[2] * ws[3]
+
 
 @pytest.mark.parametrize("programs", [1, 3, 10 ** 6])
 def test_flipped_nhwc_sums_the_bias_gradient_as_it_copies_dy(programs, monkeypatch):

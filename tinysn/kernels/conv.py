@@ -61,8 +61,9 @@ workspace bytes, fastest-expected first (the channels-last ones only where they 
   backward_weight
     "onepass"    one kernel, each dW tile reduces over all N*P*Q pixels. No workspace.
     "splitk"     the N*P*Q reduction is cut into `splitk_splits()` chunks; each writes its
-                 partial dW into the workspace [splits, K, C*R*S]; a second kernel sums the
-                 chunks in a fixed order. More programs when K*C*R*S is small.
+                 partial dW into the workspace [splits, K, C*R*S] (and, with db, its
+                 partial db after them, [splits, K]); a second kernel sums the chunks in a
+                 fixed order. More programs when K*C*R*S is small.
                  Both take a column order from their config: (c, r, s) tiles, or (TAP) tiles
                  of channels at one tap, whose bounds masks are per pixel, not per element.
     "nhwc"       stride 1, C and Q divisible by 4: copy x channels-last into the workspace,
@@ -79,9 +80,12 @@ workspace bytes, fastest-expected first (the channels-last ones only where they 
                  pixels (then dY is copied widened too); a tap is then a shift by whole
                  rows. A 1x1 conv whose rows need no widening reads x in place. Split-K
                  chunks after the copies (`tma_splits()`), summed in a fixed order.
-  db (bias gradient) is a separate fixed-order reduce kernel over dY (one program per channel
-  on the GPU, per block of channels under the interpreter); alongside dW it first sums groups
-  of images into dW's own memory, so that the GPU has more programs (`bias_groups`).
+  db (bias gradient): "onepass" and "splitk" sum it in their GEMM from the dY tiles they load
+  (the programs of the first column tile; "splitk"'s partial sums per chunk, then their
+  fixed-order sum), so it costs no pass over dY of its own (`gemm_sums_bias`). Otherwise it
+  is a separate fixed-order reduce kernel over dY (one program per channel on the GPU, per
+  block of channels under the interpreter); alongside dW it first sums groups of images into
+  dW's own memory, so that the GPU has more programs (`bias_groups`).
 
 Rules (docs/kernels.md): nothing is allocated here; workspace is a 1-D uint8 or
 float32 tensor of at least `workspace_bytes(...)` bytes; outputs are overwritten (dx is added
@@ -153,7 +157,7 @@ _TUNE_MIN_MACS = 1 << 24
 # shapes and workspaces
 # --------------------------------------------------------------------------------------------
 # Triton kernels one call of each (phase, algorithm) launches; a backward pass with a bias
-# adds one (_bias_grad_kernel). The step-time model charges the host per launch (eager).
+# adds its own (`bias_launches`). The step-time model charges the host per launch (eager).
 LAUNCHES = {("forward", "implicit"): 1, ("forward", "im2col"): 2, ("forward", "nhwc"): 3,
             ("forward", "splitk"): 2,
             ("backward_data", "implicit"): 1, ("backward_data", "transposed"): 2,
@@ -296,8 +300,8 @@ def _workspace_bytes(x_shape, w_shape, stride, padding, phase, algo) -> int:
     if algo in ("transposed", "flipped"):
         return 4 * k * c * r * s
     if phase == "backward_weight" and algo == "nhwc":      # Xt, then "splitk"'s chunks
-        return 4 * n * c * h * w + _workspace_bytes(x_shape, w_shape, stride, padding, phase,
-                                                    "splitk")
+        return 4 * n * c * h * w + 4 * splitk_splits(x_shape, w_shape, stride, padding) * \
+            k * c * r * s
     if algo == "nhwc":
         return 4 * (n * c * h * w + k * c * r * s)
     if algo == "tma":           # x's shifted copies, dY widened, the split-K chunks
@@ -311,8 +315,8 @@ def _workspace_bytes(x_shape, w_shape, stride, padding, phase, algo) -> int:
     if algo == "flipped_splitk":    # the flipped weight, then a partial dx per chunk
         return 4 * (_flipped_weight_floats(w_shape) +
                     data_splits(x_shape, w_shape, stride, padding) * n * c * h * w)
-    # splitk
-    return 4 * splitk_splits(x_shape, w_shape, stride, padding) * k * c * r * s
+    # splitk: a partial dW per chunk, then the bias gradient's partial per chunk (_run_bwd_weight)
+    return 4 * splitk_splits(x_shape, w_shape, stride, padding) * k * (c * r * s + 1)
 
 
 def algos(x_shape, w_shape, stride, padding, phase) -> dict:
@@ -1526,18 +1530,20 @@ def _zero_insert_kernel(dy_ptr, z_ptr, P, Q, HZ, WZ, SH, SW, OFFH, OFFW, BLOCK: 
 
 
 @triton.jit
-def _conv_bwd_weight_kernel(x_ptr, dy_ptr, dw_ptr,
+def _conv_bwd_weight_kernel(x_ptr, dy_ptr, dw_ptr, db_ptr,
                             N, C, K, SH, SW, PH, PW, SPLIT_LEN,
                             H: tl.constexpr, W: tl.constexpr, P: tl.constexpr, Q: tl.constexpr,
                             R: tl.constexpr, S: tl.constexpr, IS_1X1: tl.constexpr,
-                            PRECISION: tl.constexpr,
+                            PRECISION: tl.constexpr, HAS_DB: tl.constexpr,
                             BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                             GROUP_M: tl.constexpr, PIX: tl.constexpr, TAP: tl.constexpr):
     """dW[k, (c,r,s)] = sum over pixels j in chunk program_id(1) of dY[j, k] * Xcol[j, (c,r,s)].
 
     Both tiles are [rows, BLOCK_K pixels] with the pixel axis fast. Writes chunk `split` to
     dw_ptr + split*K*C*R*S (one chunk: dW itself; several: the split-K workspace, summed by
-    _splitk_reduce_kernel).
+    _splitk_reduce_kernel). HAS_DB: the programs of the first column tile also sum the dY
+    rows they load, the chunk's bias gradient, into db_ptr + split*K (every column tile loads
+    the same dY tiles, so one of them takes it).
 
     TAP (a config flag): a program's columns are BLOCK_N channels of one tap (r, s) instead of
     BLOCK_N consecutive (c, r, s); the tap is then a scalar, so the x gather's bounds mask is
@@ -1581,6 +1587,7 @@ def _conv_bwd_weight_kernel(x_ptr, dy_ptr, dw_ptr,
     hi = tl.minimum(lo + SPLIT_LEN, NPQ)
 
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    dy_sum = tl.zeros((BLOCK_M,), dtype=tl.float32)
     for j0 in range(lo, hi, BLOCK_K):
         img0 = j0 // PQ
         offs_j = j0 + tl.arange(0, BLOCK_K)
@@ -1594,6 +1601,8 @@ def _conv_bwd_weight_kernel(x_ptr, dy_ptr, dw_ptr,
             dy_j = tl.max_contiguous(tl.multiple_of(dy_j, 1), BLOCK_K)
         a = tl.load(dy_ptr + img0.to(tl.int64) * (K * PQ) + (dy_j[None, :] + dy_k[:, None]),
                     mask=m_ok[:, None] & j_ok[None, :], other=0.0)            # [BM, BK]
+        if HAS_DB:
+            dy_sum += tl.sum(a, axis=1)
         x_base = x_ptr + img0.to(tl.int64) * (C * HW)
         if IS_1X1:
             x_j = dimg * (C * HW) + pq
@@ -1622,6 +1631,9 @@ def _conv_bwd_weight_kernel(x_ptr, dy_ptr, dw_ptr,
 
     out = dw_ptr + split.to(tl.int64) * (K * CRS) + (offs_m[:, None] * CRS + offs_n[None, :])
     tl.store(out, acc, mask=m_ok[:, None] & n_ok[None, :])
+    if HAS_DB:
+        if pid_n == 0:
+            tl.store(db_ptr + split * K + offs_m, dy_sum, mask=m_ok)
 
 
 _conv_bwd_weight = _autotune(_WGT_CONFIGS, _KEY + ["SPLIT_LEN"], _bwd_weight_macs,
@@ -2208,12 +2220,37 @@ def _launch_bias_grad(dy, db, n, k, pq, scratch=None):
         _launch_splitk_reduce(scratch, db, k, groups)
 
 
+def gemm_sums_bias(algo_weight) -> bool:
+    """True where the weight gradient's GEMM also sums the bias gradient from the dY tiles
+    it loads ("onepass", "splitk": `_conv_bwd_weight_kernel`'s HAS_DB), so that no kernel
+    reads dY for it alone (VGG16's largest bias gradients took 0.15 ms each that way on
+    the H100, at copy bandwidth)."""
+    return algo_weight in ("onepass", "splitk")
+
+
+def bias_launches(algo_data, algo_weight, x_shape, w_shape, stride, padding,
+                  has_dx=True, has_dw=True) -> int:
+    """Triton kernels a conv backward's bias gradient launches beside its passes' own: none
+    or the partial sums' fixed-order sum where a pass sums it on the way (the dY copy of a
+    "flipped_nhwc" data gradient, the GEMM of a "onepass" or "splitk" weight gradient), else
+    `bias_grad_launches` (its partial sums in dW's room where there is a dW)."""
+    n, k, p, q = out_shape(x_shape, w_shape, stride, padding)
+    room = k * w_shape[1] * w_shape[2] * w_shape[3] if has_dw else 0
+    if has_dx and has_dw and fuses_bias_grad(algo_data):
+        return nhwc_bias_launches((n, k, p, q), room)
+    if has_dw and gemm_sums_bias(algo_weight):
+        return int(algo_weight == "splitk")
+    return bias_grad_launches(n, k, p * q, room)
+
+
 def _run_bwd_weight(x, dy, dw, db, geo, algo, ws, prec):
     sh, sw, ph, pw, p, q = geo
     n, c, h, wd = x.shape
     k = dy.shape[1]
-    if db is not None:      # first: dW is not written yet, so it holds the partial sums
+    if db is not None and (dw is None or not gemm_sums_bias(algo)):
+        # first: dW is not written yet, so it holds the partial sums
         _launch_bias_grad(dy, db, n, k, p * q, None if dw is None else dw.view(-1))
+        db = None
     if dw is None:
         return
     if algo == "nhwc":
@@ -2225,18 +2262,22 @@ def _run_bwd_weight(x, dy, dw, db, geo, algo, ws, prec):
     _, _, r, s = dw.shape
     is_1x1 = r == 1 and s == 1 and sh == 1 and sw == 1 and ph == 0 and pw == 0
     npq = n * p * q
-    if algo == "onepass":
-        splits, out = 1, dw
-    else:
-        splits, out = splitk_splits(x.shape, dw.shape, (sh, sw), (ph, pw)), ws
-    split_len = _split_len(npq, splits)
     crs = c * r * s
+    if algo == "onepass":
+        splits, out, db_out = 1, dw, db
+    else:           # the chunks, then the bias gradient's partial per chunk
+        splits, out = splitk_splits(x.shape, dw.shape, (sh, sw), (ph, pw)), ws
+        db_out = None if db is None else ws[splits * k * crs:splits * k * (crs + 1)]
+    split_len = _split_len(npq, splits)
     _launch(_conv_bwd_weight, _weight_grid(k, c, r * s, splits),
-            (x, dy, out, n, c, k, sh, sw, ph, pw, split_len),
-            dict(H=h, W=wd, P=p, Q=q, R=r, S=s, IS_1X1=is_1x1, PRECISION=prec))
+            (x, dy, out, out if db_out is None else db_out, n, c, k, sh, sw, ph, pw,
+             split_len),
+            dict(H=h, W=wd, P=p, Q=q, R=r, S=s, IS_1X1=is_1x1, PRECISION=prec,
+                 HAS_DB=db_out is not None))
     if algo == "splitk":
-        total = k * crs
-        _launch_splitk_reduce(ws, dw, total, splits)
+        if db is not None:
+            _launch_splitk_reduce(db_out, db, k, splits)
+        _launch_splitk_reduce(ws, dw, k * crs, splits)
 
 
 def _launch_weight_nhwc(x, dy, dw, ws, ph, pw, prec):

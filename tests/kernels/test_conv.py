@@ -760,6 +760,7 @@ def test_bias_grad_tile_layouts(tile, programs, monkeypatch):
         assert groups == {1: 1, 10 ** 6: min(n, 2)}.get(programs, groups)   # room: 2 per channel
         assert conv.bias_grad_launches(n, k, p * p, dw.numel()) == 1 + (groups > 1)
 
+
 @pytest.mark.parametrize("algo", ["onepass", "splitk"])
 def test_weight_gemm_sums_the_bias_gradient(algo, monkeypatch):
     """With "onepass" or "splitk" the weight gradient's GEMM sums db from the dY tiles it

@@ -47,9 +47,10 @@ parameters, statistics and attributes, plus `residual=True` and the add's `relu`
 A max pool's backward can read the argmax its forward found instead of finding it in x
 again (`store_argmaxes`: one byte per window, kept from the forward pass to the backward
 pass, kernels/pool.py); that fuses the argmax pass into the forward. Planned where the net
-fits its cap unmoved, as the adds' fusions (plan.py): there the byte a window costs no
-move, and x need not live to the backward pass (its dx through a ReLU before the pool
-takes the mask from the byte too). Beyond, the backward finds the argmaxes in x again,
+fits its cap unmoved, as the adds' fusions (plan.py; under "offload" and "recompute" where
+"liveness" fits it unmoved, so that the policies' peaks keep their order): there the byte
+a window costs no move, and x need not live to the backward pass (its dx through a ReLU
+before the pool takes the mask from the byte too). Beyond, the backward finds the argmaxes in x again,
 into a spare workspace where policy "all" has room (ops.SPARE).
 """
 from __future__ import annotations

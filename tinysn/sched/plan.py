@@ -412,10 +412,11 @@ def plan(net, memory, policy: str = "all", *, momentum: float = 0.0, conv_algos=
     kernel's bits where the batch is one K-block of the GEMM); False stores it and updates
     it with the SGD kernel, as plans made before that did.
     `store_argmaxes` (default True): where the net fits the cap without copying anything
-    out (as for the adds' ReLUs), each max pool's forward stores its windows' argmax bytes
-    for its backward (fuse.store_argmaxes: one byte per window, in the plan), which then
-    reads neither x nor a second pass over it (the same bits); False finds them again in
-    the backward everywhere, as plans made before that did.
+    out (as for the adds' ReLUs; under "offload" and "recompute", which copy out by
+    design, where "liveness" would: `_moves_by_design`), each max pool's forward stores
+    its windows' argmax bytes for its backward (fuse.store_argmaxes: one byte per window,
+    in the plan), which then reads neither x nor a second pass over it (the same bits);
+    False finds them again in the backward everywhere, as plans made before that did.
 
     A plan that fits under a cap fits under every larger cap, for every policy and layout
     (`_Search` says why). The returned plan's `capacity` is the pool it was made for: the
@@ -562,7 +563,7 @@ def _search(net, memory, policy, *, momentum, conv_algos, checkpoints, block_byt
             raise ValueError(f"{name} must be a bool, got {flag!r}")
     bucket_bytes = liveness.parse_bucket_bytes(bucket_bytes)
 
-    def searching(planned, grouped=False):
+    def searching(planned, grouped=False, as_policy=policy):
         program = liveness.Program(planned, momentum=momentum, data_parallel=data_parallel,
                                    bucket_bytes=bucket_bytes,
                                    in_place_gradients=in_place_gradients,
@@ -570,11 +571,11 @@ def _search(net, memory, policy, *, momentum, conv_algos, checkpoints, block_byt
         roles = {}          # drops -> the tensors' roles, shared by the search's runs
 
         def make(cap, drops, small, floor=False, early=None, lookahead=1, headroom=None):
-            return _Planner(program, cap, policy, conv_algos, checkpoints, block_bytes, drops,
-                            small, host_capacity, rankings, floor=floor, early=early,
+            return _Planner(program, cap, as_policy, conv_algos, checkpoints, block_bytes,
+                            drops, small, host_capacity, rankings, floor=floor, early=early,
                             lookahead=lookahead, headroom=headroom,
                             evict_by_next_use=evict_by_next_use, roles=roles)
-        return _Search(make, capacity, policy, layout, block_bytes, host_capacity,
+        return _Search(make, capacity, as_policy, layout, block_bytes, host_capacity,
                        early_write_back, trade_budget, lookahead, device_model, keep_pools,
                        rebuild_joins)
 
@@ -589,19 +590,34 @@ def _search(net, memory, policy, *, momentum, conv_algos, checkpoints, block_byt
         return search
     # the nets made only where they fit unmoved, most fused first: the max pools' argmaxes
     # stored (their bytes alone may tip it), then the adds' fusions and grouped updates
+    stored_anyway = False
     if fits_unmoved is None:
         fits_unmoved = STORED if _fits_unmoved(search) else False
         if not fits_unmoved and storing is not fused:
-            search = searching(fused, grouped=grouping)
-            fits_unmoved = _fits_unmoved(search)
+            stored_anyway = _moves_by_design(policy) and _fits_unmoved(
+                searching(storing, grouped=grouping, as_policy="liveness"))
+            if not stored_anyway:
+                search = searching(fused, grouped=grouping)
+                fits_unmoved = _fits_unmoved(search)
     elif fits_unmoved is True and storing is not fused:   # False: planned apart below
         search = searching(fused, grouped=grouping)
     if not fits_unmoved:
         apart = fused if moves_nothing or not fuse.fuses_adds(fused) else fuse.fuse_relus(
             net, batch_norms=fuse_bn_relu, adds=False)
-        search = searching(apart)
+        search = searching(fuse.store_argmaxes(apart) if stored_anyway else apart)
     search.fits_unmoved = fits_unmoved
     return search
+
+
+def _moves_by_design(policy) -> bool:
+    """True for the policies that copy checkpoints out (and drop outputs) whatever the cap
+    ("offload", "recompute"): a plan of theirs never fits unmoved, so whether their max
+    pools store argmaxes is what "liveness" decides at the same cap (it moves nothing and
+    fits unmoved there, with them stored): the same program as the rung below, so their
+    peaks keep falling along the ladder (with the argmaxes stored under "liveness" alone,
+    a net whose pool backward then needed no workspace peaked 1 KB higher under "offload"
+    than under "liveness")."""
+    return policy in ("offload", "recompute")
 
 
 def _fits_unmoved(search) -> bool:

@@ -613,10 +613,10 @@ def _moves_by_design(policy) -> bool:
     """True for the policies that copy checkpoints out (and drop outputs) whatever the cap
     ("offload", "recompute"): a plan of theirs never fits unmoved, so whether their max
     pools store argmaxes is what "liveness" decides at the same cap (it moves nothing and
-    fits unmoved there, with them stored): the same program as the rung below, so their
-    peaks keep falling along the ladder (with the argmaxes stored under "liveness" alone,
-    a net whose pool backward then needed no workspace peaked 1 KB higher under "offload"
-    than under "liveness")."""
+    fits unmoved there, with them stored): the rung below's choice, so their peaks keep
+    falling along the ladder (with the argmaxes stored under "liveness" alone, a net whose
+    pool backward then needed no workspace peaked 1 KB higher under "offload" than under
+    "liveness")."""
     return policy in ("offload", "recompute")
 
 

@@ -50,8 +50,8 @@ pass, kernels/pool.py); that fuses the argmax pass into the forward. Planned whe
 fits its cap unmoved, as the adds' fusions (plan.py; under "offload" and "recompute" where
 "liveness" fits it unmoved, so that the policies' peaks keep their order): there the byte
 a window costs no move, and x need not live to the backward pass (its dx through a ReLU
-before the pool takes the mask from the byte too). Beyond, the backward finds the argmaxes in x again,
-into a spare workspace where policy "all" has room (ops.SPARE).
+before the pool takes the mask from the byte too). Beyond, the backward finds the argmaxes
+in x again, into a spare workspace where policy "all" has room (ops.SPARE).
 """
 from __future__ import annotations
 

@@ -122,6 +122,46 @@ def test_compiling_in_parallel_compiles_without_running():
     assert not bool((ys == 7).all())
 
 
+def test_compile_only_launch_compiles_a_known_pick_alone(monkeypatch, tmp_path):
+    """Inside compiling_in_parallel an autotuned launch whose tuning key has a pick (this
+    process's, or the disk cache's in a new process) compiles that config alone, as the
+    launch will run it untuned; an unknown key compiles every config, all of which tuning
+    will run."""
+    import triton.language as tl
+    from tinysn import cache
+
+    monkeypatch.setenv("TINYSN_CACHE_DIR", str(tmp_path))
+
+    @triton.jit
+    def fill(y_ptr, n, BLOCK: tl.constexpr):
+        offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+        tl.store(y_ptr + offs, 1.0, mask=offs < n)
+
+    configs = [triton.Config({"BLOCK": b}) for b in (16, 32, 64)]
+    tuner = triton.autotune(configs=configs, key=["n"])(fill)
+    compiled = []
+    monkeypatch.setattr(tuner.fn, "warmup", lambda *a, **kw: compiled.append(kw["BLOCK"]))
+    monkeypatch.setattr(tuner, "warmup",
+                        lambda *a, **kw: compiled.extend(c.kwargs["BLOCK"] for c in configs))
+    args = (torch.zeros(100), 100)
+
+    def grid(meta):
+        return (triton.cdiv(100, meta["BLOCK"]),)
+    _common._compile_configs(tuner, grid, args, {})
+    assert compiled == [16, 32, 64]
+    key = (id(tuner), _common._tuning_key(tuner, args, {}))
+    monkeypatch.setitem(_common._BY_TUNING_KEY, key, configs[1])
+    compiled.clear()
+    _common._compile_configs(tuner, grid, args, {})
+    assert compiled == [32]
+    _common._BY_TUNING_KEY.pop(key)
+    cache.store("autotune", _common._disk_key(tuner, key[1]), _common._config_fields(configs[2]))
+    compiled.clear()
+    _common._compile_configs(tuner, grid, args, {})
+    assert compiled == [64]
+    assert _common._BY_TUNING_KEY.pop(key).kwargs == {"BLOCK": 64}    # remembered
+
+
 class _FakeGPU:
     """A GPU as bench_ms sees it, on the host's clock: each call's kernel runs `kernel_s`,
     starting once the host has issued it and the GPU is free (after any held wait);

@@ -488,9 +488,16 @@ def _hooked(tuner, args, kwargs, cfg):
 
 
 def _compile_configs(tuner, grid, args, kwargs) -> None:
-    """Compile (queue on the pool) the configs a launch would consider: the autotuner's
-    pruned list, or its only config, which triton runs unpruned."""
-    if len(tuner.configs) < 2:
+    """Compile (queue on the pool) the configs a launch would consider: its tuning key's
+    known pick (`_known_config`: the launch takes it untimed), else the autotuner's pruned
+    list, or its only config, which triton runs unpruned. A conv's step launches share
+    their tuning keys with the rankings' plain launches, which tuned them, but not their
+    fused epilogues' specializations (a ReLU, a mask, no bias), so a step's walk compiles
+    one config of each such variant, not all of them."""
+    known = _known_config(tuner, args, kwargs) if len(tuner.configs) > 1 else None
+    if known is not None:
+        configs = [known]
+    elif len(tuner.configs) < 2:
         configs = tuner.configs
     elif getattr(tuner, "config_hook", None) is None:
         tuner.warmup(*args, grid=grid, **kwargs)
@@ -512,19 +519,26 @@ def _first_launch(tuner, grid, args, kwargs):
     if len(tuner.configs) < 2:
         tuner[grid](*args, **kwargs)
         return getattr(tuner, "best_config", None), True
-    tkey = (id(tuner), _tuning_key(tuner, args, kwargs))
-    cfg = _BY_TUNING_KEY.get(tkey)
+    cfg = _known_config(tuner, args, kwargs)
     if cfg is not None:
         return cfg, False
-    disk_key = _disk_key(tuner, tkey[1])
-    stored = cache.lookup("autotune", disk_key)
-    if stored is not None:
-        cfg = _BY_TUNING_KEY[tkey] = triton.Config(**stored)
-        return cfg, False
     tuner[grid](*args, **kwargs)
+    tkey = (id(tuner), _tuning_key(tuner, args, kwargs))
     cfg = _BY_TUNING_KEY[tkey] = tuner.best_config
-    cache.store("autotune", disk_key, _config_fields(cfg))
+    cache.store("autotune", _disk_key(tuner, tkey[1]), _config_fields(cfg))
     return cfg, True
+
+
+def _known_config(tuner, args, kwargs):
+    """The config a launch's tuning key has without tuning: this process's pick, else the
+    disk cache's (then remembered for the process); None where it is still to be tuned."""
+    tkey = (id(tuner), _tuning_key(tuner, args, kwargs))
+    cfg = _BY_TUNING_KEY.get(tkey)
+    if cfg is None:
+        stored = cache.lookup("autotune", _disk_key(tuner, tkey[1]))
+        if stored is not None:
+            cfg = _BY_TUNING_KEY[tkey] = triton.Config(**stored)
+    return cfg
 
 
 def _tuning_key(tuner, args, kwargs) -> tuple:

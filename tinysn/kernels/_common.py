@@ -412,7 +412,8 @@ _COMPILE_ONLY = []   # non-empty inside `compiling_in_parallel`: launches compil
 
 @contextlib.contextmanager
 def compiling_in_parallel(workers=None):
-    """Inside this block `launch` compiles every config of an autotuned kernel on a pool of
+    """Inside this block `launch` compiles the configs of an autotuned kernel its launch would
+    consider (every config, or the tuning key's known pick: `_compile_configs`) on a pool of
     `workers` threads (default: the CPU count) instead of tuning and running it; leaving the
     block waits for the compilations and readies every compiled kernel's launcher on the same
     threads. Kernels launched through `run` compile the same way; no kernel runs inside the

@@ -495,11 +495,10 @@ def _compile_configs(tuner, grid, args, kwargs) -> None:
     their tuning keys with the rankings' plain launches, which tuned them, but not their
     fused epilogues' specializations (a ReLU, a mask, no bias), so a step's walk compiles
     one config of each such variant, not all of them."""
-    known = _known_config(tuner, args, kwargs) if len(tuner.configs) > 1 else None
-    if known is not None:
-        configs = [known]
-    elif len(tuner.configs) < 2:
+    if len(tuner.configs) < 2:
         configs = tuner.configs
+    elif (known := _known_config(tuner, args, kwargs)) is not None:
+        configs = [known]
     elif getattr(tuner, "config_hook", None) is None:
         tuner.warmup(*args, grid=grid, **kwargs)
         return

@@ -1,5 +1,6 @@
 """The step-time model: its queues follow the plan's dependencies and its figures add up."""
 import dataclasses
+import json
 import math
 
 import pytest
@@ -116,6 +117,21 @@ def test_a_plan_is_chosen_and_predicted_with_the_model_it_is_given():
     assert sn.plan(net, "1GiB", "all").device_model == timing.DeviceModel.h200()
     with pytest.raises(ValueError, match="device_model must be a timing.DeviceModel"):
         sn.plan(net, "1GiB", "all", device_model="h200")
+
+
+def test_a_record_before_the_bias_phase_serves_convs_with_a_bias_too():
+    """Conv times recorded before weight gradients with a bias were ranked apart timed every
+    weight gradient with a bias gradient: read back, each also serves a conv with a bias
+    (workspace.BIAS_PHASE), so bench/predict.py plans such a run as it ran; a record of
+    today's keys is read as written."""
+    from tinysn.sched import workspace
+    g = ((2, 4, 6, 6), (4, 4, 3, 3), (1, 1), (1, 1))
+    times = {(*g, "forward"): {"implicit": 1e-6}, (*g, "backward_weight"): {"onepass": 2e-6}}
+    record = timing.DeviceModel.h200(conv_times=times).record()
+    assert timing.DeviceModel.from_record(record).conv_times == times      # today's keys
+    del record["conv_keys"]                             # as records before the bias phase
+    read = timing.DeviceModel.from_record(json.loads(json.dumps(record))).conv_times
+    assert read == {**times, (*g, workspace.BIAS_PHASE): {"onepass": 2e-6}}
 
 
 def test_measured_conv_times_replace_the_formula_where_they_cover_the_plans_choice():

@@ -128,9 +128,9 @@ def test_a_process_keeps_the_rankings_it_planned_with(tmp_path, monkeypatch):
     """Another process that times the same shapes rewrites the rankings file; this process's
     next Runtime still gets the orders its first one planned with, so the two choose alike."""
     net = conv_net()
-    keys = [(*g, ph) for g in workspace.net_geometries(net) for ph in workspace.PHASES]
+    keys = workspace.net_keys(net)
 
-    def time_all(geometries, scratch, rep_ms, progress):     # no GPU: orders made up
+    def time_all(todo, scratch, rep_ms, progress):     # no GPU: orders made up
         measured = {k: [f"first-{k[-1]}", "second"] for k in keys}
         return measured, {k: {a: 1.0 for a in v} for k, v in measured.items()}
     monkeypatch.setattr(workspace, "_KEPT", {})
@@ -145,6 +145,49 @@ def test_a_process_keeps_the_rankings_it_planned_with(tmp_path, monkeypatch):
     workspace.save_rankings(workspace.rankings_path(None), other)   # the other process
     assert workspace.load_rankings(workspace.rankings_path(None)) == other
     assert workspace.measure_rankings(net, scratch, progress=False) == first
+
+
+def twin_convs():
+    """Two convs of one geometry, c1 with a bias and c2 without."""
+    net = sn.Net(input_shape=(4, 6, 6), classes=3, batch=2)
+    h = net.relu(net.conv(net.data(), 4, kernel=3, padding=1, name="c1"))
+    h = net.conv(h, 4, kernel=3, padding=1, bias=False, name="c2")
+    net.softmax_loss(net.fc(h, 3, name="fc"))
+    return net
+
+
+def test_a_weight_gradient_is_ranked_with_a_bias_gradient_where_its_conv_has_one(
+        tmp_path, monkeypatch):
+    """A conv with a bias computes the bias gradient in its weight-gradient pass and one
+    without does not, so the two are timed apart (with db, without) and each conv plans by
+    its own ranking, though the geometry is the same."""
+    from tinysn.kernels import _common
+    net = twin_convs()
+    g = workspace.conv_geometry(net["c1"])
+    assert workspace.conv_geometry(net["c2"]) == g
+    assert workspace.net_keys(net) == [(*g, "forward"), (*g, "backward_data"),
+                                       (*g, workspace.BIAS_PHASE), (*g, "backward_weight")]
+    with_db = []
+    real = conv.backward_weight
+
+    def recording(x, dy, dw, db, **kw):
+        with_db.append(db is not None)
+        return real(x, dy, dw, db, **kw)
+    monkeypatch.setattr(conv, "backward_weight", recording)
+    monkeypatch.setattr(_common, "bench_ms", lambda fn, rep_ms=20: fn() or 1.0)
+    monkeypatch.setattr(workspace, "_KEPT", {})
+    monkeypatch.setattr(workspace, "rankings_path",
+                        lambda device, kind="conv-rankings": tmp_path / f"{kind}.json")
+    measured = workspace.measure_rankings(net, torch.zeros(1 << 20, dtype=torch.uint8),
+                                          progress=False)
+    assert set(measured) == set(workspace.net_keys(net))
+    algos = len(conv.algos(*g, "backward_weight"))
+    assert sorted(with_db) == [False] * 2 * algos + [True] * 2 * algos   # compiled, timed
+    rankings = {(*g, workspace.BIAS_PHASE): ["onepass", "splitk"],
+                (*g, "backward_weight"): ["splitk", "onepass"]}
+    p = sn.plan(net, "64MiB", "all", rankings=rankings)
+    assert p.conv_algos["c1"]["backward_weight"] == "onepass"
+    assert p.conv_algos["c2"]["backward_weight"] == "splitk"
 
 
 def test_rankings_path_follows_the_kernels_source(monkeypatch, tmp_path):

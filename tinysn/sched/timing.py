@@ -37,7 +37,8 @@ from ..kernels._common import cdiv
 from ..ops import spec
 from . import staging
 from .plan import Evict, Launch, Mark, Offload, Prefetch, Sync, Wait
-from .workspace import conv_geometry, key_from_text, key_text
+from .workspace import RANKINGS_VERSION, conv_geometry, key_from_text, key_text, ranked_phase
+from .workspace import with_bias_twins
 
 
 @dataclass(frozen=True)
@@ -88,13 +89,17 @@ class DeviceModel:
         data = {f.name: getattr(self, f.name) for f in fields(self)}
         if self.conv_times is not None:
             data["conv_times"] = {key_text(k): v for k, v in self.conv_times.items()}
+            data["conv_keys"] = RANKINGS_VERSION      # what its keys mean
         return data
 
     @classmethod
     def from_record(cls, data: dict) -> "DeviceModel":
         data = dict(data)
+        keys = data.pop("conv_keys", 1)
         if data.get("conv_times") is not None:
             data["conv_times"] = {key_from_text(k): v for k, v in data["conv_times"].items()}
+            if keys < 2:
+                data["conv_times"] = with_bias_twins(data["conv_times"])
         return cls(**data)
 
 
@@ -242,7 +247,7 @@ def measured_conv_seconds(layer, algos, model: DeviceModel) -> float | None:
     geometry = conv_geometry(layer)
     seconds = 0.0
     for phase, algo in algos.items():
-        per_image = model.conv_times.get((*geometry, phase), {}).get(algo)
+        per_image = model.conv_times.get((*geometry, ranked_phase(layer, phase)), {}).get(algo)
         if per_image is None:
             return None
         seconds += per_image * layer.shape[0]

@@ -6,7 +6,10 @@ free at that step *after* every other decision of the step, and gives that memor
 after the kernel. "Fastest" comes from `rankings`, an explicit argument of the plan:
 {(x_shape, w_shape, stride, padding, phase): [algo, ...] fastest first}, measured on the GPU
 by `measure_rankings` inside the (still empty) training pool and kept on disk per GPU, triton
-and torch version and version of the conv kernels. A shape the rankings leave out takes the
+and torch version and version of the conv kernels. A conv with a bias computes the bias
+gradient in its weight-gradient pass, inside the GEMM or the split-K sum ("onepass",
+"splitk") or in launches of its own ("nhwc", "tma"), so that pass is ranked apart, under
+the phase BIAS_PHASE, timed with the bias gradient; a conv without one is timed without. A shape the rankings leave out takes the
 fixed preference order: least workspace first. A Runtime option pins the algorithms instead,
 which makes results bitwise comparable across policies (algorithms differ in summation
 order, never in math).
@@ -25,6 +28,8 @@ from ..kernels import conv as conv_k
 from ..ops import spec
 
 PHASES = ("forward", "backward_data", "backward_weight")
+# the rankings key's phase of the weight gradient of a conv with a bias (`ranked_phase`)
+BIAS_PHASE = "backward_weight+db"
 DEFAULT_ALGOS = {"forward": "implicit", "backward_data": "implicit", "backward_weight": "onepass"}
 
 
@@ -39,6 +44,35 @@ def net_geometries(net) -> list:
     """The distinct conv geometries of `net`, in layer order."""
     return list(dict.fromkeys(conv_geometry(layer) for layer in net.layers
                               if spec(layer).has_algorithms))
+
+
+def ranked_phase(layer, phase: str) -> str:
+    """The phase the rankings key `layer`'s `phase` under: BIAS_PHASE for the weight
+    gradient of a conv with a bias (timed summing the bias gradient, as its step does),
+    else `phase` (a weight gradient timed without one)."""
+    return BIAS_PHASE if phase == "backward_weight" and "bias" in layer.params else phase
+
+
+def kernel_phase(ranked: str) -> str:
+    """The conv phase a rankings key's phase (`ranked_phase`) launches."""
+    return "backward_weight" if ranked == BIAS_PHASE else ranked
+
+
+def with_bias_twins(times: dict) -> dict:
+    """Conv times (or rankings) of keys version 1 (`RANKINGS_VERSION`) keyed as today's: that
+    version timed every weight gradient with a bias gradient, so each of its
+    weight-gradient entries also serves under BIAS_PHASE (bench/predict.py plans such runs
+    again as they ran)."""
+    twins = {(*key[:-1], BIAS_PHASE): v for key, v in times.items()
+             if key[-1] == "backward_weight"}
+    return {**times, **twins}
+
+
+def net_keys(net) -> list:
+    """The distinct rankings keys (*geometry, ranked phase) of `net`'s convs, in layer order."""
+    return list(dict.fromkeys((*conv_geometry(layer), ranked_phase(layer, phase))
+                              for layer in net.layers if spec(layer).has_algorithms
+                              for phase in PHASES))
 
 
 def fixed_workspace(layer, phase: str) -> int:
@@ -60,12 +94,13 @@ def rebuild_workspace(layer, conv_algos) -> tuple:
 
 
 def ranking(geometry, phase: str, rankings=None) -> list:
-    """Algorithms for one conv phase, fastest first: from `rankings` when it has this shape,
-    else the fixed preference order (least workspace first, ties in the kernel module's order)."""
+    """Algorithms for one conv phase (a rankings key's: `ranked_phase`), fastest first: from
+    `rankings` when it has this shape, else the fixed preference order (least workspace
+    first, ties in the kernel module's order)."""
     measured = (rankings or {}).get((*geometry, phase))
     if measured is not None:
         return list(measured)
-    valid = conv_k.algos(*geometry, phase)
+    valid = conv_k.algos(*geometry, kernel_phase(phase))
     return sorted(valid, key=valid.get)
 
 
@@ -93,7 +128,7 @@ class AlgoChooser:
         for phase in phases:
             valid = conv_k.algos(*geometry, phase)
             if self.dynamic:
-                order = ranking(geometry, phase, self.rankings)
+                order = ranking(geometry, ranked_phase(layer, phase), self.rankings)
                 algo = next((a for a in order if valid.get(a, 1 << 62) <= free_bytes),
                             DEFAULT_ALGOS[phase])
             else:
@@ -109,7 +144,8 @@ def rankings_path(device, kind: str = "conv-rankings"):
     """The file that keeps conv rankings (`kind` "conv-times": the times they come from)
     measured on `device`'s GPU model with this triton, torch and TINYSN_AUTOTUNE setting
     and these conv kernels (`kernels_fingerprint`; measurements of other setups are not
-    mixed in), timed by today's timer (kernels/_common.TIMER_VERSION)."""
+    mixed in), timed by today's timer (kernels/_common.TIMER_VERSION) as today's keys mean
+    (`RANKINGS_VERSION`)."""
     import torch
     import triton
 
@@ -117,9 +153,13 @@ def rankings_path(device, kind: str = "conv-rankings"):
 
     gpu = "".join(c if c.isalnum() else "-" for c in torch.cuda.get_device_name(device))
     name = (f"{gpu}-triton{triton.__version__}-torch{torch.__version__}-autotune{int(TUNE)}"
-            f"-timer{TIMER_VERSION}-kernels{kernels_fingerprint()}.json")
+            f"-timer{TIMER_VERSION}-keys{RANKINGS_VERSION}-kernels{kernels_fingerprint()}.json")
     return cache.cache_dir() / kind / name
 
+
+# what a rankings key means: 2 since a conv with a bias has its weight gradient ranked apart
+# (BIAS_PHASE); files of version 1 timed every weight gradient with a bias gradient
+RANKINGS_VERSION = 2
 
 # the sources whose change can change a ranking: the conv kernels, their tile lists and the
 # algorithms offered per shape (kernels/conv.py), and how kernels are tuned and launched
@@ -173,7 +213,7 @@ def cached_rankings(net, device, kind: str = "conv-rankings"):
     """The rankings of every conv shape of `net` from the disk cache (`kind` "conv-times":
     each algorithm's measured seconds per image), or None when any is missing from either
     file (then `measure_rankings` must time them: the two are kept together)."""
-    wanted = [(*g, phase) for g in net_geometries(net) for phase in PHASES]
+    wanted = net_keys(net)
     tables = {k: load_rankings(rankings_path(device, k)) for k in ("conv-rankings", "conv-times")}
     if any(key not in table for table in tables.values() for key in wanted):
         return None
@@ -201,8 +241,9 @@ def measure_rankings(net, scratch, rep_ms: int = 8, progress: bool = True) -> di
     """
     path, times_path = rankings_path(scratch.device), rankings_path(scratch.device, "conv-times")
     stored, times = load_rankings(path), load_rankings(times_path)
-    todo = [g for g in net_geometries(net)                 # rankings kept without their times
-            if any((*g, ph) not in stored or (*g, ph) not in times for ph in PHASES)]
+    keys = net_keys(net)
+    todo = _by_geometry(k for k in keys              # rankings kept without their times
+                        if k not in stored or k not in times)
     if todo:
         print(f"tinysn: timing conv algorithms for {len(todo)} conv shapes, once per GPU model "
               f"(kept in {path})", file=sys.stderr, flush=True)
@@ -215,33 +256,42 @@ def measure_rankings(net, scratch, rep_ms: int = 8, progress: bool = True) -> di
         save_rankings(path, measured)
         save_rankings(times_path, seconds)
         stored.update(measured)
-    return {key: _KEPT.setdefault((str(path), key), stored[key])
-            for key in ((*g, ph) for g in net_geometries(net) for ph in PHASES)
+    return {key: _KEPT.setdefault((str(path), key), stored[key]) for key in keys
             if key in stored}
 
 
-def _compile_all(geometries, scratch, progress) -> None:
-    """Compile every algorithm's kernels (every autotuning config) for `geometries` at once,
-    on a thread pool: cold, compilation is most of the ranking's time."""
+def _by_geometry(keys) -> dict:
+    """{geometry: [ranked phases]} of rankings keys, in their order."""
+    out = {}
+    for *geometry, phase in keys:
+        out.setdefault(tuple(geometry), []).append(phase)
+    return out
+
+
+def _compile_all(todo, scratch, progress) -> None:
+    """Compile every algorithm's kernels (every autotuning config) for `todo` ({geometry:
+    [ranked phases]}) at once, on a thread pool: cold, compilation is most of the ranking's
+    time."""
     from tqdm import tqdm
 
     from ..kernels._common import compiling_in_parallel
 
     with compiling_in_parallel():
-        for g in tqdm(geometries, desc="compiling conv kernels", unit="shape",
-                      file=sys.stderr, disable=not progress):
-            _time_geometry(g, scratch, 0, compile_only=True)
+        for g, phases in tqdm(todo.items(), desc="compiling conv kernels", unit="shape",
+                              file=sys.stderr, disable=not progress):
+            _time_geometry(g, phases, scratch, 0, compile_only=True)
 
 
-def _time_all(geometries, scratch, rep_ms, progress) -> tuple:
+def _time_all(todo, scratch, rep_ms, progress) -> tuple:
     """({(*geometry, phase): algorithms fastest first}, {(*geometry, phase): {algorithm:
-    seconds per image}}) for `geometries`, timed one by one (at the batch each fits)."""
+    seconds per image}}) for `todo` ({geometry: [ranked phases]}), timed one by one (at the
+    batch each fits)."""
     from tqdm import tqdm
 
     seconds = {}
-    for g in tqdm(geometries, desc="conv rankings", unit="shape", file=sys.stderr,
-                  disable=not progress):
-        timed, batch = _time_geometry(g, scratch, rep_ms)
+    for g, phases in tqdm(todo.items(), desc="conv rankings", unit="shape", file=sys.stderr,
+                          disable=not progress):
+        timed, batch = _time_geometry(g, phases, scratch, rep_ms)
         for phase, times in timed.items():
             seconds[(*g, phase)] = {algo: ms / 1e3 / batch for algo, ms in times.items()}
     return rankings_of(seconds), seconds
@@ -283,9 +333,11 @@ def timing_geometry(geometry, capacity: int, block_bytes: int = 1024):
     return (n, *x[1:]), w, s, p
 
 
-def _time_geometry(geometry, scratch, rep_ms, compile_only=False) -> tuple:
-    """({phase: {algo: ms}}, the batch timed) for one conv geometry, timed on a sub-arena
-    over `scratch` (at its full batch or the largest halved one that fits there); with
+def _time_geometry(geometry, phases, scratch, rep_ms, compile_only=False) -> tuple:
+    """({phase: {algo: ms}}, the batch timed) for one conv geometry's ranked `phases`
+    (`ranked_phase`: BIAS_PHASE's weight gradient sums a bias gradient, "backward_weight"'s
+    none), timed on a sub-arena over `scratch` (at its full batch or the largest halved one
+    that fits there); with
     `compile_only` each algorithm is launched once inside `compiling_in_parallel` (its
     kernels compile on the thread pool) and nothing is timed."""
     import torch
@@ -308,13 +360,16 @@ def _time_geometry(geometry, scratch, rep_ms, compile_only=False) -> tuple:
         "backward_data": lambda algo, ws: conv_k.backward_data(
             t["dy"], t["w"], t["dx"], stride=stride, padding=padding, algo=algo, workspace=ws),
         "backward_weight": lambda algo, ws: conv_k.backward_weight(
+            t["x"], t["dy"], t["dw"], None, stride=stride, padding=padding, algo=algo,
+            workspace=ws),
+        BIAS_PHASE: lambda algo, ws: conv_k.backward_weight(
             t["x"], t["dy"], t["dw"], t["db"], stride=stride, padding=padding, algo=algo,
             workspace=ws),
     }
     times = {}
-    for phase in PHASES:
+    for phase in phases:
         times[phase] = {}
-        for algo, size in conv_k.algos(*g, phase).items():
+        for algo, size in conv_k.algos(*g, kernel_phase(phase)).items():
             if size > arena.allocator.largest_free:
                 continue
             block = arena.alloc(size) if size else None

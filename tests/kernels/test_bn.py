@@ -2,7 +2,7 @@
 import pytest
 import torch
 import torch.nn.functional as F
-from hypothesis import HealthCheck, assume, given, settings, strategies as st
+from hypothesis import HealthCheck, assume, example, given, settings, strategies as st
 
 import tinysn  # noqa: F401  (interpreter switch before triton)
 import triton  # noqa: E402
@@ -91,11 +91,28 @@ def _check(shape, seed=0, device="cpu", accumulate=False, update_running=True, g
     bn.backward(x, gamma, dy, saved, dx, dgamma, dbeta,
                 _workspace(shape, "backward", device, ws_dtype), accumulate=accumulate)
     if want_dx:
-        torch.testing.assert_close(dx.double(), ref_dx, rtol=tol, atol=xtol * 4)
+        err = (dx.double() - ref_dx).abs()
+        allowed = tol * ref_dx.abs() + xtol * 4 + tol * _dx_terms(xd, gd, dy.double(), mean, var)
+        assert bool((err <= allowed).all()), \
+            f"dx off by {float((err - allowed).max()):.3g} beyond the float32 bound"
     if want_p:
         torch.testing.assert_close(dbeta.double(), bd.grad, rtol=tol, atol=tol)
         torch.testing.assert_close(dgamma.double(), gd.grad, rtol=tol, atol=xtol * red ** 0.5)
     return y, saved, rmean, rvar, dx, dgamma, dbeta
+
+
+def _dx_terms(xd, gd, dyd, mean, var):
+    """|gamma inv_std / n| (n |dy| + |dbeta| + |xhat dgamma|) per element, in float64: the
+    size of the terms of dx = gamma inv_std / n (n dy - dbeta - xhat dgamma). float32 gets dx
+    to a few ulps of these, not of dx: where they cancel (two values a channel, far from
+    each other next to eps, leave 1 - xhat^2 = eps / (var + eps)) dx is much smaller."""
+    n = xd.numel() // xd.shape[1]
+    per = lambda v: v.view(1, -1, 1, 1)  # noqa: E731
+    xhat = (xd.detach() - per(mean)) / per(torch.sqrt(var + 1e-5))
+    dbeta = dyd.sum((0, 2, 3))
+    dgamma = (dyd * xhat).sum((0, 2, 3))
+    scale = per((gd.detach() / torch.sqrt(var + 1e-5) / n).abs())
+    return scale * (n * dyd.abs() + per(dbeta.abs()) + (xhat * per(dgamma)).abs())
 
 
 shapes = st.tuples(st.integers(1, 4), st.integers(1, 7), st.integers(1, 9), st.integers(1, 9))
@@ -103,6 +120,8 @@ shapes = st.tuples(st.integers(1, 4), st.integers(1, 7), st.integers(1, 9), st.i
 
 @settings(max_examples=60, deadline=None,
           suppress_health_check=[HealthCheck.function_scoped_fixture])   # `form`: per test
+@example(shape=(2, 5, 1, 1), seed=5, accumulate=False, update_running=False, grads="all",
+         ws_dtype=torch.uint8)      # dx's terms cancel: a bound on dx alone failed it
 @given(shape=shapes, seed=st.integers(0, 2**16), accumulate=st.booleans(),
        update_running=st.booleans(), grads=st.sampled_from(["all", "dx", "params"]),
        ws_dtype=st.sampled_from([torch.uint8, torch.float32]))

@@ -112,6 +112,14 @@ EARLIER_T = [conv._with(cfg(*c[:6]), FLAT=c[6]) for c in [
 ]]
 
 
+def reg_a(configs) -> list:
+    """`configs` with the forward's x tile or the "transposed" data gradient's dY tile taken
+    by the wgmma from registers (conv's REG_A: an add of +0.0 between its load and the dot),
+    so that it keeps its own layout on the way: 16-byte loads, where shared memory in the
+    K-major order TF32 needs takes it 4 bytes at a time."""
+    return [conv._with(c, REG_A=True) for c in configs]
+
+
 def one_stage(configs) -> list:
     """`configs` again unpipelined (num_stages=1). Where an operand's contiguous axis is not
     its reduction axis (the NCHW pixels of the forward's and the "transposed" data gradient's
@@ -225,7 +233,8 @@ def tuners() -> dict:
         "data_implicit": (conv._conv_bwd_data, conv._DATA_CONFIGS, data, ("data_implicit",)),
         "data_transposed": (conv._conv_bwd_data_t, conv._T_CONFIGS,
                             candidates(conv._T_CONFIGS, data_t + EARLIER_T
-                                       + one_stage(conv._T_CONFIGS + EARLIER_T)),
+                                       + one_stage(conv._T_CONFIGS + EARLIER_T)
+                                       + reg_a(conv._T_CONFIGS + EARLIER_T)),
                             ("data_transposed",)),
         "weight": (conv._conv_bwd_weight, conv._WGT_CONFIGS,
                    candidates(conv._WGT_CONFIGS, EXTRA_WGT + TAP_WGT),
@@ -239,16 +248,32 @@ def tuners() -> dict:
     }
 
 
-def selection(names, kernel_size=None) -> tuple:
-    """(tuners, shapes) one run sweeps: the autotuners named in `names` (comma-separated) over
-    the shapes of one kernel size (None: every shape). ValueError names an unknown tuner or a
-    kernel size no shape has."""
-    every = tuners()
+def short_sweeps() -> dict:
+    """Narrow sweeps of one tuner, named like `tuners()`'s entries: today's list beside one
+    change to it (the "..._reg_a" ones: the same configs with REG_A)."""
+    return {"data_transposed_reg_a": (conv._conv_bwd_data_t, conv._T_CONFIGS,
+                                      candidates(conv._T_CONFIGS, reg_a(conv._T_CONFIGS)),
+                                      ("data_transposed",)),
+            "forward_reg_a": (conv._conv_fwd, conv._FWD_CONFIGS,
+                              candidates(conv._FWD_CONFIGS, reg_a(conv._FWD_CONFIGS)),
+                              ("forward",))}
+
+
+# ResNet-50's conv shapes among SHAPES (its 3x3 convs at 56, 28, 14 and 7 pixels, its 1x1 ones)
+RESNET50 = [s for s in SHAPES if s[3] == 1 or (s[0] == s[1] and s[0] * s[2] == 64 * 56)]
+
+
+def selection(names, kernel_size=None, resnet50=False) -> tuple:
+    """(tuners, shapes) one run sweeps: the autotuners named in `names` (comma-separated; a
+    `short_sweeps` name too) over the shapes of one kernel size (None: every shape), of
+    ResNet-50's alone where `resnet50`. ValueError names an unknown tuner or a kernel size
+    no shape has."""
+    every = {**tuners(), **short_sweeps()}
     wanted = names.split(",")
     unknown = [n for n in wanted if n not in every]
     if unknown:
         raise ValueError(f"unknown tuner {', '.join(unknown)} (tuners: {', '.join(every)})")
-    shapes = [s for s in SHAPES if kernel_size in (None, s[3])]
+    shapes = [s for s in (RESNET50 if resnet50 else SHAPES) if kernel_size in (None, s[3])]
     if not shapes:
         raise ValueError(f"no shape has kernel size {kernel_size} "
                          f"(sizes: {', '.join(str(r) for r in sorted({s[3] for s in SHAPES}))})")
@@ -456,6 +481,7 @@ def main():
                             "weight_tma",
                     help="the autotuners to sweep (comma-separated)")
     ap.add_argument("--kernel-size", type=int, help="only the shapes of this kernel size")
+    ap.add_argument("--resnet50", action="store_true", help="only ResNet-50's shapes")
     args = ap.parse_args()
     if args.pick:
         try:
@@ -467,7 +493,7 @@ def main():
             common.write(args.out, {"sweeps": args.pick, "picks": picks})
         return 0
     try:
-        tuned, shapes = selection(args.tuners, args.kernel_size)
+        tuned, shapes = selection(args.tuners, args.kernel_size, args.resnet50)
     except ValueError as err:
         ap.error(str(err))
     if not torch.cuda.is_available():

@@ -48,7 +48,10 @@ def test_the_pixel_major_kernels_are_also_swept_unpipelined():
     for name, (_, today, cands, _) in tuned.items():
         single = {(str(c.kwargs), c.num_warps) for c in cands if c.num_stages == 1}
         if name in earlier:          # today's tiles and the earlier list's, in one stage
-            assert single == {(str(c.kwargs), c.num_warps) for c in today + earlier[name]}, name
+            expected = today + earlier[name]
+            if name == "data_transposed":   # and the one-stage ones with dY from registers
+                expected += [c for c in conv_configs.reg_a(expected) if c.num_stages == 1]
+            assert single == {(str(c.kwargs), c.num_warps) for c in expected}, name
         else:
             assert not single, name
 
@@ -82,6 +85,13 @@ def test_a_run_selects_tuners_and_kernel_sizes_and_names_what_does_not_exist():
     assert len(shapes) == sum(s[3] == 3 for s in conv_configs.SHAPES)
     tuned, shapes = conv_configs.selection("forward,data_implicit")
     assert list(tuned) == ["forward", "data_implicit"] and shapes == conv_configs.SHAPES
+    tuned, shapes = conv_configs.selection("data_transposed_reg_a", resnet50=True)
+    _, today, cands, _ = tuned["data_transposed_reg_a"]
+    names = [str(c) for c in cands]
+    assert names[:len(today)] == [str(c) for c in today] and len(set(names)) == len(names)
+    assert {str(c) for c in conv_configs.reg_a(today)} <= set(names)
+    assert all(c.kwargs.get("REG_A") for c in cands[len(today):])     # the twins alone
+    assert len(shapes) == 12 and (512, 512, 7, 3) in shapes and (64, 64, 224, 3) not in shapes
     with pytest.raises(ValueError, match="unknown tuner wieght"):
         conv_configs.selection("weight,wieght")
     with pytest.raises(ValueError, match="no shape has kernel size 5"):
@@ -165,19 +175,18 @@ def test_a_joint_pick_takes_only_what_every_file_timed():
         ["BLOCK_M: 64, num_stages: 1"], [{"ms": [2.0]}, {"ms": [2.0]}])
 
 
-def test_the_h200_and_h100_sweeps_together_pick_the_lists_conv_py_holds(capsys):
-    """The forward and "transposed" lists are those two sweeps' joint pick (conv.py says so),
-    each GPU's times divided by its own cuDNN total."""
-    sweeps = [conv_configs.sweep_file(f"bench/results/conv-configs-one-stage-NVIDIA-{gpu}.json")
-              for gpu in ("H200", "H100-80GB-HBM3")]
-    counts = {"forward": len(conv._FWD_CONFIGS), "data_transposed": len(conv._T_CONFIGS)}
-    picks = conv_configs.pick_jointly(sweeps, counts)
-    for tuner, today in (("forward", conv._FWD_CONFIGS), ("data_transposed", conv._T_CONFIGS)):
-        assert list(map(conv_configs.config_key, picks[tuner])) == \
+def test_the_h100_sweep_with_dy_and_x_from_registers_picks_the_lists_conv_py_holds(capsys):
+    """The forward and "transposed" lists are the greedy pick of the H100's sweep of the lists
+    before them beside the same configs with REG_A (conv.py says so)."""
+    sweep = conv_configs.sweep_file("bench/results/conv-configs-reg-a-NVIDIA-H100-80GB-HBM3.json")
+    for tuner, today in (("forward_reg_a", conv._FWD_CONFIGS),
+                         ("data_transposed_reg_a", conv._T_CONFIGS)):
+        names = sweep["candidates"][tuner]
+        rows = [r for r in sweep["rows"] if r["tuner"] == tuner]
+        pick = [names[i] for i in conv_configs.greedy(rows, len(today))]
+        assert list(map(conv_configs.config_key, pick)) == \
             [conv_configs.config_key(str(c)) for c in today]
-    out = capsys.readouterr().out
-    assert "NVIDIA H200: pick 4.299 ms, today's list 4.299 ms" in out
-    assert "NVIDIA H100 80GB HBM3: pick 4.197 ms, today's list 4.197 ms" in out
+        assert any(c.kwargs.get("REG_A") for c in today)
 
 
 def test_a_sweep_on_another_gpu_can_take_back_the_lists_before():

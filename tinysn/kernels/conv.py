@@ -471,20 +471,25 @@ def _with(cfg, **flags):
 # (conv_configs.one_stage); with them in the sweep the forward list's best-per-shape total
 # fell from 4.62 to 4.30 ms and the "transposed" data gradient's from 4.07 to 3.56
 # (results/conv-configs-one-stage-NVIDIA-H200.json; cuDNN 2.91 and 3.03). These two lists
-# are picked over the H200's and the H100's sweeps together (bench/conv_configs.py --pick,
-# each GPU's times divided by its cuDNN total): forward 4.30 / 4.20 ms on the two, data
-# gradient 3.56 / 3.63 (cuDNN 3.18 / 3.36 on the H100).
+# were then picked over the H200's and the H100's sweeps together (bench/conv_configs.py
+# --pick, each GPU's times divided by its cuDNN total), and are now the H100's greedy pick
+# of that joint list beside the same configs with REG_A (the NCHW pixel operand handed to
+# the wgmma from registers: `_tap_chunk`; conv_configs.short_sweeps,
+# results/conv-configs-reg-a-NVIDIA-H100-80GB-HBM3.json): over the 17 shapes the forward's
+# best-per-shape total went from 4.283 to 4.244 ms and the data gradient's from 3.614 to
+# 3.601 (cuDNN 3.218 and 3.390), over ResNet-50's 12 from 0.702 to 0.676 and 0.655 to
+# 0.643 (cuDNN 0.564 and 0.596): REG_A wins on 1x1 shapes and loses on 3x3 ones.
 # forward: M = output pixels (large), N = output channels (64..512); also the "flipped" data
 # gradient
 _FWD_CONFIGS = [
-    _cfg(128, 128, 16, 8, 5, True),
+    _with(_cfg(128, 128, 16, 8, 5, True), REG_A=True),
     _cfg(128, 256, 32, 8, 4, False),
     _cfg(128, 64, 32, 4, 1, True),
+    _cfg(64, 128, 32, 4, 4, False),
     _cfg(64, 256, 32, 8, 4, True),
     _cfg(64, 128, 64, 4, 1, True),
-    _cfg(64, 128, 32, 4, 4, False),
     _cfg(64, 128, 64, 4, 4, True),
-    _cfg(64, 256, 32, 8, 1, True),
+    _with(_cfg(64, 256, 32, 8, 4, True), REG_A=True),
 ]
 # backward_data: M = input pixels, N = input channels ("implicit"; the same sweep's pick:
 # 16% less time than the earlier hand-picked list)
@@ -617,7 +622,8 @@ def _conv_fwd_kernel(x_ptr, w_ptr, b_ptr, y_ptr, m_ptr,
                      HAS_BIAS: tl.constexpr, ACCUMULATE: tl.constexpr, PRECISION: tl.constexpr,
                      BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                      GROUP_M: tl.constexpr, PIX: tl.constexpr, RELU: tl.constexpr = False,
-                     MASK: tl.constexpr = False, Y_NHWC: tl.constexpr = False):
+                     MASK: tl.constexpr = False, Y_NHWC: tl.constexpr = False,
+                     REG_A: tl.constexpr = False):
     """Y[(n,p,q), k] (+)= sum_(c,r,s) X[n, c, p*SH-PH+r, q*SW-PW+s] * W[k, c, r, s] (+ b[k]),
     then max(Y, 0) where RELU (a ReLU fused into the conv; never with ACCUMULATE), or 0 where
     MASK and m_ptr's element at Y's place is <= 0 (a ReLU's backward fused into a data
@@ -632,7 +638,9 @@ def _conv_fwd_kernel(x_ptr, w_ptr, b_ptr, y_ptr, m_ptr,
     each chunk's start a known multiple of 64 (the weight loads stay 16 bytes wide).
 
     The gathered x tile is [BLOCK_K, BLOCK_M] with the pixel axis fast; the weight tile is
-    [BLOCK_N, BLOCK_K], read along (c,r,s), its contiguous axis (16-byte loads). Addresses: one
+    [BLOCK_N, BLOCK_K], read along (c,r,s), its contiguous axis (16-byte loads). REG_A: the x
+    tile reaches the wgmma from registers (as the "transposed" data gradient's dY tile:
+    `_tap_chunk`). Addresses: one
     64-bit base per program (its first image), 32-bit offsets inside the tile. Spatial sizes
     are compile-time constants (divisions by them become multiplications).
     """
@@ -688,7 +696,10 @@ def _conv_fwd_kernel(x_ptr, w_ptr, b_ptr, y_ptr, m_ptr,
         a = tl.load(a_ptrs, mask=a_mask, other=0.0)                          # [BK, BM]
         bt = tl.load(w_ptr + (w_n[:, None] + offs_k[None, :]),
                      mask=n_ok[:, None] & k_ok[None, :], other=0.0)          # [BN, BK]
-        acc = tl.dot(tl.trans(a), tl.trans(bt), acc, input_precision=PRECISION)
+        a = tl.trans(a)
+        if REG_A:
+            a = a + 0.0
+        acc = tl.dot(a, tl.trans(bt), acc, input_precision=PRECISION)
 
     if HAS_BIAS:
         acc += tl.load(b_ptr + offs_n, mask=n_ok, other=0.0)[None, :]
@@ -719,8 +730,10 @@ def _conv_fwd_kernel(x_ptr, w_ptr, b_ptr, y_ptr, m_ptr,
 # keyed on the chunk length too: the split-K forward's best tile may differ from the plain one
 _FWD_KEY = _KEY + ["CHUNK_BLOCKS"]
 _conv_fwd = _autotune(_FWD_CONFIGS, _FWD_KEY, _fwd_macs)(_conv_fwd_kernel)
-# the "flipped" data gradient's accumulating launch (the autotuner restores dx after timing)
-_conv_fwd_acc = _autotune(_FWD_CONFIGS, _FWD_KEY, _fwd_macs, restore=["y_ptr"])(_conv_fwd_kernel)
+# the "flipped" data gradient's accumulating launch (the autotuner restores dx after timing;
+# under the interpreter its x tile goes through registers, REG_A, so the CPU tests cover both)
+_conv_fwd_acc = _autotune(_FWD_CONFIGS, _FWD_KEY, _fwd_macs, restore=["y_ptr"],
+                          interp=_with(_INTERP_FWD, REG_A=True))(_conv_fwd_kernel)
 assert all(_FWD_CHUNK_QUANTUM % c.kwargs["BLOCK_K"] == 0 for c in _FWD_CONFIGS + [_INTERP_FWD])
 
 
@@ -995,15 +1008,25 @@ def _tap_rows(tu, dy_m, p_m, q_m, m_ok, wt_ptr, rho, sig, SH, SW, UC, CK,
 
 @triton.jit
 def _tap_chunk(acc, dy_base, a_m, row_ok, b_base, wt_n, n_ok, k0, K, PQ: tl.constexpr,
-               PRECISION: tl.constexpr, BLOCK_K: tl.constexpr):
-    """acc += dY[rows, k0:k0+BLOCK_K] @ wT[tap, cols, k0:k0+BLOCK_K]^T (k >= K masked)."""
+               PRECISION: tl.constexpr, BLOCK_K: tl.constexpr, REG_A: tl.constexpr):
+    """acc += dY[rows, k0:k0+BLOCK_K] @ wT[tap, cols, k0:k0+BLOCK_K]^T (k >= K masked).
+
+    REG_A: the dY tile passes through an add of +0.0 on its way to the dot. Triton gives a
+    wgmma an operand loaded straight from memory from shared memory, which for TF32 must be
+    K-major, so the pipelined configs copy this tile (contiguous along the pixels, not k)
+    there 4 bytes at a time (LDGSTS.E); a computed operand the wgmma takes from registers,
+    and the copy can then keep the tile's own layout, 16 bytes at a time (bench/sass.py).
+    The add turns -0.0 into +0.0, which changes no sum but one of zeros."""
     offs_k = k0 + tl.arange(0, BLOCK_K)
     k_ok = offs_k < K
     a = tl.load(dy_base + (a_m[None, :] + (offs_k * PQ)[:, None]),
                 mask=k_ok[:, None] & row_ok[None, :], other=0.0)            # [BK, BM]
     b = tl.load(b_base + (wt_n[None, :] + offs_k[:, None]),
                 mask=k_ok[:, None] & n_ok[None, :], other=0.0)              # [BK, BN]
-    return tl.dot(tl.trans(a), b, acc, input_precision=PRECISION)
+    a = tl.trans(a)
+    if REG_A:
+        a = a + 0.0
+    return tl.dot(a, b, acc, input_precision=PRECISION)
 
 
 @triton.jit
@@ -1015,7 +1038,7 @@ def _conv_bwd_data_t_kernel(dy_ptr, wt_ptr, dx_ptr, m_ptr,
                             PRECISION: tl.constexpr,
                             BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                             GROUP_M: tl.constexpr, PIX: tl.constexpr, FLAT: tl.constexpr,
-                            MASK: tl.constexpr = False):
+                            MASK: tl.constexpr = False, REG_A: tl.constexpr = False):
     """dX[(n,h,w), c] (+)= sum_(t,u) sum_k dY[n, k, p_m - t, q_m - u] * wT[r, s, c, k].
 
     The residue classes, rows and the dx store are those of _conv_bwd_data_kernel (grid axis 1
@@ -1066,14 +1089,14 @@ def _conv_bwd_data_t_kernel(dy_ptr, wt_ptr, dx_ptr, m_ptr,
             a_m, row_ok, b_base = _tap_rows(tu, dy_m, p_m, q_m, m_ok, wt_ptr, rho, sig, SH, SW,
                                             UC, CK, P, Q, S, IS_1X1, PIX, BLOCK_M)
             acc = _tap_chunk(acc, dy_base, a_m, row_ok, b_base, wt_n, n_ok,
-                             (step - tu * KCH) * BLOCK_K, K, PQ, PRECISION, BLOCK_K)
+                             (step - tu * KCH) * BLOCK_K, K, PQ, PRECISION, BLOCK_K, REG_A)
     else:
         for tu in range(0, TU):
             a_m, row_ok, b_base = _tap_rows(tu, dy_m, p_m, q_m, m_ok, wt_ptr, rho, sig, SH, SW,
                                             UC, CK, P, Q, S, IS_1X1, PIX, BLOCK_M)
             for k0 in range(0, K, BLOCK_K):
                 acc = _tap_chunk(acc, dy_base, a_m, row_ok, b_base, wt_n, n_ok, k0, K, PQ,
-                                 PRECISION, BLOCK_K)
+                                 PRECISION, BLOCK_K, REG_A)
 
     _store_dx(acc, dx_ptr, m_ptr, img0, dimg, ij, i, j, h0, w0, offs_n, m_ok, n_ok, C, SH, SW,
               H, W, STRIDE1, ACCUMULATE, BLOCK_M, MASK)
@@ -1081,24 +1104,25 @@ def _conv_bwd_data_t_kernel(dy_ptr, wt_ptr, dx_ptr, m_ptr,
 
 # "transposed": the sweep's pick among the data configs, each as nested and as flat loop,
 # and as one stage (above)
-_T_CONFIGS = [_with(_cfg(*c[:6]), FLAT=c[6]) for c in [
+_T_CONFIGS = [_with(_cfg(*c[:6]), FLAT=c[6], **({"REG_A": True} if c[7:] else {})) for c in [
     (128, 64, 32, 4, 1, True, True),
-    (64, 256, 32, 8, 4, True, False),
-    (256, 128, 32, 8, 3, True, True),
-    (64, 128, 64, 4, 1, True, False),
-    (64, 128, 64, 4, 4, True, True),
     (64, 256, 32, 8, 4, True, True),
-    (64, 64, 32, 4, 1, False, False),
-    (64, 256, 32, 8, 1, True, False),
+    (128, 64, 32, 4, 1, True, True, "REG_A"),
+    (256, 128, 32, 8, 3, True, True),
+    (64, 128, 64, 4, 4, True, True),
+    (64, 256, 32, 8, 4, True, False, "REG_A"),
+    (64, 256, 32, 8, 4, True, False),
+    (64, 128, 64, 4, 4, True, True, "REG_A"),
 ]]
 # under the interpreter BLOCK_K = 16 lets the CPU tests reach the k-chunk tail with small K,
-# and the plain launch runs the nested loop, the accumulating one the flat loop, so the CPU
-# tests cover both forms
+# and the plain launch runs the nested loop, the accumulating one the flat loop with dY
+# through registers (REG_A), so the CPU tests cover both forms
 _T_INTERP = _cfg(128, 32, 16, 1, 1, group_m=2)
 _conv_bwd_data_t = _autotune(_T_CONFIGS, _KEY, _bwd_data_macs,
                              interp=_with(_T_INTERP, FLAT=False))(_conv_bwd_data_t_kernel)
 _conv_bwd_data_t_acc = _autotune(_T_CONFIGS, _KEY, _bwd_data_macs, restore=["dx_ptr"],
-                                 interp=_with(_T_INTERP, FLAT=True))(_conv_bwd_data_t_kernel)
+                                 interp=_with(_T_INTERP, FLAT=True, REG_A=True))(
+    _conv_bwd_data_t_kernel)
 
 
 # --------------------------------------------------------------------------------------------

@@ -113,10 +113,9 @@ EARLIER_T = [conv._with(cfg(*c[:6]), FLAT=c[6]) for c in [
 
 
 def reg_a(configs) -> list:
-    """`configs` with the forward's x tile or the "transposed" data gradient's dY tile taken
-    by the wgmma from registers (conv's REG_A: an add of +0.0 between its load and the dot),
-    so that it keeps its own layout on the way: 16-byte loads, where shared memory in the
-    K-major order TF32 needs takes it 4 bytes at a time."""
+    """`configs` with conv's REG_A: the forward's x tile or the "transposed" data gradient's
+    dY tile reaches the wgmma from registers instead of shared memory (an add of +0.0
+    between its load and the dot; conv._tap_chunk says what that changes in the SASS)."""
     return [conv._with(c, REG_A=True) for c in configs]
 
 

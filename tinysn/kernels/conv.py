@@ -1011,12 +1011,15 @@ def _tap_chunk(acc, dy_base, a_m, row_ok, b_base, wt_n, n_ok, k0, K, PQ: tl.cons
                PRECISION: tl.constexpr, BLOCK_K: tl.constexpr, REG_A: tl.constexpr):
     """acc += dY[rows, k0:k0+BLOCK_K] @ wT[tap, cols, k0:k0+BLOCK_K]^T (k >= K masked).
 
-    REG_A: the dY tile passes through an add of +0.0 on its way to the dot. Triton gives a
-    wgmma an operand loaded straight from memory from shared memory, which for TF32 must be
-    K-major, so the pipelined configs copy this tile (contiguous along the pixels, not k)
-    there 4 bytes at a time (LDGSTS.E); a computed operand the wgmma takes from registers,
-    and the copy can then keep the tile's own layout, 16 bytes at a time (bench/sass.py).
-    The add turns -0.0 into +0.0, which changes no sum but one of zeros."""
+    REG_A: the dY tile passes through an add of +0.0 on its way to the dot, so the wgmma
+    takes it from registers: Triton gives a wgmma an operand loaded straight from memory
+    from shared memory, K-major for TF32, which the pipelined configs fill 4 bytes at a
+    time (LDGSTS.E) as the tile is contiguous along the pixels, not k. In the SASS
+    (bench/sass.py, triton 3.6) the one-stage REG_A configs then also store dx 16 bytes at
+    a time instead of 4; the pipelined ones still copy the tile 4 bytes at a time. Which is
+    faster depends on the shape (bench/conv_configs.py's reg_a sweeps: on the H100 the 1x1
+    layers gained, the 3x3 ones lost). The add turns -0.0 into +0.0, which changes no sum
+    but one of zeros."""
     offs_k = k0 + tl.arange(0, BLOCK_K)
     k_ok = offs_k < K
     a = tl.load(dy_base + (a_m[None, :] + (offs_k * PQ)[:, None]),

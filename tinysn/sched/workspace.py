@@ -9,10 +9,10 @@ by `measure_rankings` inside the (still empty) training pool and kept on disk pe
 and torch version and version of the conv kernels. A conv with a bias computes the bias
 gradient in its weight-gradient pass, inside the GEMM or the split-K sum ("onepass",
 "splitk") or in launches of its own ("nhwc", "tma"), so that pass is ranked apart, under
-the phase BIAS_PHASE, timed with the bias gradient; a conv without one is timed without. A shape the rankings leave out takes the
-fixed preference order: least workspace first. A Runtime option pins the algorithms instead,
-which makes results bitwise comparable across policies (algorithms differ in summation
-order, never in math).
+the phase BIAS_PHASE, timed with the bias gradient; a conv without one is timed without. A
+shape the rankings leave out takes the fixed preference order: least workspace first. A
+Runtime option pins the algorithms instead, which makes results bitwise comparable across
+policies (algorithms differ in summation order, never in math).
 
 Other layers' workspaces (batch-norm partial sums, the loss reduction) are fixed sizes.
 """

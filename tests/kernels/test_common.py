@@ -149,7 +149,7 @@ def test_compile_only_launch_compiles_a_known_pick_alone(monkeypatch, tmp_path):
         return (triton.cdiv(100, meta["BLOCK"]),)
     _common._compile_configs(tuner, grid, args, {})
     assert compiled == [16, 32, 64]
-    key = (id(tuner), _common._tuning_key(tuner, args, {}))
+    key = _common._launch_tuning_key(tuner, args, {})
     monkeypatch.setitem(_common._BY_TUNING_KEY, key, configs[1])
     compiled.clear()
     _common._compile_configs(tuner, grid, args, {})

@@ -497,7 +497,7 @@ def _compile_configs(tuner, grid, args, kwargs) -> None:
     one config of each such variant, not all of them."""
     if len(tuner.configs) < 2:
         configs = tuner.configs
-    elif (known := _known_config(tuner, args, kwargs)) is not None:
+    elif (known := _known_config(tuner, _launch_tuning_key(tuner, args, kwargs))) is not None:
         configs = [known]
     elif getattr(tuner, "config_hook", None) is None:
         tuner.warmup(*args, grid=grid, **kwargs)
@@ -519,20 +519,25 @@ def _first_launch(tuner, grid, args, kwargs):
     if len(tuner.configs) < 2:
         tuner[grid](*args, **kwargs)
         return getattr(tuner, "best_config", None), True
-    cfg = _known_config(tuner, args, kwargs)
+    tkey = _launch_tuning_key(tuner, args, kwargs)
+    cfg = _known_config(tuner, tkey)
     if cfg is not None:
         return cfg, False
     tuner[grid](*args, **kwargs)
-    tkey = (id(tuner), _tuning_key(tuner, args, kwargs))
     cfg = _BY_TUNING_KEY[tkey] = tuner.best_config
     cache.store("autotune", _disk_key(tuner, tkey[1]), _config_fields(cfg))
     return cfg, True
 
 
-def _known_config(tuner, args, kwargs):
-    """The config a launch's tuning key has without tuning: this process's pick, else the
-    disk cache's (then remembered for the process); None where it is still to be tuned."""
-    tkey = (id(tuner), _tuning_key(tuner, args, kwargs))
+def _launch_tuning_key(tuner, args, kwargs) -> tuple:
+    """A launch's key in _BY_TUNING_KEY: the tuner and its tuning key (`_tuning_key`)."""
+    return id(tuner), _tuning_key(tuner, args, kwargs)
+
+
+def _known_config(tuner, tkey):
+    """The config a launch's key (`_launch_tuning_key`) has without tuning: this process's
+    pick, else the disk cache's (then remembered for the process); None where it is still
+    to be tuned."""
     cfg = _BY_TUNING_KEY.get(tkey)
     if cfg is None:
         stored = cache.lookup("autotune", _disk_key(tuner, tkey[1]))

@@ -115,7 +115,7 @@ EARLIER_T = [conv._with(cfg(*c[:6]), FLAT=c[6]) for c in [
 def reg_a(configs) -> list:
     """`configs` with conv's REG_A: the forward's x tile or the "transposed" data gradient's
     dY tile reaches the wgmma from registers instead of shared memory (an add of +0.0
-    between its load and the dot; conv._tap_chunk says what that changes in the SASS)."""
+    between its load and the dot; conv._pixel_operand says what that changes in the SASS)."""
     return [conv._with(c, REG_A=True) for c in configs]
 
 

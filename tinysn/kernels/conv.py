@@ -474,7 +474,7 @@ def _with(cfg, **flags):
 # were then picked over the H200's and the H100's sweeps together (bench/conv_configs.py
 # --pick, each GPU's times divided by its cuDNN total), and are now the H100's greedy pick
 # of that joint list beside the same configs with REG_A (the NCHW pixel operand handed to
-# the wgmma from registers: `_tap_chunk`; conv_configs.short_sweeps,
+# the wgmma from registers: `_pixel_operand`; conv_configs.short_sweeps,
 # results/conv-configs-reg-a-NVIDIA-H100-80GB-HBM3.json): over the 17 shapes the forward's
 # best-per-shape total went from 4.283 to 4.244 ms and the data gradient's from 3.614 to
 # 3.601 (cuDNN 3.218 and 3.390), over ResNet-50's 12 from 0.702 to 0.676 and 0.655 to
@@ -614,6 +614,26 @@ def _relu_mask(g, m_ptrs, mask):
     return _relu_gate(g, tl.load(m_ptrs, mask=mask, other=0.0))
 
 
+@triton.jit
+def _pixel_operand(a, REG_A: tl.constexpr):
+    """The dot's A operand [BLOCK_M pixels, BLOCK_K] from a [BLOCK_K, BLOCK_M] NCHW tile
+    (the forward's x, the "transposed" data gradient's dY), contiguous along the pixels.
+
+    REG_A: the tile passes through an add of +0.0, so the wgmma takes it from registers:
+    Triton gives a wgmma an operand loaded straight from memory from shared memory, K-major
+    for TF32, which the pipelined configs fill 4 bytes at a time (LDGSTS.E) as the tile is
+    contiguous along the pixels, not k. In the SASS (bench/sass.py, triton 3.6) the
+    one-stage REG_A configs of the "transposed" kernel then also store dx 16 bytes at a
+    time instead of 4; the pipelined ones still copy the tile 4 bytes at a time. Which is
+    faster depends on the shape (bench/conv_configs.py's reg_a sweeps: on the H100 the 1x1
+    layers gained, the 3x3 ones lost). The add turns -0.0 into +0.0, which changes no sum
+    but one of zeros."""
+    a = tl.trans(a)
+    if REG_A:
+        a = a + 0.0
+    return a
+
+
 @triton.jit(do_not_specialize=["CHUNK_BLOCKS"])
 def _conv_fwd_kernel(x_ptr, w_ptr, b_ptr, y_ptr, m_ptr,
                      N, C, K, SH, SW, PH, PW, CHUNK_BLOCKS,
@@ -638,9 +658,8 @@ def _conv_fwd_kernel(x_ptr, w_ptr, b_ptr, y_ptr, m_ptr,
     each chunk's start a known multiple of 64 (the weight loads stay 16 bytes wide).
 
     The gathered x tile is [BLOCK_K, BLOCK_M] with the pixel axis fast; the weight tile is
-    [BLOCK_N, BLOCK_K], read along (c,r,s), its contiguous axis (16-byte loads). REG_A: the x
-    tile reaches the wgmma from registers (as the "transposed" data gradient's dY tile:
-    `_tap_chunk`). Addresses: one
+    [BLOCK_N, BLOCK_K], read along (c,r,s), its contiguous axis (16-byte loads); REG_A:
+    `_pixel_operand`. Addresses: one
     64-bit base per program (its first image), 32-bit offsets inside the tile. Spatial sizes
     are compile-time constants (divisions by them become multiplications).
     """
@@ -696,10 +715,7 @@ def _conv_fwd_kernel(x_ptr, w_ptr, b_ptr, y_ptr, m_ptr,
         a = tl.load(a_ptrs, mask=a_mask, other=0.0)                          # [BK, BM]
         bt = tl.load(w_ptr + (w_n[:, None] + offs_k[None, :]),
                      mask=n_ok[:, None] & k_ok[None, :], other=0.0)          # [BN, BK]
-        a = tl.trans(a)
-        if REG_A:
-            a = a + 0.0
-        acc = tl.dot(a, tl.trans(bt), acc, input_precision=PRECISION)
+        acc = tl.dot(_pixel_operand(a, REG_A), tl.trans(bt), acc, input_precision=PRECISION)
 
     if HAS_BIAS:
         acc += tl.load(b_ptr + offs_n, mask=n_ok, other=0.0)[None, :]
@@ -1009,27 +1025,15 @@ def _tap_rows(tu, dy_m, p_m, q_m, m_ok, wt_ptr, rho, sig, SH, SW, UC, CK,
 @triton.jit
 def _tap_chunk(acc, dy_base, a_m, row_ok, b_base, wt_n, n_ok, k0, K, PQ: tl.constexpr,
                PRECISION: tl.constexpr, BLOCK_K: tl.constexpr, REG_A: tl.constexpr):
-    """acc += dY[rows, k0:k0+BLOCK_K] @ wT[tap, cols, k0:k0+BLOCK_K]^T (k >= K masked).
-
-    REG_A: the dY tile passes through an add of +0.0 on its way to the dot, so the wgmma
-    takes it from registers: Triton gives a wgmma an operand loaded straight from memory
-    from shared memory, K-major for TF32, which the pipelined configs fill 4 bytes at a
-    time (LDGSTS.E) as the tile is contiguous along the pixels, not k. In the SASS
-    (bench/sass.py, triton 3.6) the one-stage REG_A configs then also store dx 16 bytes at
-    a time instead of 4; the pipelined ones still copy the tile 4 bytes at a time. Which is
-    faster depends on the shape (bench/conv_configs.py's reg_a sweeps: on the H100 the 1x1
-    layers gained, the 3x3 ones lost). The add turns -0.0 into +0.0, which changes no sum
-    but one of zeros."""
+    """acc += dY[rows, k0:k0+BLOCK_K] @ wT[tap, cols, k0:k0+BLOCK_K]^T (k >= K masked);
+    REG_A: `_pixel_operand`."""
     offs_k = k0 + tl.arange(0, BLOCK_K)
     k_ok = offs_k < K
     a = tl.load(dy_base + (a_m[None, :] + (offs_k * PQ)[:, None]),
                 mask=k_ok[:, None] & row_ok[None, :], other=0.0)            # [BK, BM]
     b = tl.load(b_base + (wt_n[None, :] + offs_k[:, None]),
                 mask=k_ok[:, None] & n_ok[None, :], other=0.0)              # [BK, BN]
-    a = tl.trans(a)
-    if REG_A:
-        a = a + 0.0
-    return tl.dot(a, b, acc, input_precision=PRECISION)
+    return tl.dot(_pixel_operand(a, REG_A), b, acc, input_precision=PRECISION)
 
 
 @triton.jit

@@ -175,7 +175,7 @@ def test_a_joint_pick_takes_only_what_every_file_timed():
         ["BLOCK_M: 64, num_stages: 1"], [{"ms": [2.0]}, {"ms": [2.0]}])
 
 
-def test_the_h100_sweep_with_dy_and_x_from_registers_picks_the_lists_conv_py_holds(capsys):
+def test_the_h100_sweep_with_dy_and_x_from_registers_picks_the_lists_conv_py_holds():
     """The forward and "transposed" lists are the greedy pick of the H100's sweep of the lists
     before them beside the same configs with REG_A (conv.py says so)."""
     sweep = conv_configs.sweep_file("bench/results/conv-configs-reg-a-NVIDIA-H100-80GB-HBM3.json")

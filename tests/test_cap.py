@@ -34,14 +34,12 @@ def batch_for(net, seed=1):
 # -- rankings: explicit arguments of the plan -----------------------------------------------
 def reversed_rankings(net):
     """Every conv phase's default order, reversed: workspace algorithms first."""
-    return {(*g, ph): workspace.ranking(g, ph)[::-1]
-            for g in workspace.net_geometries(net) for ph in workspace.PHASES}
+    return {key: workspace.ranking(key[:4], key[4])[::-1] for key in workspace.net_keys(net)}
 
 
 def test_default_rankings_are_the_fixed_order_and_a_plan_is_a_function_of_its_arguments():
     net = small_resnet()
-    default = {(*g, ph): workspace.ranking(g, ph)
-               for g in workspace.net_geometries(net) for ph in workspace.PHASES}
+    default = {key: workspace.ranking(key[:4], key[4]) for key in workspace.net_keys(net)}
     for key, order in default.items():
         sizes = conv.algos(*key[:4], key[4])
         assert [sizes[a] for a in order] == sorted(sizes.values()), key
@@ -123,7 +121,7 @@ def test_measure_rankings_times_inside_the_scratch_and_keeps_them(tmp_path, monk
 
 def test_timing_geometry_halves_the_batch_until_it_fits():
     net = small_resnet(batch=64)
-    g = workspace.net_geometries(net)[0]             # the stem: 3 -> 64 channels at 64x64
+    g = workspace.net_keys(net)[0][:4]               # the stem: 3 -> 64 channels at 64x64
     assert workspace.timing_geometry(g, 1 << 40) == g               # roomy: the full batch
     small = workspace.timing_geometry(g, 8 << 20)
     assert small[1:] == g[1:] and 1 <= small[0][0] < g[0][0]
@@ -436,8 +434,7 @@ def test_bench_ms_allocates_nothing_and_rankings_come_back_from_disk(tmp_path, m
     assert workspace.cached_rankings(net, "cuda") is None
     pool = Arena("2GiB", "cuda")
     measured = workspace.measure_rankings(net, pool.buffer, progress=False)
-    assert set(measured) == {(*g, ph) for g in workspace.net_geometries(net)
-                             for ph in workspace.PHASES}
+    assert set(measured) == set(workspace.net_keys(net))
     assert workspace.cached_rankings(net, "cuda") == measured
 
 

@@ -143,9 +143,8 @@ def test_measured_conv_times_replace_the_formula_where_they_cover_the_plans_choi
     net = sn.models.resnet(blocks=[1, 1, 1, 1], **NET)
     plan = sn.plan(net, "1GiB", "liveness")
     times = {}
-    for g in workspace.net_geometries(net):
-        for phase in workspace.PHASES:
-            times[(*g, phase)] = {a: 1e-9 for a in workspace.conv_k.algos(*g, phase)}
+    for key in workspace.net_keys(net):
+        times[key] = {a: 1e-9 for a in workspace.conv_k.algos(*key[:4], key[4])}
     measured = timing.DeviceModel.h200(conv_times=times)
     launches = [(s, op) for s in plan.steps for op in s.ops if isinstance(op, timing.Launch)]
     convs = [(s, op) for s, op in launches if op.algos]

@@ -40,12 +40,6 @@ def conv_geometry(layer):
     return x_shape, w_shape, tuple(layer.attrs["stride"]), tuple(layer.attrs["padding"])
 
 
-def net_geometries(net) -> list:
-    """The distinct conv geometries of `net`, in layer order."""
-    return list(dict.fromkeys(conv_geometry(layer) for layer in net.layers
-                              if spec(layer).has_algorithms))
-
-
 def ranked_phase(layer, phase: str) -> str:
     """The phase the rankings key `layer`'s `phase` under: BIAS_PHASE for the weight
     gradient of a conv with a bias (timed summing the bias gradient, as its step does),
